@@ -1,0 +1,149 @@
+"""The exporter seam: turns a flat module (tensors in, tensors out) into an ``onnx.ModelProto``.
+
+:class:`Exporter` is the whole interface the core relies on. :class:`TorchScriptExporter` is the default; another
+exporter (the dynamo one, say) only has to implement ``export`` with the same contract: graph inputs named
+``input_names`` followed by the module's parameters and buffers under their ``state_dict`` names, graph outputs
+named ``output_names``, every input dimension dynamic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import warnings
+from typing import Protocol
+
+import onnx
+import torch
+
+from .errors import UnsupportedModelError
+from .options import LogLevel
+
+logger = logging.getLogger("ortcore")
+
+
+class Exporter(Protocol):
+    name: str
+
+    def export(
+        self,
+        module: torch.nn.Module,
+        args: tuple[torch.Tensor, ...],
+        *,
+        input_names: list[str],
+        output_names: list[str],
+        dynamic_axes: dict[str, dict[int, str]],
+        training: bool,
+        opset: int,
+        log_level: LogLevel,
+    ) -> onnx.ModelProto: ...
+
+
+def _layer_norm(g, input, normalized_shape, weight, bias, eps, cudnn_enable):
+    # ORT's gradient builder needs LayerNormalization with all three outputs (mean and inverse std are saved).
+    from torch.onnx import symbolic_helper as sh
+
+    shape = sh._get_const(normalized_shape, "is", "normalized_shape")
+    if sh._is_none(weight):
+        weight = g.op("Constant", value_t=torch.ones(shape))
+    if sh._is_none(bias):
+        bias = g.op("Constant", value_t=torch.zeros(shape))
+    out, _mean, _inv_std = g.op(
+        "LayerNormalization",
+        input,
+        weight,
+        bias,
+        epsilon_f=sh._get_const(eps, "f", "eps"),
+        axis_i=-len(shape),
+        outputs=3,
+    )
+    return out
+
+
+def _diff(g, input, n, dim, prepend, append):
+    # Hugging Face's mask code calls torch.diff, which the TorchScript exporter lacks.
+    from torch.onnx import symbolic_helper as sh
+
+    n = sh._get_const(n, "i", "n")
+    dim = sh._get_const(dim, "i", "dim")
+    parts = [p for p in (prepend, input, append) if not sh._is_none(p)]
+    x = g.op("Concat", *parts, axis_i=dim) if len(parts) > 1 else input
+
+    def const(v):
+        return g.op("Constant", value_t=torch.tensor([v], dtype=torch.int64))
+
+    for _ in range(n):
+        head = g.op("Slice", x, const(1), const(2**62), const(dim))
+        tail = g.op("Slice", x, const(0), const(-1), const(dim))
+        x = g.op("Sub", head, tail)
+    return x
+
+
+_SYMBOLICS = {"::layer_norm": _layer_norm, "::diff": _diff}
+_registered_opsets: set[int] = set()
+
+
+def _register_symbolics(opset: int) -> None:
+    if opset in _registered_opsets:
+        return
+    for name, fn in _SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(name, fn, opset)
+    _registered_opsets.add(opset)
+
+
+_UNSUPPORTED_OP = re.compile(r"operator '?([\w:.]+)'?")
+
+
+class TorchScriptExporter:
+    """The TorchScript exporter (``dynamo=False``) with the symbolics ORT's training engine needs."""
+
+    name = "torchscript"
+
+    def export(
+        self,
+        module: torch.nn.Module,
+        args: tuple[torch.Tensor, ...],
+        *,
+        input_names: list[str],
+        output_names: list[str],
+        dynamic_axes: dict[str, dict[int, str]],
+        training: bool,
+        opset: int,
+        log_level: LogLevel,
+    ) -> onnx.ModelProto:
+        _register_symbolics(opset)
+        buffer = io.BytesIO()
+        noisy = log_level <= LogLevel.DEVINFO
+        # At WARNING and INFO the exporter's warnings and prints are kept out; DEVINFO/VERBOSE show them.
+        quiet = contextlib.ExitStack()
+        if not noisy:
+            quiet.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
+            quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        try:
+            with quiet:
+                torch.onnx.export(
+                    module,
+                    args,
+                    buffer,
+                    dynamo=False,
+                    opset_version=opset,
+                    do_constant_folding=False,
+                    training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
+                    export_params=False,
+                    keep_initializers_as_inputs=True,
+                    input_names=input_names,
+                    output_names=output_names,
+                    dynamic_axes=dynamic_axes,
+                    verbose=log_level == LogLevel.VERBOSE,
+                )
+        except Exception as e:  # the exporter raises many types; all mean "this model did not export"
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            match = _UNSUPPORTED_OP.search(str(e))
+            what = f"op {match.group(1)}" if match else "the model"
+            raise UnsupportedModelError(
+                f"the TorchScript exporter could not export {what} of {type(module).__name__}: {text}"
+            ) from e
+        return onnx.load_model_from_string(buffer.getvalue())

@@ -1,0 +1,205 @@
+"""Export of one input schema and the core's post-export processing.
+
+:func:`export_graph` runs the exporter on a flat view of the model (tensors in, tensors out), names the graph
+inputs after the user's arguments and the model's ``state_dict``, and returns an :class:`ExportedGraph` that knows
+how to feed the graph and restore its outputs. The model's state (buffers, RNG) is left as it was: tracing runs
+the forward once, and that run must not count as a training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Iterator
+
+import attrs
+import onnx
+import torch
+
+from .errors import UnsupportedDataError, UnsupportedModelError
+from .exporter import Exporter
+from .options import LogLevel
+from .schema import InputSchema, OutputSchema, flatten_outputs
+
+logger = logging.getLogger("ortcore")
+
+BN_INPUT_PREFIX = "ortcore.batch_norm_input::"
+
+
+class _FlatModule(torch.nn.Module):
+    """The model seen as ``tensors -> tensors``, which is what exporters trace."""
+
+    def __init__(self, module: torch.nn.Module, schema: InputSchema):
+        super().__init__()
+        self.module = module
+        self.schema = schema
+        self.output_schema: OutputSchema | None = None
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = self.schema.rebuild(tensors)
+        self.output_schema, flat = flatten_outputs(self.module(*args, **kwargs))
+        if not flat:
+            raise UnsupportedDataError(f"{type(self.module).__name__}.forward returned no tensor; nothing to train")
+        return tuple(flat)
+
+
+@attrs.define(eq=False)
+class BatchNormStats:
+    """A batch-norm module whose running statistics ortcore updates from the input ORT computed."""
+
+    module: torch.nn.modules.batchnorm._BatchNorm
+    output_name: str
+
+
+@attrs.define(eq=False)
+class ExportedGraph:
+    """An exported, post-processed forward graph and what is needed to feed it and read it."""
+
+    model: onnx.ModelProto
+    input_names: list[str]  # graph inputs in order
+    argument_names: tuple[str, ...]  # the schema's name of each tensor argument
+    user_input_names: list[str]  # the graph input name of each tensor argument
+    output_schema: OutputSchema
+    training: bool
+    batch_norms: list[BatchNormStats]
+    export_seconds: float = 0.0
+
+    @property
+    def n_user_outputs(self) -> int:
+        return len(self.output_schema.names)
+
+
+@contextlib.contextmanager
+def _preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Restore buffers and RNG state after the exporter's tracing run."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _rename_inputs(model: onnx.ModelProto, renames: dict[str, str]) -> None:
+    graph = model.graph
+    for value in graph.input:
+        if value.name in renames:
+            value.name = renames[value.name]
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+    for value in graph.output:
+        if value.name in renames:
+            value.name = renames[value.name]
+
+
+def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> list[BatchNormStats]:
+    """Expose the input of each training-mode BatchNormalization, from which torch's running statistics follow.
+
+    ONNX's running variance is biased and its momentum semantics differ from torch's, so ortcore updates the
+    buffers itself, exactly as ``torch.nn.functional.batch_norm`` does.
+    """
+    modules = dict(module.named_modules())
+    found = []
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or len(node.input) < 4:
+            continue
+        training_mode = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+        owner = modules.get(node.input[3].rpartition(".")[0])
+        if not training_mode or not isinstance(owner, torch.nn.modules.batchnorm._BatchNorm):
+            continue
+        name = BN_INPUT_PREFIX + node.input[3].rpartition(".")[0]
+        model.graph.node.append(onnx.helper.make_node("Identity", [node.input[0]], [name], name=name))
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+        found.append(BatchNormStats(owner, name))
+    return found
+
+
+def update_batch_norm(stats: BatchNormStats, x: torch.Tensor) -> None:
+    """Update running statistics and the batch counter the way PyTorch's batch_norm does in training."""
+    bn = stats.module
+    with torch.no_grad():
+        dims = [0, *range(2, x.dim())]
+        mean = x.mean(dims)
+        var = x.var(dims, unbiased=True)
+        if bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+        factor = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+        bn.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+        bn.running_var.mul_(1 - factor).add_(var, alpha=factor)
+
+
+def export_graph(
+    module: torch.nn.Module,
+    schema: InputSchema,
+    tensors: list[torch.Tensor],
+    *,
+    exporter: Exporter,
+    opset: int,
+    log_level: LogLevel,
+    deepcopy: bool,
+    graph_passes: list[Callable[[onnx.ModelProto], None]] = (),
+) -> ExportedGraph:
+    """Export ``module`` for the call described by ``schema`` and apply the core's post-export processing."""
+    import time
+
+    start = time.perf_counter()
+    training = module.training
+    state_names = set(module.state_dict(keep_vars=True))
+    user_names = [n if n not in state_names else f"input.{n}" for n in schema.names]
+    with _preserved_state(module):
+        target = copy.deepcopy(module) if deepcopy else module
+        flat = _FlatModule(target, schema)
+        flat.train(training)
+        example = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
+        try:
+            model = exporter.export(
+                flat,
+                example,
+                input_names=user_names,
+                output_names=[],
+                dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(user_names, tensors)},
+                training=training,
+                opset=opset,
+                log_level=log_level,
+            )
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(str(e).replace("_FlatModule", type(module).__name__)) from e.__cause__
+    output_schema = flat.output_schema
+    # Outputs get the user's names; parameters and buffers lose the wrapper's "module." prefix.
+    renames = {f"module.{n}": n for n in state_names}
+    graph_inputs = {i.name for i in model.graph.input}
+    renames.update(
+        {o.name: name for o, name in zip(model.graph.output, output_schema.names) if o.name not in graph_inputs}
+    )
+    _rename_inputs(model, renames)
+    for node in model.graph.node:
+        for i, name in enumerate(node.output):
+            if name in renames:
+                node.output[i] = renames[name]
+    batch_norms = _add_batch_norm_outputs(model, module) if training else []
+    for graph_pass in graph_passes:
+        graph_pass(model)
+    graph = ExportedGraph(
+        model=model,
+        input_names=[i.name for i in model.graph.input],
+        argument_names=schema.names,
+        user_input_names=user_names,
+        output_schema=output_schema,
+        training=training,
+        batch_norms=batch_norms,
+        export_seconds=time.perf_counter() - start,
+    )
+    unknown = [n for n in graph.input_names if n not in state_names and n not in user_names]
+    if unknown:
+        raise UnsupportedModelError(f"exported graph has inputs that are neither arguments nor state: {unknown}")
+    return graph

@@ -1,0 +1,338 @@
+"""``ORTModule``: a drop-in ``nn.Module`` whose forward and backward run in ONNX Runtime's training engine."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import tempfile
+import warnings
+from typing import Any
+
+import onnx
+import torch
+
+from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
+from .exporter import Exporter, TorchScriptExporter
+from .graph import ExportedGraph, export_graph, update_batch_norm
+from .options import DebugOptions, FallbackPolicy, RuntimeOptions
+from .schema import InputSchema, flatten_inputs
+from .session import BuildRequest, TrainingSession
+from .state import ExportStateMachine, GraphKey
+
+logger = logging.getLogger("ortcore")
+
+_FALLBACK_FLAG = {
+    UnsupportedDataError: FallbackPolicy.FALLBACK_UNSUPPORTED_DATA,
+    UnsupportedModelError: FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL,
+    GraphBuildError: FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL,
+    UnsupportedDeviceError: FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE,
+}
+
+
+class _RankZeroFilter(logging.Filter):
+    """At WARNING and above only rank 0 logs, as the seeds describe; DEVINFO and below log on every rank."""
+
+    def __init__(self, all_ranks: bool):
+        super().__init__()
+        self.all_ranks = all_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.all_ranks or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return True
+        return torch.distributed.get_rank() == 0
+
+
+def _configure_logging(options: RuntimeOptions) -> None:
+    logger.setLevel(options.log_level.python_level)
+    if not any(getattr(h, "_ortcore", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._ortcore = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    for h in logger.handlers:
+        h.filters = [f for f in h.filters if not isinstance(f, _RankZeroFilter)]
+        h.addFilter(_RankZeroFilter(all_ranks=options.log_level <= 1))
+
+
+def _save_model(model: onnx.ModelProto, options: RuntimeOptions, suffix: str) -> None:
+    """Write ``<prefix>_<suffix>.onnx`` atomically into the save directory."""
+    path = os.path.join(options.save_dir, f"{options.onnx_prefix}_{suffix}.onnx")
+    fd, tmp = tempfile.mkstemp(dir=options.save_dir, suffix=".onnx.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    logger.info("ortcore: saved %s", path)
+
+
+class _Runtime:
+    """Per-ORTModule state that is rebuilt, not pickled: options, state machine, exporter, fallback state."""
+
+    def __init__(self, module: torch.nn.Module, options: RuntimeOptions, exporter: Exporter):
+        self.options = options
+        self.exporter = exporter
+        self.state = ExportStateMachine(options.max_cached_graphs)
+        self.fallback_reason: str | None = None
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            self.signature = None
+
+
+class _ORTFunction(torch.autograd.Function):
+    """Runs one training step's forward in ORT and, when autograd asks, the matching backward."""
+
+    @staticmethod
+    def forward(ctx, session: TrainingSession, *feeds: torch.Tensor):
+        outputs, state = session.run_forward(feeds)
+        ctx.session = session
+        ctx.state = state
+        ctx.meta = [(o.shape, o.dtype) for o in outputs]
+        ctx.set_materialize_grads(False)
+        for i in session.non_differentiable:
+            ctx.mark_non_differentiable(outputs[i])
+        # ORT keeps these for backward itself; saving them lets torch detect in-place changes by the user.
+        ctx.save_for_backward(*(outputs[i] for i in session.save_for_backward))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor | None):
+        _ = ctx.saved_tensors
+        session: TrainingSession = ctx.session
+        try:
+            grads = session.run_backward(grad_outputs, ctx.meta, ctx.state)
+        finally:
+            del ctx.state  # free ORT's saved activations now, not when the graph is collected
+        return (None, *(grads[j] if j is not None else None for j in session.grad_index))
+
+
+class ORTModule(torch.nn.Module):
+    """Wrap a ``torch.nn.Module`` so that its forward and backward run in ONNX Runtime.
+
+    The wrapper behaves as the model does: same parameters and ``state_dict`` keys, same forward signature,
+    attribute access falls through to the model, and any torch optimizer works on ``parameters()``.
+
+    Example::
+
+        model = ORTModule(MyModel())
+        loss = model(x).sum()
+        loss.backward()
+
+    Args:
+        module: the model to wrap (not a ``torch.nn.DataParallel``).
+        debug_options: logging and ONNX saving; ``ORTMODULE_LOG_LEVEL`` and ``ORTMODULE_SAVE_ONNX_PATH`` override.
+        fallback_policy: a :class:`FallbackPolicy` or its names joined by ``|``; ``ORTMODULE_FALLBACK_POLICY`` wins.
+        opset: ONNX opset (default 17); ``ORTMODULE_ONNX_OPSET_VERSION`` wins.
+        exporter: the exporter to use (default: the TorchScript exporter).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        debug_options: DebugOptions | None = None,
+        *,
+        fallback_policy: FallbackPolicy | str | None = None,
+        opset: int | None = None,
+        exporter: Exporter | None = None,
+    ):
+        if isinstance(module, torch.nn.DataParallel):
+            raise UnsupportedModelError(
+                "ORTModule cannot wrap torch.nn.DataParallel; wrap the model itself with ORTModule and use "
+                "torch.nn.parallel.DistributedDataParallel around it"
+            )
+        if isinstance(module, ORTModule):
+            raise UnsupportedModelError("the module is already an ORTModule")
+        if not isinstance(module, torch.nn.Module):
+            raise UnsupportedModelError(f"ORTModule wraps a torch.nn.Module, not {type(module).__name__}")
+        if debug_options is not None and not isinstance(debug_options, DebugOptions):
+            raise TypeError(f"debug_options must be a DebugOptions, not {type(debug_options).__name__}")
+        super().__init__()
+        self._original_module = module
+        options = RuntimeOptions.resolve(debug_options, fallback_policy=fallback_policy, opset=opset)
+        if options.save_onnx and not os.access(options.save_dir, os.W_OK):
+            raise OSError(f"cannot save ONNX models: directory {options.save_dir!r} is not writable")
+        self._init_runtime(options, exporter or TorchScriptExporter())
+
+    def _init_runtime(self, options: RuntimeOptions, exporter: Exporter) -> None:
+        _configure_logging(options)
+        self._ortcore = _Runtime(self._original_module, options, exporter)
+
+        @functools.wraps(self._original_module.forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._run(args, kwargs)
+
+        # An instance attribute, so inspect.signature(model.forward) is the wrapped model's (HF Trainer reads it).
+        self.forward = forward
+
+    # -- public state ------------------------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped model."""
+        return self._original_module
+
+    @property
+    def state_machine(self) -> ExportStateMachine:
+        """The export state machine; ``state_machine.counters`` counts exports, builds, reuses and fallbacks."""
+        return self._ortcore.state
+
+    @property
+    def runtime_options(self) -> RuntimeOptions:
+        return self._ortcore.options
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the model now runs in PyTorch, or None while it runs in ORT."""
+        return self._ortcore.fallback_reason
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        rt = self._ortcore
+        if rt.fallback_reason is not None and not rt.options.fallback_retry:
+            return self._original_module(*args, **kwargs)
+        try:
+            schema, tensors = flatten_inputs(rt.signature, args, kwargs)
+            key = self._graph_key(schema, tensors)
+            graph, session = rt.state.resolve(
+                key,
+                export=lambda: self._export(schema, tensors),
+                build=lambda g: self._build(g, key),
+            )
+        except tuple(_FALLBACK_FLAG) as e:
+            return self._fall_back(e, args, kwargs)
+        rt.fallback_reason = None
+        return self._execute(graph, session, tensors)
+
+    def _execute(self, graph: ExportedGraph, session: TrainingSession, tensors: list[torch.Tensor]) -> Any:
+        state = dict(self._original_module.named_parameters())
+        state.update(self._original_module.named_buffers())
+        by_name = dict(zip(graph.user_input_names, tensors))
+        by_name.update(state)
+        feeds = [by_name[name] for name in session.feed_names]
+        if session.request.build_gradient:
+            outputs = _ORTFunction.apply(session, *feeds)
+        else:
+            outputs = session.run_inference(feeds)
+        n = graph.n_user_outputs
+        for stats, x in zip(graph.batch_norms, outputs[n:]):
+            update_batch_norm(stats, x)
+        return graph.output_schema.restore(outputs[:n])
+
+    def _device(self, tensors: list[torch.Tensor]) -> torch.device:
+        devices = {p.device for p in self._original_module.parameters()} | {t.device for t in tensors}
+        if len(devices) > 1:
+            raise UnsupportedDeviceError(
+                f"inputs and parameters are on several devices {sorted(map(str, devices))}; ORTModule runs on one"
+            )
+        device = devices.pop() if devices else torch.device("cpu")
+        if device.type not in ("cpu", "cuda"):
+            raise UnsupportedDeviceError(f"device {device} is not supported; allowed: cpu, cuda")
+        return device
+
+    def _graph_key(self, schema: InputSchema, tensors: list[torch.Tensor]) -> GraphKey:
+        rt = self._ortcore
+        structure, leaves = schema.key
+        trainable = tuple(n for n, p in self._original_module.named_parameters() if p.requires_grad)
+        inputs_rg = tuple(n for n, t in zip(schema.names, tensors) if t.requires_grad)
+        return GraphKey(
+            structure=structure,
+            constants=tuple(leaf for leaf in leaves if len(leaf) == 2),
+            inputs=tuple((n, *leaf) for n, leaf in zip(schema.names, (x for x in leaves if len(x) == 3))),
+            training=self._original_module.training,
+            opset=rt.options.opset,
+            exporter=rt.exporter.name,
+            grad_enabled=torch.is_grad_enabled() and bool(trainable or inputs_rg),
+            trainable=trainable,
+            input_requires_grad=inputs_rg,
+            device=str(self._device(tensors)),
+        )
+
+    def _export(self, schema: InputSchema, tensors: list[torch.Tensor]) -> ExportedGraph:
+        opts = self._ortcore.options
+        graph = export_graph(
+            self._original_module,
+            schema,
+            tensors,
+            exporter=self._ortcore.exporter,
+            opset=opts.opset,
+            log_level=opts.log_level,
+            deepcopy=opts.deepcopy_before_export,
+        )
+        if opts.save_onnx:
+            _save_model(graph.model, opts, f"pre_grad_{'training' if graph.training else 'eval'}")
+        return graph
+
+    def _build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
+        opts = self._ortcore.options
+        graph_names = dict(zip(graph.argument_names, graph.user_input_names))
+        inputs_rg = {graph_names[n] for n in key.input_requires_grad}
+        trainable = set(key.trainable)
+        train_names = [n for n in graph.input_names if n in inputs_rg or n in trainable]
+        session = TrainingSession(
+            BuildRequest(
+                model=graph.model,
+                input_names=graph.input_names,
+                user_input_names=graph.user_input_names,
+                train_names=train_names,
+                build_gradient=key.grad_enabled,
+                device=torch.device(key.device),
+                log_level=opts.log_level,
+            )
+        )
+        if opts.save_onnx:
+            _save_model(session.model, opts, session.kind)
+        return session
+
+    def _fall_back(self, error: Exception, args: tuple, kwargs: dict) -> Any:
+        rt = self._ortcore
+        policy = rt.options.fallback_policy
+        flag = next(f for t, f in _FALLBACK_FLAG.items() if isinstance(error, t))
+        forced = FallbackPolicy.FALLBACK_FORCE_TORCH_FORWARD in policy
+        if FallbackPolicy.FALLBACK_DISABLE in policy or not (forced or flag in policy):
+            raise error
+        if rt.fallback_reason is None:
+            rt.state.counters.fallbacks += 1
+            rt.fallback_reason = f"{type(error).__name__}: {error}"
+            message = f"ortcore: running {type(self._original_module).__name__} in PyTorch ({flag.name}): {error}"
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return self._original_module(*args, **kwargs)
+
+    # -- nn.Module behaviour -----------------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "_original_module" in modules:
+                return getattr(modules["_original_module"], name)
+            raise
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any):
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        rt = state.pop("_ortcore")
+        state.pop("forward", None)
+        state["_ortcore_config"] = (rt.options, rt.exporter)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        options, exporter = state.pop("_ortcore_config")
+        self.__dict__.update(state)
+        self._init_runtime(options, exporter)

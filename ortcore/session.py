@@ -1,0 +1,180 @@
+"""ONNX Runtime side: build the gradient (or inference) graph, create the session, run forward and backward.
+
+Tensors cross into ORT and back by DLPack, never copied: parameters are fed by reference each step, so in-place
+optimizer updates are seen without re-export, and ORT's outputs become torch tensors that share ORT's buffers
+(the DLPack capsule keeps the underlying OrtValue alive).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import attrs
+import onnx
+import onnxruntime
+import torch
+import torch.utils.dlpack
+from onnxruntime.capi import _pybind_state as C
+
+from .errors import GraphBuildError
+from .options import LogLevel
+
+logger = logging.getLogger("ortcore")
+
+_SEVERITY = {0: C.Severity.VERBOSE, 1: C.Severity.INFO, 2: C.Severity.WARNING, 3: C.Severity.ERROR, 4: C.Severity.FATAL}
+
+
+def _ort_device(device: torch.device) -> C.OrtDevice:
+    if device.type == "cuda":
+        return C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
+    return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+
+
+def _providers(device: torch.device) -> list:
+    if device.type == "cuda":
+        return [("CUDAExecutionProvider", {"device_id": str(device.index or 0)}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def session_options(log_level: LogLevel) -> onnxruntime.SessionOptions:
+    """The settings measured best for training on CPU (ENGINE-NOTES): no memory patterns, no prepacking, no spin."""
+    so = onnxruntime.SessionOptions()
+    so.enable_mem_pattern = False
+    so.enable_mem_reuse = False
+    so.log_severity_level = log_level.ort_severity
+    # Sequential execution: kernels that call back into Python hold the GIL.
+    so.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    so.use_deterministic_compute = torch.are_deterministic_algorithms_enabled()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    # A spinning idle ORT worker steals the core the torch optimizer step needs.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+def to_ort(vector: C.OrtValueVector, tensor: torch.Tensor) -> None:
+    """Append a tensor to an OrtValueVector without copying (bool travels as uint8 with a flag)."""
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.dtype == torch.bool:
+        vector.push_back(torch.utils.dlpack.to_dlpack(tensor.to(torch.uint8)), True)
+    else:
+        vector.push_back(torch.utils.dlpack.to_dlpack(tensor), False)
+
+
+def from_ort(vector: C.OrtValueVector) -> list[torch.Tensor]:
+    tensors = vector.to_dlpacks(torch._C._from_dlpack)
+    for i in vector.bool_tensor_indices():
+        tensors[i] = tensors[i].to(torch.bool)
+    return tensors
+
+
+@attrs.define
+class BuildRequest:
+    """What the gradient builder needs beyond the model: which inputs exist and which need gradients."""
+
+    model: onnx.ModelProto
+    input_names: list[str]  # every graph input: user inputs, parameters, buffers
+    user_input_names: list[str]
+    train_names: list[str]  # parameters and user inputs that need a gradient
+    build_gradient: bool
+    device: torch.device
+    log_level: LogLevel
+    transformer_config: object = None  # a C.TrainingGraphTransformerConfiguration, filled by plugins
+
+
+class TrainingSession:
+    """One built graph and its ORT session: a training graph (forward + backward) or an inference graph."""
+
+    def __init__(self, request: BuildRequest):
+        self.request = request
+        self.device = request.device
+        try:
+            self._build(request)
+        except GraphBuildError:
+            raise
+        except Exception as e:  # pybind raises RuntimeError/Fail/InvalidGraph...: all mean "ORT cannot build this"
+            raise GraphBuildError(f"ONNX Runtime could not build the {self.kind} graph: {e}") from e
+
+    @property
+    def kind(self) -> str:
+        return "training" if self.request.build_gradient else "inference"
+
+    def _build(self, r: BuildRequest) -> None:
+        cfg = C.OrtModuleGraphBuilderConfiguration()
+        cfg.initializer_names = list(r.input_names)
+        cfg.initializer_names_to_train = list(r.train_names)
+        cfg.input_names_require_grad = [n for n in r.user_input_names if n in set(r.train_names)]
+        cfg.build_gradient_graph = r.build_gradient
+        cfg.enable_caching = False
+        cfg.use_memory_efficient_gradient = False
+        cfg.loglevel = _SEVERITY[r.log_level.ort_severity]
+        builder = C.OrtModuleGraphBuilder()
+        builder.initialize(r.model.SerializeToString(), cfg)
+        builder.build(r.transformer_config or C.TrainingGraphTransformerConfiguration())
+        self.graph_info = builder.get_graph_info()
+        model_bytes = builder.get_gradient_model() if r.build_gradient else builder.get_forward_model()
+        self.model = onnx.load_model_from_string(model_bytes)
+        self.feed_names = [i.name for i in self.model.graph.input]
+        self.fetch_names = [o.name for o in self.model.graph.output]
+        self._sess = onnxruntime.InferenceSession(
+            model_bytes, session_options(r.log_level), providers=_providers(r.device)
+        )
+        device = _ort_device(r.device)
+        self.user_output_names = list(self.graph_info.user_output_names)
+        self.non_differentiable = set(self.graph_info.output_grad_indices_non_differentiable)
+        self.full_shape_grad = set(self.graph_info.output_grad_indices_require_full_shape)
+        self.save_for_backward = [
+            i for i in self.graph_info.module_output_indices_requires_save_for_backward if i < len(self.user_output_names)
+        ]
+        if r.build_gradient:
+            n_fw = len(self.user_output_names) + len(self.graph_info.frontier_node_arg_map)
+            self._agent = C.TrainingAgent(
+                self._sess._sess, self.feed_names, [device] * n_fw, self.fetch_names, [device] * len(self.fetch_names), 0
+            )
+            # Gradient outputs are named "<input>_grad"; map each feed to its gradient's index (or None).
+            grad_index = {name: i for i, name in enumerate(self.fetch_names)}
+            self.grad_index = [grad_index.get(f"{name}_grad") for name in self.feed_names]
+        else:
+            self._agent = None
+            self._fetch_devices = [device] * len(self.fetch_names)
+            self._run_options = C.RunOptions()
+
+    # -- running -------------------------------------------------------------------------------------------
+    def run_inference(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        inputs = C.OrtValueVector()
+        inputs.reserve(len(feeds))
+        for t in feeds:
+            to_ort(inputs, t)
+        outputs = C.OrtValueVector()
+        self._sess._sess.run_with_ortvaluevector(
+            self._run_options, self.feed_names, inputs, self.fetch_names, outputs, self._fetch_devices
+        )
+        return from_ort(outputs)
+
+    def run_forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
+        inputs = C.OrtValueVector()
+        inputs.reserve(len(feeds))
+        for t in feeds:
+            to_ort(inputs, t)
+        outputs = C.OrtValueVector()
+        state = C.PartialGraphExecutionState()
+        self._agent.run_forward(inputs, outputs, state, None)
+        return from_ort(outputs), state
+
+    def run_backward(
+        self, grad_outputs: Sequence[torch.Tensor | None], outputs_meta: Sequence[tuple], state
+    ) -> list[torch.Tensor]:
+        inputs = C.OrtValueVector()
+        for i, grad in enumerate(grad_outputs):
+            if i in self.non_differentiable:
+                continue
+            if grad is None:
+                shape, dtype = outputs_meta[i]
+                shape = shape if i in self.full_shape_grad else ()
+                grad = torch.zeros(shape, dtype=dtype, device=self.device)
+            to_ort(inputs, grad)
+        outputs = C.OrtValueVector()
+        self._agent.run_backward(inputs, outputs, state)
+        return from_ort(outputs)

@@ -1,0 +1,163 @@
+"""The export state machine: the one component that decides whether a call reuses a graph, rebuilds the
+session, or re-exports the model, and that logs and counts why.
+
+A call is described by a :class:`GraphKey`. Its *export* fields (input structure, constants, dtypes, ranks,
+train/eval, opset, exporter) shape the ONNX graph; its *build* fields (grad mode, which parameters and inputs need
+gradients, device) shape only the gradient graph and the session. Batch size and sequence length are not in the
+key: every input dimension is exported as dynamic. Graphs and sessions are cached by key, so switching between
+train and eval reuses what was built before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+logger = logging.getLogger("ortcore")
+
+EXPORT_FIELDS = ("structure", "constants", "inputs", "training", "opset", "exporter")
+BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
+
+
+@attrs.frozen
+class GraphKey:
+    """Everything that decides which graph and session serve a call."""
+
+    structure: str
+    constants: tuple
+    inputs: tuple  # (name, dtype, rank, device) per tensor input
+    training: bool
+    opset: int
+    exporter: str
+    grad_enabled: bool
+    trainable: tuple  # names of parameters that require grad
+    input_requires_grad: tuple  # names of tensor inputs that require grad
+    device: str
+
+    @property
+    def export_key(self) -> tuple:
+        return tuple(getattr(self, f) for f in EXPORT_FIELDS)
+
+    @property
+    def build_key(self) -> tuple:
+        return (self.export_key, *(getattr(self, f) for f in BUILD_FIELDS))
+
+
+def describe_change(old: GraphKey | None, new: GraphKey) -> str:
+    """A one-line reason naming what changed between two keys."""
+    if old is None:
+        return "first call"
+    reasons = []
+    if old.structure != new.structure:
+        reasons.append("input structure changed (arguments, nesting or None-ness)")
+    if old.constants != new.constants:
+        changed = [f"{a[1]}->{b[1]}" for a, b in zip(old.constants, new.constants) if a != b]
+        reasons.append(f"non-tensor input value changed ({', '.join(changed) or 'count'})")
+    if old.inputs != new.inputs:
+        before = dict((n, (d, r, dev)) for n, d, r, dev in old.inputs)
+        for name, dtype, rank, dev in new.inputs:
+            if name not in before:
+                reasons.append(f"new tensor input {name!r}")
+            elif before[name] != (dtype, rank, dev):
+                b = before[name]
+                what = [
+                    f"{label} {x}->{y}"
+                    for label, x, y in (("dtype", b[0], dtype), ("rank", b[1], rank), ("device", b[2], dev))
+                    if x != y
+                ]
+                reasons.append(f"input {name!r} {', '.join(what)}")
+    if old.training != new.training:
+        reasons.append("train->eval" if old.training else "eval->train")
+    for field in ("opset", "exporter", "device"):
+        if getattr(old, field) != getattr(new, field):
+            reasons.append(f"{field} {getattr(old, field)}->{getattr(new, field)}")
+    if old.grad_enabled != new.grad_enabled:
+        reasons.append("grad mode " + ("enabled" if new.grad_enabled else "disabled (no_grad)"))
+    for field, what in (("trainable", "parameter"), ("input_requires_grad", "input")):
+        a, b = set(getattr(old, field)), set(getattr(new, field))
+        if a != b:
+            flips = [f"{n} on" for n in sorted(b - a)] + [f"{n} off" for n in sorted(a - b)]
+            reasons.append(f"requires_grad of {what} {', '.join(flips)}")
+    return "; ".join(reasons) or "no change"
+
+
+@attrs.define
+class Counters:
+    """How often each transition happened; tests assert on these."""
+
+    exports: int = 0
+    builds: int = 0
+    reuses: int = 0
+    fallbacks: int = 0
+
+
+@attrs.frozen
+class Transition:
+    action: str  # "export", "build" or "reuse"
+    reason: str
+
+
+class ExportStateMachine:
+    """Decides, per call, between reuse, rebuild and re-export; caches graphs and sessions by key."""
+
+    def __init__(self, max_cached: int = 8):
+        self.max_cached = max_cached
+        self.counters = Counters()
+        self.history: list[Transition] = []
+        self._graphs: OrderedDict[tuple, Any] = OrderedDict()
+        self._sessions: OrderedDict[tuple, Any] = OrderedDict()
+        self._last: GraphKey | None = None
+
+    @property
+    def last_key(self) -> GraphKey | None:
+        return self._last
+
+    def resolve(self, key: GraphKey, export: Callable[[], Any], build: Callable[[Any], Any]) -> tuple[Any, Any]:
+        """Return ``(graph, session)`` for ``key``, exporting and building only when the key demands it."""
+        cached = self._sessions.get(key.build_key)
+        if cached is not None and key == self._last:
+            self.counters.reuses += 1
+            return cached
+        reason = describe_change(self._last, key)
+        graph, session = cached or (self._graphs.get(key.export_key), None)
+        if graph is None:
+            self._record("export", reason)
+            graph = export()
+            self.counters.exports += 1
+            self._put(self._graphs, key.export_key, graph)
+        if session is None:
+            if self.history and self.history[-1].reason == reason and self.history[-1].action == "export":
+                self._record("build", "after export")
+            else:
+                self._record("build", reason)
+            session = build(graph)
+            self.counters.builds += 1
+            self._put(self._sessions, key.build_key, (graph, session))
+        else:
+            self._record("reuse", f"cached graph for: {reason}")
+            self.counters.reuses += 1
+        if key.export_key in self._graphs:
+            self._graphs.move_to_end(key.export_key)
+        self._sessions.move_to_end(key.build_key)
+        self._last = key
+        return graph, session
+
+    def reset(self, reason: str) -> None:
+        """Forget every graph and session (the model's structure changed, say)."""
+        self._graphs.clear()
+        self._sessions.clear()
+        self._last = None
+        self._record("reset", reason)
+
+    def _record(self, action: str, reason: str) -> None:
+        self.history.append(Transition(action, reason))
+        logger.info("ortcore: %s (%s)", action, reason)
+
+    def _put(self, cache: OrderedDict, key: tuple, value: Any) -> None:
+        cache[key] = value
+        while len(cache) > self.max_cached:
+            cache.popitem(last=False)

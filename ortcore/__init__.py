@@ -12,6 +12,7 @@ from .errors import (
     UnsupportedDeviceError,
     UnsupportedModelError,
 )
+from . import hf as _hf  # noqa: F401  (registers the Hugging Face cache adapter)
 from .module import ORTModule
 from .options import DebugOptions, FallbackPolicy, LogLevel
 

@@ -18,7 +18,7 @@ from typing import Protocol
 import onnx
 import torch
 
-from .errors import UnsupportedModelError
+from .errors import UnsupportedDataError, UnsupportedModelError
 from .options import LogLevel
 
 logger = logging.getLogger("ortcore")
@@ -81,7 +81,47 @@ def _diff(g, input, n, dim, prepend, append):
     return x
 
 
-_SYMBOLICS = {"::layer_norm": _layer_norm, "::diff": _diff}
+def _max_pool(rank: int):
+    """Max pooling as MaxPool's indices plus a Gather from the flattened input.
+
+    ORT's CPU MaxPoolGrad reads static output shapes and crashes on dynamic axes; Gather's gradient has no such
+    limit, and gathering at the argmax indices gives exactly torch's values and gradient.
+    """
+
+    def symbolic(g, input, kernel_size, stride, padding, dilation, ceil_mode):
+        from torch.onnx import symbolic_helper as sh
+
+        kernel = sh._get_const(kernel_size, "is", "kernel_size")
+        stride = sh._get_const(stride, "is", "stride") or kernel
+        padding = sh._get_const(padding, "is", "padding")
+        dilation = sh._get_const(dilation, "is", "dilation")
+
+        def expand(v):
+            return list(v) * rank if len(v) == 1 else list(v)
+
+        _values, indices = g.op(
+            "MaxPool",
+            input,
+            kernel_shape_i=expand(kernel),
+            strides_i=expand(stride),
+            pads_i=expand(padding) * 2,
+            dilations_i=expand(dilation),
+            ceil_mode_i=int(sh._get_const(ceil_mode, "i", "ceil_mode")),
+            outputs=2,
+        )
+        flat = g.op("Reshape", input, g.op("Constant", value_t=torch.tensor([-1], dtype=torch.int64)))
+        return g.op("Gather", flat, indices, axis_i=0)
+
+    return symbolic
+
+
+_SYMBOLICS = {
+    "::layer_norm": _layer_norm,
+    "::diff": _diff,
+    "::max_pool1d": _max_pool(1),
+    "::max_pool2d": _max_pool(2),
+    "::max_pool3d": _max_pool(3),
+}
 _registered_opsets: set[int] = set()
 
 
@@ -139,6 +179,8 @@ class TorchScriptExporter:
                     dynamic_axes=dynamic_axes,
                     verbose=log_level == LogLevel.VERBOSE,
                 )
+        except UnsupportedDataError:
+            raise
         except Exception as e:  # the exporter raises many types; all mean "this model did not export"
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             match = _UNSUPPORTED_OP.search(str(e))

@@ -50,6 +50,8 @@ class BatchNormStats:
 
     module: torch.nn.modules.batchnorm._BatchNorm
     output_name: str
+    # ORT's training-mode kernel writes into its running-statistics inputs; these are fed as copies.
+    buffer_names: tuple[str, str]
 
 
 @attrs.define(eq=False)
@@ -120,7 +122,7 @@ def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> 
         name = BN_INPUT_PREFIX + node.input[3].rpartition(".")[0]
         model.graph.node.append(onnx.helper.make_node("Identity", [node.input[0]], [name], name=name))
         model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-        found.append(BatchNormStats(owner, name))
+        found.append(BatchNormStats(owner, name, (node.input[3], node.input[4])))
     return found
 
 

@@ -48,7 +48,7 @@ def _configure_logging(options: RuntimeOptions) -> None:
     logger.setLevel(options.log_level.python_level)
     if not any(getattr(h, "_ortcore", False) for h in logger.handlers):
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(levelname)s ortcore: %(message)s"))
         handler._ortcore = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
         logger.propagate = False
@@ -68,7 +68,7 @@ def _save_model(model: onnx.ModelProto, options: RuntimeOptions, suffix: str) ->
     except BaseException:
         os.unlink(tmp)
         raise
-    logger.info("ortcore: saved %s", path)
+    logger.info("saved %s", path)
 
 
 class _Runtime:
@@ -213,6 +213,9 @@ class ORTModule(torch.nn.Module):
         state.update(self._original_module.named_buffers())
         by_name = dict(zip(graph.user_input_names, tensors))
         by_name.update(state)
+        for stats in graph.batch_norms:
+            for name in stats.buffer_names:
+                by_name[name] = by_name[name].clone()
         feeds = [by_name[name] for name in session.feed_names]
         if session.request.build_gradient:
             outputs = _ORTFunction.apply(session, *feeds)
@@ -298,7 +301,7 @@ class ORTModule(torch.nn.Module):
         if rt.fallback_reason is None:
             rt.state.counters.fallbacks += 1
             rt.fallback_reason = f"{type(error).__name__}: {error}"
-            message = f"ortcore: running {type(self._original_module).__name__} in PyTorch ({flag.name}): {error}"
+            message = f"running {type(self._original_module).__name__} in PyTorch ({flag.name}): {error}"
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
         return self._original_module(*args, **kwargs)

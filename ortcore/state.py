@@ -155,7 +155,7 @@ class ExportStateMachine:
 
     def _record(self, action: str, reason: str) -> None:
         self.history.append(Transition(action, reason))
-        logger.info("ortcore: %s (%s)", action, reason)
+        logger.info("%s (%s)", action, reason)
 
     def _put(self, cache: OrderedDict, key: tuple, value: Any) -> None:
         cache[key] = value

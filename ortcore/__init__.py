@@ -4,7 +4,16 @@
 schedulers, ``state_dict``, Hugging Face models) keeps working as with the plain model.
 """
 
-from .errors import (
+import os as _os
+import sys as _sys
+
+# libgomp reads GOMP_SPINCOUNT once, when torch loads it: its default spinning steals the core ORT's kernels need.
+# Set it only if ortcore is imported before torch and the user chose nothing (docs/performance.md).
+if "torch" not in _sys.modules:
+    _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+from . import hf as _hf  # noqa: E402, F401  (registers the Hugging Face cache adapter)
+from .errors import (  # noqa: E402
     GraphBuildError,
     OptionError,
     ORTCoreError,
@@ -12,9 +21,8 @@ from .errors import (
     UnsupportedDeviceError,
     UnsupportedModelError,
 )
-from . import hf as _hf  # noqa: F401  (registers the Hugging Face cache adapter)
-from .module import ORTModule
-from .options import DebugOptions, FallbackPolicy, LogLevel
+from .module import ORTModule  # noqa: E402
+from .options import DebugOptions, FallbackPolicy, LogLevel  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -155,12 +155,12 @@ class TorchScriptExporter:
     ) -> onnx.ModelProto:
         _register_symbolics(opset)
         buffer = io.BytesIO()
-        noisy = log_level <= LogLevel.DEVINFO
-        # At WARNING and INFO the exporter's warnings and prints are kept out; DEVINFO/VERBOSE show them.
+        # WARNING keeps the exporter quiet; INFO lets its warnings through, DEVINFO its prints, VERBOSE its graph dump.
         quiet = contextlib.ExitStack()
-        if not noisy:
+        if log_level > LogLevel.INFO:
             quiet.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
+        if log_level > LogLevel.DEVINFO:
             quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
         try:
             with quiet:

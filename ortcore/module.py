@@ -195,9 +195,10 @@ class ORTModule(torch.nn.Module):
         rt = self._ortcore
         if rt.fallback_reason is not None and not rt.options.fallback_retry:
             return self._original_module(*args, **kwargs)
+        params = dict(self._original_module.named_parameters())
         try:
             schema, tensors = flatten_inputs(rt.signature, args, kwargs)
-            key = self._graph_key(schema, tensors)
+            key = self._graph_key(schema, tensors, params)
             graph, session = rt.state.resolve(
                 key,
                 export=lambda: self._export(schema, tensors),
@@ -206,13 +207,14 @@ class ORTModule(torch.nn.Module):
         except tuple(_FALLBACK_FLAG) as e:
             return self._fall_back(e, args, kwargs)
         rt.fallback_reason = None
-        return self._execute(graph, session, tensors)
+        return self._execute(graph, session, tensors, params)
 
-    def _execute(self, graph: ExportedGraph, session: TrainingSession, tensors: list[torch.Tensor]) -> Any:
-        state = dict(self._original_module.named_parameters())
-        state.update(self._original_module.named_buffers())
+    def _execute(
+        self, graph: ExportedGraph, session: TrainingSession, tensors: list[torch.Tensor], params: dict
+    ) -> Any:
         by_name = dict(zip(graph.user_input_names, tensors))
-        by_name.update(state)
+        by_name.update(params)
+        by_name.update(self._original_module.named_buffers())
         for stats in graph.batch_norms:
             for name in stats.buffer_names:
                 by_name[name] = by_name[name].clone()
@@ -226,8 +228,8 @@ class ORTModule(torch.nn.Module):
             update_batch_norm(stats, x)
         return graph.output_schema.restore(outputs[:n])
 
-    def _device(self, tensors: list[torch.Tensor]) -> torch.device:
-        devices = {p.device for p in self._original_module.parameters()} | {t.device for t in tensors}
+    def _device(self, tensors: list[torch.Tensor], params: dict) -> torch.device:
+        devices = {p.device for p in params.values()} | {t.device for t in tensors}
         if len(devices) > 1:
             raise UnsupportedDeviceError(
                 f"inputs and parameters are on several devices {sorted(map(str, devices))}; ORTModule runs on one"
@@ -237,22 +239,21 @@ class ORTModule(torch.nn.Module):
             raise UnsupportedDeviceError(f"device {device} is not supported; allowed: cpu, cuda")
         return device
 
-    def _graph_key(self, schema: InputSchema, tensors: list[torch.Tensor]) -> GraphKey:
+    def _graph_key(self, schema: InputSchema, tensors: list[torch.Tensor], params: dict) -> GraphKey:
         rt = self._ortcore
-        structure, leaves = schema.key
-        trainable = tuple(n for n, p in self._original_module.named_parameters() if p.requires_grad)
+        trainable = tuple(n for n, p in params.items() if p.requires_grad)
         inputs_rg = tuple(n for n, t in zip(schema.names, tensors) if t.requires_grad)
         return GraphKey(
-            structure=structure,
-            constants=tuple(leaf for leaf in leaves if len(leaf) == 2),
-            inputs=tuple((n, *leaf) for n, leaf in zip(schema.names, (x for x in leaves if len(x) == 3))),
+            structure=schema.structure,
+            constants=schema.constants,
+            inputs=schema.tensors,
             training=self._original_module.training,
             opset=rt.options.opset,
             exporter=rt.exporter.name,
             grad_enabled=torch.is_grad_enabled() and bool(trainable or inputs_rg),
             trainable=trainable,
             input_requires_grad=inputs_rg,
-            device=str(self._device(tensors)),
+            device=str(self._device(tensors, params)),
         )
 
     def _export(self, schema: InputSchema, tensors: list[torch.Tensor]) -> ExportedGraph:

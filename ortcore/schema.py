@@ -84,7 +84,20 @@ class InputSchema:
     template: tuple  # TensorSpec for tensor slots, Constant for constant leaves
     names: tuple[str, ...]  # graph input name of each tensor slot
     signature: inspect.Signature | None
-    key: tuple  # structure, constants, dtypes, ranks, devices; requires_grad is kept apart (it needs no re-export)
+
+    @property
+    def structure(self) -> str:
+        return repr(self.spec)
+
+    @property
+    def constants(self) -> tuple:
+        """The constant leaves, compared by type and value."""
+        return tuple(t.key for t in self.template if isinstance(t, Constant))
+
+    @property
+    def tensors(self) -> tuple:
+        """``(name, dtype, rank, device)`` per tensor slot; requires_grad is kept apart (it needs no re-export)."""
+        return tuple((n, t.dtype, t.ndim, t.device) for n, t in zip(self.names, self.tensor_specs))
 
     @property
     def tensor_specs(self) -> list[TensorSpec]:
@@ -117,20 +130,15 @@ def flatten_inputs(signature: inspect.Signature | None, args: tuple, kwargs: dic
     else:
         tree = (tuple(args), dict(kwargs))
     leaves, spec = _flatten(tree, "input")
-    template, names, tensors, key = [], [], [], []
+    template, names, tensors = [], [], []
     for path, value in leaves:
         if isinstance(value, torch.Tensor):
-            ts = TensorSpec.of(value)
-            template.append(ts)
+            template.append(TensorSpec.of(value))
             names.append(_path_name(path))
             tensors.append(value)
-            key.append((ts.dtype, ts.ndim, ts.device))
         else:
-            c = Constant(value)
-            template.append(c)
-            key.append(c.key)
-    schema = InputSchema(spec, tuple(template), _unique(names), signature, (repr(spec), tuple(key)))
-    return schema, tensors
+            template.append(Constant(value))
+    return InputSchema(spec, tuple(template), _unique(names), signature), tensors
 
 
 def _unique(names: list[str]) -> tuple[str, ...]:

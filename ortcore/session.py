@@ -8,6 +8,7 @@ optimizer updates are seen without re-export, and ORT's outputs become torch ten
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 
 import attrs
@@ -23,6 +24,20 @@ from .options import LogLevel
 logger = logging.getLogger("ortcore")
 
 _SEVERITY = {0: C.Severity.VERBOSE, 1: C.Severity.INFO, 2: C.Severity.WARNING, 3: C.Severity.ERROR, 4: C.Severity.FATAL}
+
+
+def explain_ort_error(error: Exception) -> str:
+    """ORT's message without the C++ location and signature, plus the module that owns the failing node."""
+    text = str(error).strip()
+    for marker in ("was false.", "] : "):
+        if marker in text:
+            text = text.rsplit(marker, 1)[1]
+    text = re.sub(r"^\d+ : \w+ : ", "", text.strip())
+    node = re.search(r"node (/\S+)", text)
+    if node:
+        scope = node.group(1).strip("/").split("/")[1:-1]  # "/module/encoder/layer.0/Det" -> encoder.layer.0
+        text += f" (in module {'.'.join(scope) or 'the model itself'})"
+    return text
 
 
 def _ort_device(device: torch.device) -> C.OrtDevice:
@@ -95,7 +110,7 @@ class TrainingSession:
         except GraphBuildError:
             raise
         except Exception as e:  # pybind raises RuntimeError/Fail/InvalidGraph...: all mean "ORT cannot build this"
-            raise GraphBuildError(f"ONNX Runtime could not build the {self.kind} graph: {e}") from e
+            raise GraphBuildError(f"ONNX Runtime could not build the {self.kind} graph: {explain_ort_error(e)}") from e
 
     @property
     def kind(self) -> str:

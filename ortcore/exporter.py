@@ -13,12 +13,13 @@ import io
 import logging
 import re
 import warnings
-from typing import Protocol
+from typing import Any, Protocol
 
 import onnx
 import torch
 
 from .errors import UnsupportedDataError, UnsupportedModelError
+from .hookspecs import hookimpl
 from .options import LogLevel
 
 logger = logging.getLogger("ortcore")
@@ -122,24 +123,31 @@ _SYMBOLICS = {
     "::max_pool2d": _max_pool(2),
     "::max_pool3d": _max_pool(3),
 }
-_registered_opsets: set[int] = set()
+
+_registered: dict[tuple[str, int], Any] = {}
 
 
-def _register_symbolics(opset: int) -> None:
-    if opset in _registered_opsets:
-        return
-    for name, fn in _SYMBOLICS.items():
-        torch.onnx.register_custom_op_symbolic(name, fn, opset)
-    _registered_opsets.add(opset)
+def register_symbolics(symbolics: dict[str, Any], opset: int) -> None:
+    """Register TorchScript symbolics for ``opset`` (idempotent; a changed function replaces the old one)."""
+    for name, fn in symbolics.items():
+        if _registered.get((name, opset)) is not fn:
+            torch.onnx.register_custom_op_symbolic(name, fn, opset)
+            _registered[(name, opset)] = fn
 
 
 _UNSUPPORTED_OP = re.compile(r"operator '?([\w:.]+)'?")
 
 
 class TorchScriptExporter:
-    """The TorchScript exporter (``dynamo=False``) with the symbolics ORT's training engine needs."""
+    """The TorchScript exporter (``dynamo=False``) with the symbolics ORT's training engine needs.
+
+    ``symbolics`` adds or replaces symbolics (plugins contribute them through ``ortcore_export_symbolics``).
+    """
 
     name = "torchscript"
+
+    def __init__(self, symbolics: dict[str, Any] | None = None):
+        self.symbolics = {**_SYMBOLICS, **(symbolics or {})}
 
     def export(
         self,
@@ -153,7 +161,7 @@ class TorchScriptExporter:
         opset: int,
         log_level: LogLevel,
     ) -> onnx.ModelProto:
-        _register_symbolics(opset)
+        register_symbolics(self.symbolics, opset)
         buffer = io.BytesIO()
         # WARNING keeps the exporter quiet; INFO lets its warnings through, DEVINFO its prints, VERBOSE its graph dump.
         quiet = contextlib.ExitStack()
@@ -189,3 +197,11 @@ class TorchScriptExporter:
                 f"the TorchScript exporter could not export {what} of {type(module).__name__}: {text}"
             ) from e
         return onnx.load_model_from_string(buffer.getvalue())
+
+
+class CoreDefaults:
+    """The core's default answers, registered as the plugin ``core`` and marked trylast so any plugin pre-empts them."""
+
+    @hookimpl(trylast=True)
+    def ortcore_exporter(self) -> Exporter:
+        return TorchScriptExporter()

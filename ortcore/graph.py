@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import onnx
@@ -19,6 +20,7 @@ import torch
 
 from .errors import UnsupportedDataError, UnsupportedModelError
 from .exporter import Exporter
+from .graph_passes import GraphPass, PassContext
 from .options import LogLevel
 from .schema import InputSchema, OutputSchema, flatten_outputs
 
@@ -149,7 +151,8 @@ def export_graph(
     opset: int,
     log_level: LogLevel,
     deepcopy: bool,
-    graph_passes: list[Callable[[onnx.ModelProto], None]] = (),
+    graph_passes: list[GraphPass] = (),
+    config: Any = None,
 ) -> ExportedGraph:
     """Export ``module`` for the call described by ``schema`` and apply the core's post-export processing."""
     import time
@@ -189,8 +192,9 @@ def export_graph(
             if name in renames:
                 node.output[i] = renames[name]
     batch_norms = _add_batch_norm_outputs(model, module) if training else []
+    context = PassContext(module=module, training=training, config=config)
     for graph_pass in graph_passes:
-        graph_pass(model)
+        graph_pass.run(model, context)
     graph = ExportedGraph(
         model=model,
         input_names=[i.name for i in model.graph.input],

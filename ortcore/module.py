@@ -12,11 +12,15 @@ from typing import Any
 
 import onnx
 import torch
+from onnxruntime.capi import _pybind_state as C
 
+from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
-from .exporter import Exporter, TorchScriptExporter
+from .exporter import Exporter
 from .graph import ExportedGraph, export_graph, update_batch_norm
-from .options import DebugOptions, FallbackPolicy, RuntimeOptions
+from .inspectors import phase_callbacks
+from .options import DebugOptions, FallbackPolicy
+from .plugins import Hooks, PluginHost, get_host
 from .schema import InputSchema, flatten_inputs
 from .session import BuildRequest, TrainingSession
 from .state import ExportStateMachine, GraphKey
@@ -44,7 +48,7 @@ class _RankZeroFilter(logging.Filter):
         return torch.distributed.get_rank() == 0
 
 
-def _configure_logging(options: RuntimeOptions) -> None:
+def _configure_logging(options: CoreOptions) -> None:
     logger.setLevel(options.log_level.python_level)
     if not any(getattr(h, "_ortcore", False) for h in logger.handlers):
         handler = logging.StreamHandler()
@@ -57,7 +61,7 @@ def _configure_logging(options: RuntimeOptions) -> None:
         h.addFilter(_RankZeroFilter(all_ranks=options.log_level <= 1))
 
 
-def _save_model(model: onnx.ModelProto, options: RuntimeOptions, suffix: str) -> None:
+def _save_model(model: onnx.ModelProto, options: CoreOptions, suffix: str) -> None:
     """Write ``<prefix>_<suffix>.onnx`` atomically into the save directory."""
     path = os.path.join(options.save_dir, f"{options.onnx_prefix}_{suffix}.onnx")
     fd, tmp = tempfile.mkstemp(dir=options.save_dir, suffix=".onnx.tmp")
@@ -72,13 +76,21 @@ def _save_model(model: onnx.ModelProto, options: RuntimeOptions, suffix: str) ->
 
 
 class _Runtime:
-    """Per-ORTModule state that is rebuilt, not pickled: options, state machine, exporter, fallback state."""
+    """Per-ORTModule state that is rebuilt, not pickled: config, hooks, state machine, inspectors, fallback."""
 
-    def __init__(self, module: torch.nn.Module, options: RuntimeOptions, exporter: Exporter):
-        self.options = options
-        self.exporter = exporter
-        self.state = ExportStateMachine(options.max_cached_graphs)
+    def __init__(self, module: torch.nn.Module, config: Config, hooks: Hooks, exporter: Exporter | None):
+        self.config = config
+        self.options = config.core
+        self.hooks = hooks
+        self.custom_exporter = exporter  # pickled with the model; the plugins' exporter is asked for again
+        self.exporter = exporter or hooks.exporter()
+        symbolics = hooks.export_symbolics()
+        if symbolics and hasattr(self.exporter, "symbolics"):
+            self.exporter.symbolics.update(symbolics)
+        self.state = ExportStateMachine(config.core.max_cached_graphs)
         self.fallback_reason: str | None = None
+        self.step = 0
+        self.phases = phase_callbacks(hooks.runtime_inspectors(module))
         try:
             self.signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -89,9 +101,11 @@ class _ORTFunction(torch.autograd.Function):
     """Runs one training step's forward in ORT and, when autograd asks, the matching backward."""
 
     @staticmethod
-    def forward(ctx, session: TrainingSession, *feeds: torch.Tensor):
+    def forward(ctx, session: TrainingSession, runtime: _Runtime, *feeds: torch.Tensor):
         outputs, state = session.run_forward(feeds)
         ctx.session = session
+        ctx.runtime = runtime
+        ctx.step = runtime.step
         ctx.state = state
         ctx.meta = [(o.shape, o.dtype) for o in outputs]
         ctx.set_materialize_grads(False)
@@ -105,11 +119,16 @@ class _ORTFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor | None):
         _ = ctx.saved_tensors
         session: TrainingSession = ctx.session
+        phases = ctx.runtime.phases
+        for call in phases["pre_backward"]:
+            call(ctx.step)
         try:
             grads = session.run_backward(grad_outputs, ctx.meta, ctx.state)
         finally:
             del ctx.state  # free ORT's saved activations now, not when the graph is collected
-        return (None, *(grads[j] if j is not None else None for j in session.grad_index))
+        for call in phases["post_backward"]:
+            call(ctx.step)
+        return (None, None, *(grads[j] if j is not None else None for j in session.grad_index))
 
 
 class ORTModule(torch.nn.Module):
@@ -129,7 +148,9 @@ class ORTModule(torch.nn.Module):
         debug_options: logging and ONNX saving; ``ORTMODULE_LOG_LEVEL`` and ``ORTMODULE_SAVE_ONNX_PATH`` override.
         fallback_policy: a :class:`FallbackPolicy` or its names joined by ``|``; ``ORTMODULE_FALLBACK_POLICY`` wins.
         opset: ONNX opset (default 17); ``ORTMODULE_ONNX_OPSET_VERSION`` wins.
-        exporter: the exporter to use (default: the TorchScript exporter).
+        exporter: the exporter to use (default: the plugins' choice, else the TorchScript exporter).
+        config: a :class:`ortcore.config.Config` (default: ``ortcore.toml`` and the environment).
+        host: a :class:`ortcore.plugins.PluginHost` (default: the process-wide host); ``config`` then comes from it.
     """
 
     def __init__(
@@ -140,6 +161,8 @@ class ORTModule(torch.nn.Module):
         fallback_policy: FallbackPolicy | str | None = None,
         opset: int | None = None,
         exporter: Exporter | None = None,
+        config: Config | None = None,
+        host: PluginHost | None = None,
     ):
         if isinstance(module, torch.nn.DataParallel):
             raise UnsupportedModelError(
@@ -154,14 +177,15 @@ class ORTModule(torch.nn.Module):
             raise TypeError(f"debug_options must be a DebugOptions, not {type(debug_options).__name__}")
         super().__init__()
         self._original_module = module
-        options = RuntimeOptions.resolve(debug_options, fallback_policy=fallback_policy, opset=opset)
-        if options.save_onnx and not os.access(options.save_dir, os.W_OK):
-            raise OSError(f"cannot save ONNX models: directory {options.save_dir!r} is not writable")
-        self._init_runtime(options, exporter or TorchScriptExporter())
+        host = host or (PluginHost(config) if config is not None else get_host())
+        config = host.config.with_code_options(debug_options, fallback_policy=fallback_policy, opset=opset)
+        if config.core.save_onnx and not os.access(config.core.save_dir, os.W_OK):
+            raise OSError(f"cannot save ONNX models: directory {config.core.save_dir!r} is not writable")
+        self._init_runtime(config, host.hooks, exporter)
 
-    def _init_runtime(self, options: RuntimeOptions, exporter: Exporter) -> None:
-        _configure_logging(options)
-        self._ortcore = _Runtime(self._original_module, options, exporter)
+    def _init_runtime(self, config: Config, hooks: Hooks, exporter: Exporter | None) -> None:
+        _configure_logging(config.core)
+        self._ortcore = _Runtime(self._original_module, config, hooks, exporter)
 
         @functools.wraps(self._original_module.forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -182,8 +206,14 @@ class ORTModule(torch.nn.Module):
         return self._ortcore.state
 
     @property
-    def runtime_options(self) -> RuntimeOptions:
+    def runtime_options(self) -> CoreOptions:
+        """The effective core options (``ortcore_config.sources`` says where each value came from)."""
         return self._ortcore.options
+
+    @property
+    def ortcore_config(self) -> Config:
+        """The effective configuration: core options, plugin options, and the source of each value."""
+        return self._ortcore.config
 
     @property
     def fallback_reason(self) -> str | None:
@@ -219,10 +249,17 @@ class ORTModule(torch.nn.Module):
             for name in stats.buffer_names:
                 by_name[name] = by_name[name].clone()
         feeds = [by_name[name] for name in session.feed_names]
+        rt = self._ortcore
+        for call in rt.phases["pre_forward"]:
+            call(rt.step, dict(zip(graph.user_input_names, tensors)))
         if session.request.build_gradient:
-            outputs = _ORTFunction.apply(session, *feeds)
+            outputs = _ORTFunction.apply(session, rt, *feeds)
         else:
             outputs = session.run_inference(feeds)
+        for call in rt.phases["post_forward"]:
+            call(rt.step, outputs)
+        if session.request.build_gradient:
+            rt.step += 1
         n = graph.n_user_outputs
         for stats, x in zip(graph.batch_norms, outputs[n:]):
             update_batch_norm(stats, x)
@@ -266,6 +303,8 @@ class ORTModule(torch.nn.Module):
             opset=opts.opset,
             log_level=opts.log_level,
             deepcopy=opts.deepcopy_before_export,
+            graph_passes=self._ortcore.hooks.graph_passes(),
+            config=self._ortcore.config,
         )
         if opts.save_onnx:
             _save_model(graph.model, opts, f"pre_grad_{'training' if graph.training else 'eval'}")
@@ -277,6 +316,9 @@ class ORTModule(torch.nn.Module):
         inputs_rg = {graph_names[n] for n in key.input_requires_grad}
         trainable = set(key.trainable)
         train_names = [n for n in graph.input_names if n in inputs_rg or n in trainable]
+        hooks = self._ortcore.hooks
+        transformer_config = C.TrainingGraphTransformerConfiguration()
+        hooks.graph_transformer_config(transformer_config, training=key.grad_enabled)
         session = TrainingSession(
             BuildRequest(
                 model=graph.model,
@@ -286,8 +328,11 @@ class ORTModule(torch.nn.Module):
                 build_gradient=key.grad_enabled,
                 device=torch.device(key.device),
                 log_level=opts.log_level,
+                transformer_config=transformer_config,
+                configure_session=hooks.session_options,
             )
         )
+        hooks.session_created(session)
         if opts.save_onnx:
             _save_model(session.model, opts, session.kind)
         return session
@@ -333,10 +378,10 @@ class ORTModule(torch.nn.Module):
         state = self.__dict__.copy()
         rt = state.pop("_ortcore")
         state.pop("forward", None)
-        state["_ortcore_config"] = (rt.options, rt.exporter)
+        state["_ortcore_config"] = (rt.config, rt.custom_exporter)
         return state
 
     def __setstate__(self, state: dict) -> None:
-        options, exporter = state.pop("_ortcore_config")
+        config, exporter = state.pop("_ortcore_config")
         self.__dict__.update(state)
-        self._init_runtime(options, exporter)
+        self._init_runtime(config, get_host().hooks, exporter)

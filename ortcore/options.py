@@ -1,7 +1,7 @@
-"""User-facing options: log levels, fallback policy, debug options and the runtime options read from env vars.
+"""User-facing option types: log levels, fallback policy, debug options, and the parsers of option values.
 
-Every value a user can write (an argument or an ``ORTMODULE_*`` variable) is parsed here, and a bad one raises
-:class:`OptionError` naming the value, where it came from and what is allowed.
+Every value a user can write (an argument, a config key or an ``ORTMODULE_*`` variable) is parsed here, and a bad
+one raises :class:`OptionError` naming the value, where it came from and what is allowed.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import difflib
 import enum
 import logging
-import os
-from collections.abc import Mapping
 
 import attrs
 
@@ -114,7 +112,7 @@ class FallbackPolicy(enum.IntFlag):
         return FallbackPolicy.FALLBACK_DISABLE not in self and flag in self
 
 
-def _parse_bool(value: object, source: str) -> bool:
+def parse_bool(value: object, source: str) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -125,7 +123,7 @@ def _parse_bool(value: object, source: str) -> bool:
     raise OptionError(f"{source}={value!r} is not a boolean; allowed: 1/0, true/false, yes/no, on/off")
 
 
-def _parse_opset(value: object, source: str) -> int:
+def parse_opset(value: object, source: str) -> int:
     try:
         opset = int(str(value).strip()) if not isinstance(value, bool) else None
     except ValueError:
@@ -149,7 +147,7 @@ class DebugOptions:
     """
 
     log_level: LogLevel = attrs.field(default=LogLevel.WARNING, converter=LogLevel.parse)
-    save_onnx: bool = attrs.field(default=False, converter=lambda v: _parse_bool(v, "save_onnx"))
+    save_onnx: bool = attrs.field(default=False, converter=lambda v: parse_bool(v, "save_onnx"))
     onnx_prefix: str = attrs.field(default="")
     save_path: str = attrs.field(default="")
 
@@ -159,70 +157,3 @@ class DebugOptions:
             raise OptionError(f"onnx_prefix={value!r} must be a string")
         if self.save_onnx and not value.strip():
             raise OptionError("onnx_prefix='' : save_onnx=True needs a non-empty onnx_prefix to name the saved files")
-
-
-ENV_PREFIX = "ORTMODULE_"
-
-
-@attrs.frozen
-class RuntimeOptions:
-    """The core's effective options: DebugOptions and ORTModule arguments, overridden by ``ORTMODULE_*`` variables."""
-
-    log_level: LogLevel = LogLevel.WARNING
-    opset: int = 17
-    fallback_policy: FallbackPolicy = attrs.field(factory=FallbackPolicy.default)
-    fallback_retry: bool = False
-    deepcopy_before_export: bool = True
-    save_onnx: bool = False
-    onnx_prefix: str = ""
-    save_onnx_path: str = ""
-    max_cached_graphs: int = 8
-    sources: Mapping[str, str] = attrs.field(factory=dict, eq=False)
-
-    @classmethod
-    def resolve(
-        cls,
-        debug_options: DebugOptions | None = None,
-        *,
-        fallback_policy: object = None,
-        opset: object = None,
-        env: Mapping[str, str] | None = None,
-    ) -> RuntimeOptions:
-        """Merge code arguments with the environment; the environment wins, as upstream documented."""
-        env = os.environ if env is None else env
-        debug = debug_options or DebugOptions()
-        values: dict[str, object] = {
-            "log_level": debug.log_level,
-            "save_onnx": debug.save_onnx,
-            "onnx_prefix": debug.onnx_prefix,
-            "save_onnx_path": debug.save_path,
-        }
-        sources = dict.fromkeys(values, "DebugOptions")
-        if fallback_policy is not None:
-            values["fallback_policy"] = FallbackPolicy.parse(fallback_policy, "fallback_policy")
-            sources["fallback_policy"] = "argument"
-        if opset is not None:
-            values["opset"] = _parse_opset(opset, "opset")
-            sources["opset"] = "argument"
-        parsers = {
-            "ORTMODULE_LOG_LEVEL": ("log_level", LogLevel.parse),
-            "ORTMODULE_ONNX_OPSET_VERSION": ("opset", _parse_opset),
-            "ORTMODULE_FALLBACK_POLICY": ("fallback_policy", FallbackPolicy.parse),
-            "ORTMODULE_FALLBACK_RETRY": ("fallback_retry", _parse_bool),
-            "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT": ("deepcopy_before_export", _parse_bool),
-            "ORTMODULE_SAVE_ONNX_PATH": ("save_onnx_path", lambda v, _s: str(v)),
-        }
-        for var, (key, parse) in parsers.items():
-            if env.get(var, "") != "":
-                values[key] = parse(env[var], var)
-                sources[key] = f"env {var}"
-        if env.get("ORTMODULE_SAVE_ONNX_PATH", "") != "" and not values["save_onnx"]:
-            # Setting the directory is asking for the files: save them even without DebugOptions(save_onnx=True).
-            values["save_onnx"] = True
-            values["onnx_prefix"] = values["onnx_prefix"] or "ortcore"
-            sources["save_onnx"] = sources["onnx_prefix"] = "env ORTMODULE_SAVE_ONNX_PATH"
-        return cls(**values, sources=sources)
-
-    @property
-    def save_dir(self) -> str:
-        return self.save_onnx_path or os.getcwd()

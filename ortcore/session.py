@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import onnx
@@ -97,6 +97,7 @@ class BuildRequest:
     device: torch.device
     log_level: LogLevel
     transformer_config: object = None  # a C.TrainingGraphTransformerConfiguration, filled by plugins
+    configure_session: Callable[[onnxruntime.SessionOptions, torch.device], None] | None = None
 
 
 class TrainingSession:
@@ -133,9 +134,10 @@ class TrainingSession:
         self.model = onnx.load_model_from_string(model_bytes)
         self.feed_names = [i.name for i in self.model.graph.input]
         self.fetch_names = [o.name for o in self.model.graph.output]
-        self._sess = onnxruntime.InferenceSession(
-            model_bytes, session_options(r.log_level), providers=_providers(r.device)
-        )
+        so = session_options(r.log_level)
+        if r.configure_session is not None:
+            r.configure_session(so, r.device)
+        self._sess = onnxruntime.InferenceSession(model_bytes, so, providers=_providers(r.device))
         device = _ort_device(r.device)
         self.user_output_names = list(self.graph_info.user_output_names)
         self.non_differentiable = set(self.graph_info.output_grad_indices_non_differentiable)

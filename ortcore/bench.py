@@ -1,0 +1,566 @@
+"""Training benchmark: Hugging Face BERT and GPT-2 under PyTorch eager, ``torch.compile`` and ortcore.
+
+Every (model, mode) pair runs in a fresh worker process (``python -m ortcore.bench --worker MODEL MODE ...``) so that
+peak memory, compile caches and OpenMP settings of one run cannot leak into another. The worker writes its
+measurements as JSON to a file named by the parent; the parent (:func:`run_bench`) collects them, adds ratios to
+eager and can render a ``rich`` table (:func:`results_table`). Nothing in this module prints except the worker's
+own error report on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MODELS: tuple[str, ...] = ("bert", "gpt2")
+MODES: tuple[str, ...] = ("eager", "compile", "ortcore")
+
+#: Set in every worker's environment, so it is in place before torch (and libgomp) load. libgomp's default lets
+#: torch's idle OpenMP workers spin long after each parallel region, stealing the second core from ORT's kernels
+#: (ENGINE-NOTES); 10000 removes that penalty and leaves eager unchanged.
+WORKER_ENV: dict[str, str] = {"GOMP_SPINCOUNT": "10000"}
+
+_MIB = 1024 * 1024
+
+
+@dataclass
+class BenchConfig:
+    """Model sizes and training settings shared by every run of one benchmark."""
+
+    batch: int = 8
+    seq: int = 128
+    hidden: int = 256
+    layers: int = 4
+    steps: int = 20
+    warmup: int = 3
+    vocab: int = 8000
+    lr: float = 1e-4
+    seed: int = 0
+
+    @property
+    def heads(self) -> int:
+        """Attention heads: one per 64 channels as in BERT-base and GPT-2, at least one, dividing ``hidden``."""
+        heads = max(1, self.hidden // 64)
+        return heads if self.hidden % heads == 0 else 1
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first setting that cannot work."""
+        for name in ("batch", "seq", "hidden", "layers", "steps", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup must be in [0, steps), got warmup {self.warmup} with steps {self.steps}")
+
+
+@dataclass
+class RunResult:
+    """What one worker measured (times in seconds, memory in MiB), or why it failed."""
+
+    model: str
+    mode: str
+    ok: bool = False
+    error: str | None = None
+    setup_s: float | None = None  # torch.compile(...) / ORTModule(...) call itself; both defer the real work
+    first_step_s: float | None = None  # setup + step 1: export + build + step, or compile + step
+    steady_step_s: float | None = None  # median of the steps after warmup
+    step_times_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    final_loss: float | None = None
+    rss_baseline_mib: float | None = None  # after model, optimizer and batches exist, before any step
+    rss_peak_mib: float | None = None  # highest RSS from the start of training to its end
+    rss_peak_above_baseline_mib: float | None = None
+    peak_method: str | None = None
+    n_params: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)  # mode-specific: ortcore counters, graph breaks, ...
+    environment: dict[str, Any] = field(default_factory=dict)  # as seen inside the worker
+    wall_s: float | None = None  # whole worker process, imports included (measured by the parent)
+    vs_eager: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def fell_back(self) -> bool:
+        """True if ortcore ran the model in PyTorch: its numbers would then be eager's, not ortcore's."""
+        return bool(self.details.get("fallbacks")) or bool(self.details.get("fallback_reason"))
+
+
+# -- models and data ---------------------------------------------------------------------------------------------
+def build_model(name: str, cfg: BenchConfig) -> Any:
+    """A randomly initialised ``BertForSequenceClassification`` or ``GPT2LMHeadModel`` (no download), dropout 0."""
+    import transformers
+
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=cfg.vocab,
+            n_positions=max(1024, cfg.seq),
+            n_embd=cfg.hidden,
+            n_layer=cfg.layers,
+            n_head=cfg.heads,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            # A training run has no use for the KV cache; returning it would only add outputs.
+            use_cache=False,
+            # GPT-2's default ids (50256) lie outside the small vocabulary.
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return transformers.GPT2LMHeadModel(config)
+    if name == "bert":
+        config = transformers.BertConfig(
+            vocab_size=cfg.vocab,
+            hidden_size=cfg.hidden,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            intermediate_size=4 * cfg.hidden,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            classifier_dropout=0.0,
+            max_position_embeddings=max(512, cfg.seq),
+            num_labels=2,
+        )
+        return transformers.BertForSequenceClassification(config)
+    raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+
+
+def make_batches(name: str, cfg: BenchConfig) -> list[dict[str, Any]]:
+    """One seeded batch per step, identical for every mode: GPT-2 learns its own ids, BERT binary labels."""
+    import torch
+
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    batches = []
+    for _ in range(cfg.steps):
+        ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen)
+        if name == "gpt2":
+            batches.append({"input_ids": ids, "labels": ids})
+        else:
+            batches.append({"input_ids": ids, "labels": torch.randint(0, 2, (cfg.batch,), generator=gen)})
+    return batches
+
+
+# -- memory ------------------------------------------------------------------------------------------------------
+def _read_vm_hwm() -> int | None:
+    """The kernel's high-water mark of this process's RSS in bytes (Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class PeakRSS:
+    """Peak resident memory between :meth:`start` and :meth:`stop`.
+
+    On Linux the kernel's own high-water mark is reset at ``start`` (``/proc/self/clear_refs``) and read at
+    ``stop``: exact, and it costs the timed steps nothing. ``ru_maxrss`` is not used: it also counts the parent's
+    RSS at the moment of the fork. Where the reset is unavailable a sampling thread takes the maximum instead.
+    """
+
+    def __init__(self, interval_s: float = 0.005):
+        import psutil
+
+        self._process = psutil.Process()
+        self._interval_s = interval_s
+        self._sampled = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.method = ""
+
+    def current_bytes(self) -> int:
+        return self._process.memory_info().rss
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # "5" resets the peak RSS to the current RSS
+            if _read_vm_hwm() is not None:
+                self.method = "kernel high-water mark (VmHWM, reset at start of training)"
+                return
+        except OSError:
+            pass
+        self.method = f"psutil sampling every {self._interval_s * 1e3:.0f} ms"
+        self._sampled = self.current_bytes()
+        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sampled = max(self._sampled, self.current_bytes())
+
+    def stop(self) -> int:
+        """Stop measuring; return the peak in bytes."""
+        if self._thread is None:
+            return max(_read_vm_hwm() or 0, self.current_bytes())
+        self._stop.set()
+        self._thread.join()
+        return max(self._sampled, self.current_bytes())
+
+
+# -- the worker --------------------------------------------------------------------------------------------------
+def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
+    """Return the callable to train under ``mode`` and a function reporting what the mode did."""
+    if mode == "eager":
+        return model, dict
+    if mode == "compile":
+        import torch
+
+        compiled = torch.compile(model)  # default backend (inductor); compiles lazily, on the first call
+
+        def compile_details() -> dict[str, Any]:
+            try:
+                from torch._dynamo.utils import counters
+
+                return {"graph_breaks": sum(counters["graph_break"].values())}
+            except Exception:  # private API: its absence must not lose the measurements
+                return {}
+
+        return compiled, compile_details
+    if mode == "ortcore":
+        from .module import ORTModule
+
+        wrapped = ORTModule(model)
+
+        def ortcore_details() -> dict[str, Any]:
+            c = wrapped.state_machine.counters
+            return {
+                "exports": c.exports,
+                "builds": c.builds,
+                "reuses": c.reuses,
+                "fallbacks": c.fallbacks,
+                "fallback_reason": wrapped.fallback_reason,
+            }
+
+        return wrapped, ortcore_details
+    raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+
+
+def _environment() -> dict[str, Any]:
+    import onnxruntime
+    import torch
+    import transformers
+
+    return {
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def run_worker(model_name: str, mode: str, cfg: BenchConfig) -> RunResult:
+    """Train one model under one mode in this process and measure it. Meant to run in a fresh process."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # config notices would bury the worker's real errors
+    result = RunResult(model=model_name, mode=mode, environment=_environment())
+    torch.manual_seed(cfg.seed)  # same seed in every worker: identical initial weights across modes
+    model = build_model(model_name, cfg)
+    model.train()
+    result.details["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    result.n_params = sum(p.numel() for p in model.parameters())
+    batches = make_batches(model_name, cfg)
+    # Wrappers share the model's parameters, so the optimizer can be built on the bare model.
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    rss = PeakRSS()
+    result.rss_baseline_mib = rss.current_bytes() / _MIB
+    rss.start()
+    start = time.perf_counter()
+    runner, details = _wrap(model, mode)
+    result.setup_s = time.perf_counter() - start
+    for batch in batches:
+        start = time.perf_counter()
+        loss = runner(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        result.step_times_s.append(time.perf_counter() - start)
+        result.losses.append(loss.item())
+    peak = rss.stop()
+    result.peak_method = rss.method
+    result.rss_peak_mib = peak / _MIB
+    result.rss_peak_above_baseline_mib = result.rss_peak_mib - result.rss_baseline_mib
+    result.first_step_s = result.setup_s + result.step_times_s[0]
+    result.steady_step_s = statistics.median(result.step_times_s[cfg.warmup :])
+    result.final_loss = result.losses[-1]
+    result.details.update(details())
+    result.ok = not result.fell_back
+    if result.fell_back:
+        result.error = f"ortcore fell back to PyTorch: {result.details.get('fallback_reason')}"
+    return result
+
+
+def _write_json_atomic(path: str, payload: Any) -> None:
+    """Write JSON to ``path`` via a temporary file in the same directory and ``os.replace``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, allow_nan=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _worker_main(argv: Sequence[str] | None = None) -> int:
+    """Entry of ``python -m ortcore.bench --worker MODEL MODE --config JSON --out PATH``."""
+    parser = argparse.ArgumentParser(prog="python -m ortcore.bench", description="ortcore bench worker (internal)")
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), required=True)
+    parser.add_argument("--config", required=True, help="BenchConfig as JSON")
+    parser.add_argument("--out", required=True, help="where to write the RunResult JSON")
+    args = parser.parse_args(argv)
+    model_name, mode = args.worker
+    try:
+        cfg = BenchConfig(**json.loads(args.config))
+        result = run_worker(model_name, mode, cfg)
+    except Exception as e:
+        # Report in the result, so the parent can show the error in the table row instead of a bare exit code.
+        traceback.print_exc()
+        result = RunResult(model=model_name, mode=mode, error=f"{type(e).__name__}: {e}")
+    _write_json_atomic(args.out, asdict(result))
+    return 0 if result.ok else 1
+
+
+# -- the parent --------------------------------------------------------------------------------------------------
+def _tail(text: str, lines: int = 5) -> str:
+    return "\n".join(line for line in text.strip().splitlines()[-lines:])
+
+
+def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float = 1800.0) -> RunResult:
+    """Run :func:`run_worker` in a fresh Python process with :data:`WORKER_ENV` and return its result.
+
+    Never raises for a failed run: a crash, a timeout or an exception inside the worker becomes ``ok=False`` with
+    ``error`` set.
+    """
+    with tempfile.TemporaryDirectory(prefix="ortcore-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = dict(os.environ)
+        env.update(WORKER_ENV)
+        # A fresh inductor cache per run: a warm on-disk cache from an earlier run would hide the compile cost.
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        env["HF_HUB_OFFLINE"] = "1"  # models are built from configs; never reach for the network
+        cmd = [sys.executable, "-m", "ortcore.bench", "--worker", model_name, mode]
+        cmd += ["--config", json.dumps(asdict(cfg)), "--out", out]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return RunResult(model=model_name, mode=mode, error=f"timed out after {timeout_s:.0f} s")
+        wall = time.perf_counter() - start
+        try:
+            with open(out) as f:
+                data = json.load(f)
+            result = RunResult(**data)
+        except (OSError, ValueError, TypeError):
+            detail = _tail(proc.stderr) or "no output"
+            result = RunResult(model=model_name, mode=mode, error=f"worker exited with {proc.returncode}: {detail}")
+    result.wall_s = wall
+    return result
+
+
+def add_ratios(results: Sequence[RunResult]) -> None:
+    """Fill ``vs_eager`` of every successful run with its ratio to the eager run of the same model."""
+    eager = {r.model: r for r in results if r.mode == "eager" and r.ok}
+    for r in results:
+        base = eager.get(r.model)
+        r.vs_eager = {}
+        if base is None or not r.ok:
+            continue
+        for key in ("first_step_s", "steady_step_s", "rss_peak_mib", "rss_peak_above_baseline_mib"):
+            a, b = getattr(r, key), getattr(base, key)
+            r.vs_eager[key] = a / b if a is not None and b else None
+        r.vs_eager["final_loss_rel_diff"] = _rel_diff(r.final_loss, base.final_loss)
+
+
+def _rel_diff(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    scale = max(abs(a), abs(b))
+    return abs(a - b) / scale if scale else 0.0
+
+
+@dataclass
+class BenchReport:
+    """All runs of one benchmark and the settings they ran with."""
+
+    config: BenchConfig
+    results: list[RunResult]
+    worker_env: dict[str, str]
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "settings": {
+                **asdict(self.config),
+                "heads": self.config.heads,
+                "optimizer": "AdamW",
+                "dropout": 0.0,
+                "worker_env": self.worker_env,
+                "isolation": "one fresh subprocess per (model, mode); fresh inductor cache dir per run",
+                "first_step": "setup call + step 1 (ortcore: export + build + step; compile: compile + step)",
+                "steady_step": f"median of steps {self.config.warmup + 1}..{self.config.steps}",
+                "rss": "rss_peak_mib is the peak during training; baseline is after model creation",
+            },
+            "results": [asdict(r) for r in self.results],
+            "wall_s": self.wall_s,
+        }
+
+
+def run_bench(
+    models: Sequence[str],
+    modes: Sequence[str],
+    cfg: BenchConfig,
+    on_start: Callable[[str, str, int, int], None] | None = None,
+    on_done: Callable[[RunResult, int, int], None] | None = None,
+    timeout_s: float = 1800.0,
+) -> BenchReport:
+    """Run every (model, mode) pair, one after the other, each in its own process.
+
+    Runs are sequential on purpose: two at once would share the cores and spoil each other's times.
+    ``on_start(model, mode, index, total)`` and ``on_done(result, index, total)`` report progress.
+    """
+    cfg.validate()
+    for m in models:
+        if m not in MODELS:
+            raise ValueError(f"unknown model {m!r}; allowed: {', '.join(MODELS)}")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}; allowed: {', '.join(MODES)}")
+    # Eager first within each model, so that a partial run still has the baseline for ratios.
+    ordered = sorted(modes, key=lambda m: m != "eager")
+    pairs = [(model, mode) for model in models for mode in ordered]
+    start = time.perf_counter()
+    results = []
+    for i, (model, mode) in enumerate(pairs, 1):
+        if on_start is not None:
+            on_start(model, mode, i, len(pairs))
+        result = run_isolated(model, mode, cfg, timeout_s=timeout_s)
+        results.append(result)
+        if on_done is not None:
+            on_done(result, i, len(pairs))
+    add_ratios(results)
+    return BenchReport(cfg, results, dict(WORKER_ENV), time.perf_counter() - start)
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    """Write the whole report as JSON, atomically (a reader never sees a half-written file)."""
+    _write_json_atomic(path, report.to_json())
+
+
+# -- presentation ------------------------------------------------------------------------------------------------
+def _ratio(value: float | None) -> str:
+    return "" if value is None or not math.isfinite(value) else f" ({value:.2f}×)"
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _notes(r: RunResult) -> str:
+    if not r.ok:
+        return _short(r.error or "failed")
+    d = r.details
+    if r.mode == "ortcore":
+        return f"exports {d.get('exports')}, builds {d.get('builds')}, fallbacks {d.get('fallbacks')}"
+    if r.mode == "compile" and "graph_breaks" in d:
+        return f"graph breaks {d['graph_breaks']}"
+    return ""
+
+
+def results_table(report: BenchReport) -> Any:
+    """A ``rich.table.Table`` of the report: one row per (model, mode), ratios to eager in parentheses."""
+    from rich.table import Table
+
+    cfg = report.config
+    env = next((r.environment for r in report.results if r.environment), {})
+    settings = ", ".join(f"{k}={v}" for k, v in report.worker_env.items())
+    title = (
+        f"ortcore bench: {cfg.steps} AdamW steps, batch {cfg.batch} × seq {cfg.seq}, hidden {cfg.hidden}, "
+        f"{cfg.layers} layers, {cfg.heads} heads, vocab {cfg.vocab}, dropout 0\n"
+        f"worker env: {settings} (set before torch is imported), torch threads {env.get('torch_threads', '?')}; "
+        f"one fresh process per row, cold inductor cache"
+    )
+    caption = (
+        f"first step = setup + step 1 (ortcore: export + build + step; compile: compile + step). "
+        f"steady = median of steps {cfg.warmup + 1}..{cfg.steps}. "
+        "base = RSS after model creation; peak = highest RSS during training; "
+        "the memory ratio (×eager) is of peak − base, i.e. memory training added. "
+        f"torch {env.get('torch', '?')}, onnxruntime {env.get('onnxruntime', '?')}, "
+        f"transformers {env.get('transformers', '?')}."
+    )
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    table.add_column("model")
+    table.add_column("mode")
+    table.add_column("first step s", justify="right")
+    table.add_column("steady step ms", justify="right")
+    table.add_column("base MiB", justify="right")
+    table.add_column("peak MiB", justify="right")
+    table.add_column("peak − base MiB", justify="right")
+    table.add_column("final loss", justify="right")
+    table.add_column("notes")
+    previous = None
+    for r in report.results:
+        if previous is not None and r.model != previous:
+            table.add_section()
+        previous = r.model
+        if r.first_step_s is None:  # the run produced no measurements at all
+            table.add_row(r.model, r.mode, *(["—"] * 6), _short(r.error or "failed"), style="red")
+            continue
+        v = r.vs_eager
+        table.add_row(
+            r.model,
+            r.mode,
+            f"{r.first_step_s:.2f}{_ratio(v.get('first_step_s'))}",
+            f"{r.steady_step_s * 1e3:.1f}{_ratio(v.get('steady_step_s'))}",
+            f"{r.rss_baseline_mib:.0f}",
+            f"{r.rss_peak_mib:.0f}",
+            f"{r.rss_peak_above_baseline_mib:.0f}{_ratio(v.get('rss_peak_above_baseline_mib'))}",
+            f"{r.final_loss:.6f}",
+            _notes(r),
+            style=None if r.ok else "red",
+        )
+    return table
+
+
+def summary_lines(report: BenchReport) -> list[str]:
+    """Short conclusions under the table: loss agreement, failures, the slowest first steps."""
+    lines = []
+    diffs = [r.vs_eager.get("final_loss_rel_diff") for r in report.results if r.ok and r.mode != "eager"]
+    diffs = [d for d in diffs if d is not None]
+    if diffs:
+        lines.append(f"final losses vs eager: max relative difference {max(diffs):.1e}")
+    failed = [r for r in report.results if not r.ok]
+    if failed:
+        lines.append(f"{len(failed)} run(s) failed: " + "; ".join(f"{r.model}/{r.mode}" for r in failed))
+    timed = [r for r in report.results if r.first_step_s is not None]
+    if timed:
+        slow = max(timed, key=lambda r: r.first_step_s)
+        lines.append(f"slowest first step: {slow.model}/{slow.mode} {slow.first_step_s:.1f} s")
+    lines.append(f"total wall time {report.wall_s:.0f} s (imports and model creation included)")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())

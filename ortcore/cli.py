@@ -1,0 +1,243 @@
+"""The ``ortcore`` console command.
+
+Each subcommand is a pair of functions: ``_add_<name>(subparsers)`` declares its arguments and binds
+``_run_<name>(args) -> int``. To add a subcommand, write both and append the first to :data:`_SUBCOMMANDS`.
+Optional dependencies (transformers, rich) are imported inside the run functions that need them, so the other
+subcommands work without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+
+# -- argument types ----------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _choice_list(kind: str, allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type for a comma-separated subset of ``allowed``, keeping the user's order, no duplicates."""
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip().lower() for n in text.split(",") if n.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind}s from: {', '.join(allowed)}")
+        for name in names:
+            if name not in allowed:
+                raise argparse.ArgumentTypeError(f"unknown {kind} {name!r}; allowed: {', '.join(allowed)}")
+        return list(dict.fromkeys(names))
+
+    return parse
+
+
+# -- ortcore demo ------------------------------------------------------------------------------------------------
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small model in PyTorch and in ortcore and compare the loss curves",
+        description=(
+            "Train a small seeded transformer-style model with AdamW twice, in plain PyTorch and wrapped in "
+            "ortcore.ORTModule, from identical weights and data; print both loss curves and step times. "
+            "Exits nonzero if the curves differ by more than the tolerance or ortcore fell back to PyTorch."
+        ),
+    )
+    p.add_argument("--steps", type=_positive_int, default=20, help="training steps per run (default: 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
+    p.set_defaults(run=_run_demo)
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(steps=args.steps, seed=args.seed)
+    print(
+        f"ortcore demo: {cfg.steps} AdamW steps (lr {cfg.lr:g}) of a one-block transformer-style model "
+        f"(dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}), batch {cfg.batch} × seq {cfg.seq}, seed {cfg.seed}",
+        flush=True,
+    )
+    print("training in PyTorch, then with ortcore.ORTModule from the same initial weights ...", flush=True)
+    result = run_demo(cfg)
+    print(f"model parameters: {result.n_params:,}\n")
+    header = (
+        f"{'step':>4}  {'torch loss':>12}  {'ortcore loss':>12}  {'rel diff':>9}  {'torch ms':>9}  {'ortcore ms':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = zip(
+        result.torch_run.losses,
+        result.ortcore_run.losses,
+        result.rel_diffs,
+        result.torch_run.step_times_s,
+        result.ortcore_run.step_times_s,
+    )
+    for i, (a, b, d, ta, tb) in enumerate(rows, 1):
+        note = "  <- export + build + step" if i == 1 else ""
+        print(f"{i:>4}  {a:>12.6f}  {b:>12.6f}  {d:>9.1e}  {ta * 1e3:>9.1f}  {tb * 1e3:>10.1f}{note}")
+    print()
+    t, o = result.torch_run, result.ortcore_run
+    if not result.ran_in_ort:
+        verdict = f"FAIL: ortcore fell back to PyTorch ({result.fallback_reason})"
+    elif result.passed:
+        verdict = f"OK (limit {cfg.tolerance:.0e})"
+    else:
+        verdict = f"FAIL: curves differ by more than {cfg.tolerance:.0e}"
+    print(
+        f"summary: max rel loss diff {result.max_rel_diff:.1e} | first step: torch {_ms(t.first_step_s)}, "
+        f"ortcore {_ms(o.first_step_s)} | median steady step: torch {_ms(t.steady_step_s)}, "
+        f"ortcore {_ms(o.steady_step_s)} | {verdict}"
+    )
+    print(
+        "note: a model this small mostly measures fixed per-step overheads; "
+        "`ortcore bench` compares BERT and GPT-2 at realistic sizes."
+    )
+    return 0 if result.passed else 1
+
+
+# -- ortcore bench -----------------------------------------------------------------------------------------------
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    from .bench import MODELS, MODES, BenchConfig
+
+    d = BenchConfig()
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark BERT and GPT-2 training under eager, torch.compile and ortcore",
+        description=(
+            "Train Hugging Face BertForSequenceClassification and GPT2LMHeadModel (random init, no download) "
+            "with AdamW under each mode, every run in a fresh process, and print first-step time, steady step "
+            "time, peak RSS and final loss, each with its ratio to eager. Exits 1 if any run failed."
+        ),
+    )
+    p.add_argument(
+        "--models", type=_choice_list("model", MODELS), default=list(MODELS), help=f"default: {','.join(MODELS)}"
+    )
+    p.add_argument("--modes", type=_choice_list("mode", MODES), default=list(MODES), help=f"default: {','.join(MODES)}")
+    p.add_argument("--steps", type=_positive_int, default=d.steps, help=f"training steps per run (default: {d.steps})")
+    p.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=d.warmup,
+        help=f"steps left out of the steady-state median (default: {d.warmup})",
+    )
+    p.add_argument("--batch", type=_positive_int, default=d.batch, help=f"default: {d.batch}")
+    p.add_argument("--seq", type=_positive_int, default=d.seq, help=f"sequence length (default: {d.seq})")
+    p.add_argument("--hidden", type=_positive_int, default=d.hidden, help=f"hidden size (default: {d.hidden})")
+    p.add_argument("--layers", type=_positive_int, default=d.layers, help=f"default: {d.layers}")
+    p.add_argument("--vocab", type=_positive_int, default=d.vocab, help=f"vocabulary size (default: {d.vocab})")
+    p.add_argument("--json", metavar="PATH", help="also write all results to PATH as JSON (atomically)")
+    p.add_argument(
+        "--timeout", type=_positive_int, default=1800, help="seconds before a single run is abandoned (default: 1800)"
+    )
+    p.set_defaults(run=_run_bench, parser=p)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, RunResult, results_table, run_bench, summary_lines, write_json
+
+    parser: argparse.ArgumentParser = args.parser
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup ({args.warmup}) must be less than --steps ({args.steps})")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: directory of {args.json!r} does not exist")
+    missing = [m for m in ("transformers", "rich") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"ortcore bench needs {' and '.join(missing)}: pip install 'ortcore[all]'", file=sys.stderr)
+        return 2
+
+    from rich.console import Console
+
+    cfg = BenchConfig(
+        batch=args.batch,
+        seq=args.seq,
+        hidden=args.hidden,
+        layers=args.layers,
+        steps=args.steps,
+        warmup=args.warmup,
+        vocab=args.vocab,
+    )
+    progress = Console(stderr=True)
+
+    def on_start(model: str, mode: str, i: int, n: int) -> None:
+        progress.print(f"[{i}/{n}] {model} / {mode} ...", highlight=False)
+
+    def on_done(r: RunResult, i: int, n: int) -> None:
+        if r.ok:
+            what = f"first step {r.first_step_s:.2f} s, steady {r.steady_step_s * 1e3:.1f} ms"
+        else:
+            what = f"[red]failed: {(r.error or '').splitlines()[0][:200]}[/red]"
+        progress.print(f"      done in {r.wall_s or 0:.0f} s: {what}", highlight=False)
+
+    report = run_bench(args.models, args.modes, cfg, on_start=on_start, on_done=on_done, timeout_s=args.timeout)
+    console = Console()
+    console.print(results_table(report))
+    for line in summary_lines(report):
+        console.print(line, highlight=False)
+    if args.json:
+        write_json(report, args.json)
+        console.print(f"results written to {args.json}", highlight=False)
+    return 0 if report.ok else 1
+
+
+# -- entry point -------------------------------------------------------------------------------------------------
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ortcore`` argument parser with every subcommand registered."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="ortcore", description="Train PyTorch models in ONNX Runtime's training engine."
+    )
+    parser.add_argument("--version", action="version", version=f"ortcore {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ortcore`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits on --help and on bad arguments; callers of main() want a code
+        return e.code if isinstance(e.code, int) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except SystemExit as e:  # parser.error() inside a subcommand's checks
+        return e.code if isinstance(e.code, int) else 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Hook specifications: everything a plugin can contribute to ortcore, grouped by lifecycle.
+
+Every hook is named ``ortcore_*`` and called by keyword, so argument names are API: a plugin implements a hook
+with any subset of the arguments, in any order. Hooks run last-registered-first; where order matters (graph
+passes) it is declared explicitly, never left to registration order. The core calls hooks through
+:class:`ortcore.plugins.Hooks`, and per-step paths never go through pluggy: inspectors and subscribers are
+collected once per model and then called directly.
+
+Lifecycle: configure → export → graph build → session → step → teardown.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import onnx
+    import onnxruntime
+    import torch
+
+    from .config import Config
+    from .exporter import Exporter
+    from .graph_passes import GraphPass
+    from .inspectors import RuntimeInspector
+
+hookspec = pluggy.HookspecMarker("ortcore")
+hookimpl = pluggy.HookimplMarker("ortcore")
+
+
+# -- configure ----------------------------------------------------------------------------------------------------
+@hookspec
+def ortcore_options_class() -> type | None:
+    """Declare this plugin's options: a frozen ``attrs`` class, filled from ``[plugins.<name>]`` in ortcore.toml
+    and from the environment variables named in each field's ``metadata={"env": "ORTMODULE_..."}``.
+
+    Called once per plugin when the configuration is loaded, before :func:`ortcore_configure`.
+    Returns the class, or None if the plugin has no options.
+    """
+
+
+@hookspec
+def ortcore_configure(config: Config) -> None:
+    """The configuration is loaded and validated; a plugin reads ``config.plugin_options(name)`` here.
+
+    Called once per plugin host, after every plugin is registered. Return value ignored.
+    """
+
+
+# -- export -------------------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def ortcore_exporter(config: Config) -> Exporter | None:
+    """Who exports? Return an :class:`ortcore.exporter.Exporter` to replace the default TorchScript exporter.
+
+    Called once per ORTModule. The core's default is a built-in implementation marked ``trylast``.
+    Stops at the first non-None result.
+    """
+
+
+@hookspec
+def ortcore_export_symbolics(config: Config) -> dict[str, Any] | None:
+    """Extra TorchScript symbolics: ``{"::op_name": symbolic_fn}`` registered for the export opset.
+
+    Called once per export; later plugins cannot override an op an earlier one claimed (a duplicate is an error
+    naming both plugins). Return None to contribute nothing.
+    """
+
+
+@hookspec
+def ortcore_graph_passes(config: Config) -> list[GraphPass] | None:
+    """Post-export graph passes: small objects with a unique ``name``, ``before``/``after`` lists of other passes'
+    names, and ``run(model: onnx.ModelProto, context) -> None`` that edits the forward graph in place.
+
+    Called once per export; all contributions are collected and sorted by their declared order (a cycle, an unknown
+    or a duplicate name is an error). Passes run after the core's own processing, before the gradient build.
+    """
+
+
+@hookspec
+def ortcore_export_key(config: Config) -> dict[str, Any] | None:
+    """Values that shape the exported graph beyond the core's key (a pass's options, say), for caches.
+
+    Return a JSON-serialisable dict, or None.
+    """
+
+
+@hookspec(firstresult=True)
+def ortcore_load_export(config: Config, module: torch.nn.Module, fingerprint: str) -> onnx.ModelProto | None:
+    """Return a previously exported, post-processed forward graph for ``fingerprint`` (an export cache), or None
+    to export. ``fingerprint`` covers everything that shapes the graph. Stops at the first non-None result.
+    """
+
+
+@hookspec
+def ortcore_export_done(config: Config, module: torch.nn.Module, fingerprint: str, model: onnx.ModelProto) -> None:
+    """A graph was exported and post-processed (not loaded): store it, inspect it. Return value ignored."""
+
+
+# -- graph build ----------------------------------------------------------------------------------------------------
+@hookspec
+def ortcore_graph_transformer_config(config: Config, transformer_config: Any, training: bool) -> None:
+    """Adjust ORT's ``TrainingGraphTransformerConfiguration`` (compute optimizer, sparsity, recompute) in place.
+
+    Called before each gradient-graph build. Return value ignored.
+    """
+
+
+# -- session --------------------------------------------------------------------------------------------------------
+@hookspec
+def ortcore_session_options(config: Config, session_options: onnxruntime.SessionOptions, device: torch.device) -> None:
+    """Adjust the ``onnxruntime.SessionOptions`` of a new session in place (config entries, threads, EP options).
+
+    Called before each session is created. Return value ignored.
+    """
+
+
+@hookspec
+def ortcore_session_created(config: Config, session: Any) -> None:
+    """A :class:`ortcore.session.TrainingSession` was built; inspect its graph or its memory plan here."""
+
+
+# -- step -----------------------------------------------------------------------------------------------------------
+@hookspec
+def ortcore_runtime_inspectors(config: Config, module: torch.nn.Module) -> list[RuntimeInspector] | None:
+    """Objects called around each step: any of ``pre_forward(step, inputs)``, ``post_forward(step, outputs)``,
+    ``pre_backward(step)``, ``post_backward(step)`` (see :class:`ortcore.inspectors.RuntimeInspector`).
+
+    Called once per ORTModule; the objects are then called directly on every step, without pluggy.
+    """
+
+
+@hookspec
+def ortcore_activation_subscribers(config: Config, module: torch.nn.Module) -> list[Any] | None:
+    """Subscribers that receive activation tensors (forward outputs and their gradients) during each step.
+
+    Called once per subscribed model; the subscribers are then called directly.
+    """
+
+
+@hookspec(firstresult=True)
+def ortcore_autograd_function_handler(config: Config, function: type) -> Any | None:
+    """Who runs this ``torch.autograd.Function`` subclass inside the graph? Return a handler (exports it and runs
+    its forward/backward) or None. Stops at the first non-None result.
+    """
+
+
+@hookspec
+def ortcore_optimizers() -> dict[str, type] | None:
+    """Optimizers this plugin provides, by name: ``{"FusedAdam": FusedAdam}`` (see ``ortcore.optim``)."""
+
+
+# -- teardown -------------------------------------------------------------------------------------------------------
+@hookspec
+def ortcore_unconfigure(config: Config) -> None:
+    """The plugin host is shutting down (process exit or a test's host going away). Return value ignored."""

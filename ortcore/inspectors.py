@@ -1,0 +1,39 @@
+"""Runtime inspectors: objects called around each step of an ORTModule.
+
+Plugins return inspectors from ``ortcore_runtime_inspectors`` once per model; the core then calls only the methods
+an inspector overrides, directly, so an idle phase costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
+
+
+class RuntimeInspector:
+    """Base class: override any of the four phases. ``step`` counts training forwards, from 0."""
+
+    def pre_forward(self, step: int, inputs: dict[str, Any]) -> None:
+        """Before ORT's forward; ``inputs`` maps graph input names to the tensors fed (arguments only)."""
+
+    def post_forward(self, step: int, outputs: list[Any]) -> None:
+        """After ORT's forward, with the flat output tensors."""
+
+    def pre_backward(self, step: int) -> None:
+        """Before ORT's backward."""
+
+    def post_backward(self, step: int) -> None:
+        """After ORT's backward (gradients are handed to torch right after)."""
+
+
+def phase_callbacks(inspectors: list[Any]) -> dict[str, list]:
+    """For each phase, the bound methods that some inspector really overrides."""
+    calls: dict[str, list] = {phase: [] for phase in PHASES}
+    for inspector in inspectors:
+        for phase in PHASES:
+            method = getattr(inspector, phase, None)
+            base = getattr(RuntimeInspector, phase)
+            if method is not None and getattr(method, "__func__", None) is not base:
+                calls[phase].append(method)
+    return calls

@@ -1,0 +1,312 @@
+"""The plugin host: finds plugins through entry points, configures them, and calls their hooks.
+
+Built-in plugins and third-party plugins enter through the same door, the entry-point group ``ortcore.plugins``.
+A plugin listed in ``[plugins] disable`` (or ``ORTCORE_DISABLE_PLUGINS``) is never imported. A plugin that fails
+to import is reported with its distribution and entry-point name while the rest keep working (an error if it was
+listed in ``[plugins] enable``), and a plugin that raises inside a hook gives a :class:`PluginError` naming the
+plugin and the hook. ``ORTCORE_TRACE_HOOKS=1`` logs every hook call: who answered and how long it took.
+
+The core calls hooks only through :class:`Hooks`, a typed facade.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+import importlib_metadata
+import pluggy
+
+from . import hookspecs
+from .config import Config, build_options
+from .errors import OptionError, ORTCoreError
+from .graph_passes import GraphPass, order_passes
+
+logger = logging.getLogger("ortcore")
+trace_logger = logging.getLogger("ortcore.hooks")
+
+ENTRY_POINT_GROUP = "ortcore.plugins"
+
+# The plugins shipped in plugins/ and registered in pyproject.toml; a test checks the installed entry points match.
+BUILTIN_PLUGINS: tuple[str, ...] = ()
+BUILTIN_DISTRIBUTION = "ortcore"
+CORE_PLUGIN = "core"
+
+
+class PluginError(ORTCoreError, RuntimeError):
+    """A plugin failed: to import, to configure, or inside a hook (the message names plugin and hook)."""
+
+
+@attrs.define
+class PluginRecord:
+    """What the host knows of one plugin, loaded or not (``ortcore plugins`` prints these)."""
+
+    name: str
+    distribution: str
+    version: str
+    builtin: bool
+    status: str  # "loaded", "disabled" or "failed"
+    error: str | None = None
+    plugin: Any = None
+    options_class: type | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.status == "loaded"
+
+
+class PluginHost:
+    """A pluggy manager with ortcore's hook specs, its plugins and their configuration.
+
+    Args:
+        config: the configuration (default: :meth:`Config.load`).
+        autoload: load plugins from the ``ortcore.plugins`` entry points.
+        plugins: extra ``{name: plugin}`` objects to register (tests register only the plugin under test).
+    """
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        autoload: bool = True,
+        plugins: Mapping[str, Any] | None = None,
+    ):
+        self.config = config if config is not None else Config.load()
+        self.pm = pluggy.PluginManager("ortcore")
+        self.pm.add_hookspecs(hookspecs)
+        self.records: dict[str, PluginRecord] = {}
+        self.trace = self.config.env.get("ORTCORE_TRACE_HOOKS", "") not in ("", "0")
+        if self.trace and not trace_logger.handlers:
+            trace_logger.addHandler(logging.StreamHandler())
+            trace_logger.setLevel(logging.INFO)
+            trace_logger.propagate = False
+        from . import exporter  # the core's defaults are a plugin too, marked trylast
+
+        self._register(CORE_PLUGIN, exporter.CoreDefaults(), PluginRecord(CORE_PLUGIN, "ortcore", _version(), True, "loaded"))
+        if autoload:
+            self._load_entry_points()
+        for name, plugin in (plugins or {}).items():
+            self._register(name, plugin, PluginRecord(name, "<registered>", "", False, "loaded"))
+        self._configure()
+        self.hooks = Hooks(self)
+
+    # -- loading ----------------------------------------------------------------------------------------------------
+    def _load_entry_points(self) -> None:
+        disabled = set(self.config.disable)
+        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist else "<unknown>"
+            record = PluginRecord(
+                ep.name,
+                dist,
+                ep.dist.version if ep.dist else "",
+                builtin=dist == BUILTIN_DISTRIBUTION and ep.name in BUILTIN_PLUGINS,
+                status="disabled",
+            )
+            if ep.name in self.records:
+                raise PluginError(
+                    f"two plugins are named {ep.name!r}: from {self.records[ep.name].distribution!r} and {dist!r}"
+                )
+            if ep.name in disabled:
+                self.records[ep.name] = record  # never imported
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as e:  # any import-time failure of a plugin must not take ortcore down
+                record.status, record.error = "failed", f"{type(e).__name__}: {e}"
+                self.records[ep.name] = record
+                message = f"plugin {ep.name!r} (distribution {dist!r}, entry point {ep.value!r}) failed to import: {record.error}"
+                if ep.name in self.config.enable:
+                    raise PluginError(message) from e
+                logger.warning("%s; the other plugins keep working", message)
+                continue
+            self._register(ep.name, plugin, record)
+
+    def _register(self, name: str, plugin: Any, record: PluginRecord) -> None:
+        self.pm.register(plugin, name=name)
+        record.plugin = plugin
+        self.records[name] = record
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                    impl.function = self._guard(name, caller.name, impl.function)
+
+    def _guard(self, plugin: str, hook: str, function: Callable) -> Callable:
+        """Name plugin and hook in any exception; time the call when tracing."""
+
+        @functools.wraps(function)
+        def guarded(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                result = function(*args)
+            except PluginError:
+                raise
+            except Exception as e:
+                raise PluginError(f"plugin {plugin!r} raised in hook {hook}: {type(e).__name__}: {e}") from e
+            if self.trace:
+                answer = "no answer" if result is None else f"answered {type(result).__name__}"
+                trace_logger.info(
+                    "hook %s: plugin %s %s in %.3f ms", hook, plugin, answer, (time.perf_counter() - start) * 1e3
+                )
+            return result
+
+        return guarded
+
+    def _configure(self) -> None:
+        known = sorted(self.records)
+        for name in self.config.enable:
+            record = self.records.get(name)
+            if record is None:
+                raise PluginError(
+                    f"plugin {name!r} is listed in [plugins] enable but not installed; installed: {known}"
+                    + _suggest(name, known)
+                )
+        for name in self.config.disable:
+            if name not in self.records and name not in BUILTIN_PLUGINS:
+                logger.info("plugin %r in [plugins] disable is not installed", name)
+        for name in self.config.plugin_tables:
+            if name not in self.records:
+                raise OptionError(f"[plugins.{name}] names no installed plugin; installed: {known}{_suggest(name, known)}")
+        options: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, record in self.records.items():
+            if not record.enabled:
+                continue
+            get_class = getattr(record.plugin, "ortcore_options_class", None)
+            record.options_class = get_class() if get_class else None
+            table = self.config.plugin_tables.get(name, {})
+            if record.options_class is None:
+                if table:
+                    raise OptionError(f"[plugins.{name}] sets {sorted(table)} but plugin {name!r} takes no options")
+                continue
+            where = f"plugins.{name}."
+            options[name], found = build_options(
+                record.options_class, [(self.config._file_source, table)], self.config.env, where
+            )
+            sources.update({f"{where}{k}": v for k, v in found.items()})
+        self.config = attrs.evolve(self.config, plugins=options, sources={**self.config.sources, **sources})
+        self.pm.hook.ortcore_configure(config=self.config)
+
+    def close(self) -> None:
+        self.pm.hook.ortcore_unconfigure(config=self.config)
+
+    # -- introspection ----------------------------------------------------------------------------------------------
+    def hooks_of(self, name: str) -> list[str]:
+        """Names of the hooks plugin ``name`` implements."""
+        plugin = self.pm.get_plugin(name)
+        return sorted(c.name for c in self.pm.get_hookcallers(plugin) or []) if plugin is not None else []
+
+
+def _suggest(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+class Hooks:
+    """The typed facade through which the core calls plugins."""
+
+    def __init__(self, host: PluginHost):
+        self._host = host
+        self._hook = host.pm.hook
+
+    @property
+    def config(self) -> Config:
+        return self._host.config
+
+    def exporter(self) -> Any:
+        return self._hook.ortcore_exporter(config=self.config)
+
+    def export_symbolics(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for contribution in self._hook.ortcore_export_symbolics(config=self.config):
+            for op, fn in (contribution or {}).items():
+                if op in merged and merged[op] is not fn:
+                    raise PluginError(f"two plugins register a symbolic for {op!r}")
+                merged[op] = fn
+        return merged
+
+    def graph_passes(self) -> list[GraphPass]:
+        passes = []
+        for impl in reversed(self._hook.ortcore_graph_passes.get_hookimpls()):
+            for p in impl.function(*[{"config": self.config}[a] for a in impl.argnames]) or []:
+                passes.append(attrs.evolve(p, plugin=impl.plugin_name))
+        return order_passes(passes)
+
+    def export_key(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for contribution in self._hook.ortcore_export_key(config=self.config):
+            merged.update(contribution or {})
+        return merged
+
+    def load_export(self, module: Any, fingerprint: str) -> Any:
+        return self._hook.ortcore_load_export(config=self.config, module=module, fingerprint=fingerprint)
+
+    def export_done(self, module: Any, fingerprint: str, model: Any) -> None:
+        self._hook.ortcore_export_done(config=self.config, module=module, fingerprint=fingerprint, model=model)
+
+    def graph_transformer_config(self, transformer_config: Any, training: bool) -> None:
+        self._hook.ortcore_graph_transformer_config(
+            config=self.config, transformer_config=transformer_config, training=training
+        )
+
+    def session_options(self, session_options: Any, device: Any) -> None:
+        self._hook.ortcore_session_options(config=self.config, session_options=session_options, device=device)
+
+    def session_created(self, session: Any) -> None:
+        self._hook.ortcore_session_created(config=self.config, session=session)
+
+    def runtime_inspectors(self, module: Any) -> list[Any]:
+        return [i for found in self._hook.ortcore_runtime_inspectors(config=self.config, module=module) for i in found or []]
+
+    def activation_subscribers(self, module: Any) -> list[Any]:
+        found = self._hook.ortcore_activation_subscribers(config=self.config, module=module)
+        return [s for group in found for s in group or []]
+
+    def autograd_function_handler(self, function: type) -> Any:
+        return self._hook.ortcore_autograd_function_handler(config=self.config, function=function)
+
+    def optimizers(self) -> dict[str, type]:
+        merged: dict[str, type] = {}
+        for contribution in self._hook.ortcore_optimizers():
+            merged.update(contribution or {})
+        return merged
+
+
+_default_host: PluginHost | None = None
+_default_host_key: tuple | None = None
+_pinned = False
+
+
+def _environment_key() -> tuple:
+    """What the default host was built from: the working directory and every ortcore-related variable."""
+    variables = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("ORTMODULE_", "ORTCORE_"))))
+    return os.getcwd(), variables
+
+
+def get_host() -> PluginHost:
+    """The process-wide host, built from :meth:`Config.load`; rebuilt if the environment or directory changed."""
+    global _default_host, _default_host_key
+    key = _environment_key()
+    if _default_host is None or (not _pinned and key != _default_host_key):
+        _default_host, _default_host_key = PluginHost(), key
+    return _default_host
+
+
+def set_host(host: PluginHost | None) -> PluginHost | None:
+    """Pin the process-wide host (``None`` unpins it); returns the previous one. Tests and embedders use this."""
+    global _default_host, _default_host_key, _pinned
+    previous = _default_host
+    _default_host, _default_host_key, _pinned = host, _environment_key(), host is not None
+    return previous
+

@@ -109,8 +109,6 @@ def build_model(name: str, cfg: BenchConfig) -> Any:
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
-            # A training run has no use for the KV cache; returning it would only add outputs.
-            use_cache=False,
             # GPT-2's default ids (50256) lie outside the small vocabulary.
             bos_token_id=0,
             eos_token_id=0,
@@ -478,9 +476,15 @@ def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _notes(r: RunResult) -> str:
-    if not r.ok:
-        return _short(r.error or "failed")
+def _failure_index(report: BenchReport) -> dict[int, int]:
+    """Footnote number of each failed run, keyed by its position in ``report.results``."""
+    failed = [i for i, r in enumerate(report.results) if not r.ok]
+    return {i: n for n, i in enumerate(failed, 1)}
+
+
+def _notes(r: RunResult, footnote: int | None) -> str:
+    if footnote is not None:
+        return f"fell back to PyTorch, see [{footnote}]" if r.fell_back else f"FAILED, see [{footnote}]"
     d = r.details
     if r.mode == "ortcore":
         return f"exports {d.get('exports')}, builds {d.get('builds')}, fallbacks {d.get('fallbacks')}"
@@ -520,13 +524,14 @@ def results_table(report: BenchReport) -> Any:
     table.add_column("peak − base MiB", justify="right")
     table.add_column("final loss", justify="right")
     table.add_column("notes")
+    footnotes = _failure_index(report)
     previous = None
-    for r in report.results:
+    for i, r in enumerate(report.results):
         if previous is not None and r.model != previous:
             table.add_section()
         previous = r.model
         if r.first_step_s is None:  # the run produced no measurements at all
-            table.add_row(r.model, r.mode, *(["—"] * 6), _short(r.error or "failed"), style="red")
+            table.add_row(r.model, r.mode, *(["—"] * 6), _notes(r, footnotes.get(i)), style="red")
             continue
         v = r.vs_eager
         table.add_row(
@@ -538,22 +543,22 @@ def results_table(report: BenchReport) -> Any:
             f"{r.rss_peak_mib:.0f}",
             f"{r.rss_peak_above_baseline_mib:.0f}{_ratio(v.get('rss_peak_above_baseline_mib'))}",
             f"{r.final_loss:.6f}",
-            _notes(r),
+            _notes(r, footnotes.get(i)),
             style=None if r.ok else "red",
         )
     return table
 
 
 def summary_lines(report: BenchReport) -> list[str]:
-    """Short conclusions under the table: loss agreement, failures, the slowest first steps."""
+    """Short conclusions under the table: loss agreement, the failures the table points to, the slowest step."""
     lines = []
     diffs = [r.vs_eager.get("final_loss_rel_diff") for r in report.results if r.ok and r.mode != "eager"]
     diffs = [d for d in diffs if d is not None]
     if diffs:
         lines.append(f"final losses vs eager: max relative difference {max(diffs):.1e}")
-    failed = [r for r in report.results if not r.ok]
-    if failed:
-        lines.append(f"{len(failed)} run(s) failed: " + "; ".join(f"{r.model}/{r.mode}" for r in failed))
+    for i, n in _failure_index(report).items():
+        r = report.results[i]
+        lines.append(f"[{n}] {r.model}/{r.mode}: {_short(r.error or 'failed', 600)}")
     timed = [r for r in report.results if r.first_step_s is not None]
     if timed:
         slow = max(timed, key=lambda r: r.first_step_s)

@@ -192,7 +192,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         progress.print(f"      done in {r.wall_s or 0:.0f} s: {what}", highlight=False)
 
     report = run_bench(args.models, args.modes, cfg, on_start=on_start, on_done=on_done, timeout_s=args.timeout)
-    console = Console()
+    # Piped output gets rich's 80 columns unless told otherwise, too narrow for nine columns and ratios.
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
     console.print(results_table(report))
     for line in summary_lines(report):
         console.print(line, highlight=False)

@@ -8,14 +8,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
+
+
+@attrs.frozen
+class ForwardInputs:
+    """The call being run: the user's ``args``/``kwargs`` and its tensors by graph input name."""
+
+    args: tuple
+    kwargs: dict
+    tensors: dict[str, Any]
 
 
 class RuntimeInspector:
     """Base class: override any of the four phases. ``step`` counts training forwards, from 0."""
 
-    def pre_forward(self, step: int, inputs: dict[str, Any]) -> None:
-        """Before ORT's forward; ``inputs`` maps graph input names to the tensors fed (arguments only)."""
+    def pre_forward(self, step: int, inputs: ForwardInputs) -> None:
+        """Before ORT's forward, with the call's arguments and its tensors by graph input name."""
 
     def post_forward(self, step: int, outputs: list[Any]) -> None:
         """After ORT's forward, with the flat output tensors."""

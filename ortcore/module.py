@@ -18,7 +18,7 @@ from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
 from .exporter import Exporter
 from .graph import ExportedGraph, export_graph, update_batch_norm
-from .inspectors import phase_callbacks
+from .inspectors import ForwardInputs, phase_callbacks
 from .options import DebugOptions, FallbackPolicy
 from .plugins import Hooks, PluginHost, get_host
 from .schema import InputSchema, flatten_inputs
@@ -237,10 +237,10 @@ class ORTModule(torch.nn.Module):
         except tuple(_FALLBACK_FLAG) as e:
             return self._fall_back(e, args, kwargs)
         rt.fallback_reason = None
-        return self._execute(graph, session, tensors, params)
+        return self._execute(graph, session, tensors, params, (args, kwargs))
 
     def _execute(
-        self, graph: ExportedGraph, session: TrainingSession, tensors: list[torch.Tensor], params: dict
+        self, graph: ExportedGraph, session: TrainingSession, tensors: list[torch.Tensor], params: dict, call: tuple
     ) -> Any:
         by_name = dict(zip(graph.user_input_names, tensors))
         by_name.update(params)
@@ -250,14 +250,16 @@ class ORTModule(torch.nn.Module):
                 by_name[name] = by_name[name].clone()
         feeds = [by_name[name] for name in session.feed_names]
         rt = self._ortcore
-        for call in rt.phases["pre_forward"]:
-            call(rt.step, dict(zip(graph.user_input_names, tensors)))
+        if rt.phases["pre_forward"]:
+            inputs = ForwardInputs(call[0], call[1], dict(zip(graph.user_input_names, tensors)))
+            for inspect_call in rt.phases["pre_forward"]:
+                inspect_call(rt.step, inputs)
         if session.request.build_gradient:
             outputs = _ORTFunction.apply(session, rt, *feeds)
         else:
             outputs = session.run_inference(feeds)
-        for call in rt.phases["post_forward"]:
-            call(rt.step, outputs)
+        for inspect_call in rt.phases["post_forward"]:
+            inspect_call(rt.step, outputs)
         if session.request.build_gradient:
             rt.step += 1
         n = graph.n_user_outputs

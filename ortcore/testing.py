@@ -1,0 +1,112 @@
+"""Test helpers and pytest fixtures for plugin authors (ortcore's own tests use them too).
+
+Installed as a pytest plugin (entry point ``pytest11``), so the fixtures are available in any project that has
+ortcore installed::
+
+    def test_my_plugin_keeps_gradients(ortcore_host, tmp_path):
+        host = ortcore_host({"my_plugin": my_plugin}, table={"plugins": {"my_plugin": {"level": 2}}})
+        model = torch.nn.Linear(4, 2)
+        assert_matches_torch(model, (torch.randn(3, 4),), host=host)
+
+``ortcore_host`` builds a :class:`~ortcore.plugins.PluginHost` with no autoloading: only the plugins you pass are
+registered, besides the core's defaults. :func:`assert_matches_torch` runs a model in plain PyTorch and in ortcore
+from identical weights and compares outputs, loss and every parameter's gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from .config import Config
+from .plugins import PluginHost, set_host
+
+RTOL = 1e-4
+ATOL = 1e-5
+
+
+def make_host(
+    plugins: Mapping[str, Any] | None = None,
+    *,
+    table: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> PluginHost:
+    """A plugin host with only ``plugins`` registered, configured from ``table`` (an ortcore.toml as a dict)."""
+    config = Config.from_table(table or {}, env=dict(env or {}))
+    return PluginHost(config, autoload=False, plugins=plugins or {})
+
+
+@pytest.fixture
+def ortcore_host() -> Iterator[Callable[..., PluginHost]]:
+    """Factory fixture: ``ortcore_host(plugins, table=..., env=...)``; hosts are closed after the test."""
+    hosts: list[PluginHost] = []
+
+    def factory(plugins: Mapping[str, Any] | None = None, **kwargs: Any) -> PluginHost:
+        host = make_host(plugins, **kwargs)
+        hosts.append(host)
+        return host
+
+    yield factory
+    for host in hosts:
+        host.close()
+
+
+@pytest.fixture
+def ortcore_default_host(ortcore_host: Callable[..., PluginHost]) -> Iterator[PluginHost]:
+    """Pin a host with no plugins as the process-wide default for the test (``ORTModule(model)`` uses it)."""
+    host = ortcore_host({})
+    previous = set_host(host)
+    yield host
+    set_host(previous)
+
+
+def _loss(outputs: Any) -> torch.Tensor:
+    leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.float().square().mean() for t in leaves)
+
+
+def assert_matches_torch(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    host: PluginHost | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] = _loss,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    **ortmodule_kwargs: Any,
+) -> Any:
+    """Run ``model`` in PyTorch and in ortcore from identical weights; compare outputs, loss and every gradient.
+
+    Returns the ORTModule so a test can assert more (counters, saved graphs).
+    """
+    from .module import ORTModule
+
+    kwargs = dict(kwargs or {})
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, host=host, **ortmodule_kwargs)
+    expected = reference(*args, **kwargs)
+    actual = wrapped(*args, **kwargs)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"outputs differ: {m}")
+    expected_loss, actual_loss = loss_fn(expected), loss_fn(actual)
+    torch.testing.assert_close(actual_loss, expected_loss, rtol=rtol, atol=atol)
+    expected_loss.backward()
+    actual_loss.backward()
+    assert_grads_match(wrapped, reference, rtol=rtol, atol=atol)
+    return wrapped
+
+
+def assert_grads_match(actual: torch.nn.Module, expected: torch.nn.Module, *, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Every parameter's gradient matches (and is None exactly where torch's is None)."""
+    expected_params = dict(expected.named_parameters())
+    for name, param in actual.named_parameters():
+        ref = expected_params[name].grad
+        if ref is None or param.grad is None:
+            assert ref is None and param.grad is None, f"{name}: grad is {param.grad is not None} in ortcore, {ref is not None} in torch"
+            continue
+        torch.testing.assert_close(param.grad, ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad of {n}: {m}")

@@ -354,11 +354,15 @@ def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float 
         # A fresh inductor cache per run: a warm on-disk cache from an earlier run would hide the compile cost.
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
         env["HF_HUB_OFFLINE"] = "1"  # models are built from configs; never reach for the network
+        # The worker must run this very ortcore: our package root goes first on its path, and it runs in the empty
+        # temporary directory so that no `ortcore` folder in the caller's working directory shadows it.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "ortcore.bench", "--worker", model_name, mode]
         cmd += ["--config", json.dumps(asdict(cfg)), "--out", out]
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+            proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return RunResult(model=model_name, mode=mode, error=f"timed out after {timeout_s:.0f} s")
         wall = time.perf_counter() - start
@@ -471,6 +475,10 @@ def _ratio(value: float | None) -> str:
     return "" if value is None or not math.isfinite(value) else f" ({value:.2f}×)"
 
 
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _short(text: str, limit: int = 160) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -502,7 +510,7 @@ def results_table(report: BenchReport) -> Any:
     settings = ", ".join(f"{k}={v}" for k, v in report.worker_env.items())
     title = (
         f"ortcore bench: {cfg.steps} AdamW steps, batch {cfg.batch} × seq {cfg.seq}, hidden {cfg.hidden}, "
-        f"{cfg.layers} layers, {cfg.heads} heads, vocab {cfg.vocab}, dropout 0\n"
+        f"{_plural(cfg.layers, 'layer')}, {_plural(cfg.heads, 'head')}, vocab {cfg.vocab}, dropout 0\n"
         f"worker env: {settings} (set before torch is imported), torch threads {env.get('torch_threads', '?')}; "
         f"one fresh process per row, cold inductor cache"
     )

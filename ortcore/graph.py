@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
 import logging
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +30,7 @@ from .schema import InputSchema, OutputSchema, flatten_outputs
 logger = logging.getLogger("ortcore")
 
 BN_INPUT_PREFIX = "ortcore.batch_norm_input::"
+GRAPH_FORMAT = 1  # bump when ExportedGraph.to_bytes changes
 
 
 class _FlatModule(torch.nn.Module):
@@ -54,6 +58,7 @@ class BatchNormStats:
     output_name: str
     # ORT's training-mode kernel writes into its running-statistics inputs; these are fed as copies.
     buffer_names: tuple[str, str]
+    module_path: str
 
 
 @attrs.define(eq=False)
@@ -72,6 +77,42 @@ class ExportedGraph:
     @property
     def n_user_outputs(self) -> int:
         return len(self.output_schema.names)
+
+    def to_bytes(self) -> bytes:
+        """Serialise for an export cache (pickle: load only from a directory you trust)."""
+        state = {
+            "format": GRAPH_FORMAT,
+            "model": self.model.SerializeToString(),
+            "input_names": self.input_names,
+            "argument_names": self.argument_names,
+            "user_input_names": self.user_input_names,
+            "output_schema": self.output_schema,
+            "training": self.training,
+            "batch_norms": [(b.module_path, b.output_name, b.buffer_names) for b in self.batch_norms],
+        }
+        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, module: torch.nn.Module) -> ExportedGraph:
+        """Inverse of :meth:`to_bytes`; raises ValueError for data of another format or another model."""
+        state = pickle.loads(data)
+        if not isinstance(state, dict) or state.get("format") != GRAPH_FORMAT:
+            raise ValueError("not an ortcore exported graph of this format")
+        modules = dict(module.named_modules())
+        batch_norms = []
+        for path, output_name, buffer_names in state["batch_norms"]:
+            if not isinstance(modules.get(path), torch.nn.modules.batchnorm._BatchNorm):
+                raise ValueError(f"the model has no batch-norm module {path!r}")
+            batch_norms.append(BatchNormStats(modules[path], output_name, tuple(buffer_names), path))
+        return cls(
+            model=onnx.load_model_from_string(state["model"]),
+            input_names=list(state["input_names"]),
+            argument_names=tuple(state["argument_names"]),
+            user_input_names=list(state["user_input_names"]),
+            output_schema=state["output_schema"],
+            training=bool(state["training"]),
+            batch_norms=batch_norms,
+        )
 
 
 @contextlib.contextmanager
@@ -118,13 +159,14 @@ def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> 
         if node.op_type != "BatchNormalization" or len(node.input) < 4:
             continue
         training_mode = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
-        owner = modules.get(node.input[3].rpartition(".")[0])
+        owner = modules.get(node.input[3].rpartition(".")[0])  # "bn.running_mean" -> module "bn"
         if not training_mode or not isinstance(owner, torch.nn.modules.batchnorm._BatchNorm):
             continue
         name = BN_INPUT_PREFIX + node.input[3].rpartition(".")[0]
         model.graph.node.append(onnx.helper.make_node("Identity", [node.input[0]], [name], name=name))
         model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-        found.append(BatchNormStats(owner, name, (node.input[3], node.input[4])))
+        path = node.input[3].rpartition(".")[0]
+        found.append(BatchNormStats(owner, name, (node.input[3], node.input[4]), path))
     return found
 
 
@@ -209,3 +251,20 @@ def export_graph(
     if unknown:
         raise UnsupportedModelError(f"exported graph has inputs that are neither arguments nor state: {unknown}")
     return graph
+
+
+def fingerprint(parts: dict[str, Any]) -> str:
+    """A stable hash of everything that shapes an exported graph (for export caches)."""
+    text = json.dumps(parts, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def module_signature(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's structure: its printed form, and every parameter's and buffer's name, shape, dtype and
+    requires_grad (the printed form alone misses shapes and frozen parameters)."""
+    return {
+        "class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "repr": repr(module),
+        "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()],
+        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()],
+    }

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    import onnx
     import onnxruntime
     import torch
 
     from .config import Config
     from .exporter import Exporter
+    from .graph import ExportedGraph
     from .graph_passes import GraphPass
     from .inspectors import RuntimeInspector
 
@@ -86,15 +86,23 @@ def ortcore_export_key(config: Config) -> dict[str, Any] | None:
 
 
 @hookspec(firstresult=True)
-def ortcore_load_export(config: Config, module: torch.nn.Module, fingerprint: str) -> onnx.ModelProto | None:
-    """Return a previously exported, post-processed forward graph for ``fingerprint`` (an export cache), or None
-    to export. ``fingerprint`` covers everything that shapes the graph. Stops at the first non-None result.
+def ortcore_load_export(config: Config, module: torch.nn.Module, fingerprint: str) -> ExportedGraph | None:
+    """Return a previously exported, post-processed graph for ``fingerprint`` (an export cache), or None to export.
+
+    ``fingerprint`` is a sha256 over everything that shapes the graph: the input schema, train/eval, opset,
+    exporter, the module's structure (classes, parameter and buffer names, shapes, dtypes, requires_grad), the
+    graph passes and plugins' ``ortcore_export_key`` values, and the torch/onnx/onnxruntime/ortcore versions.
+    :meth:`ExportedGraph.from_bytes` restores what :meth:`ExportedGraph.to_bytes` stored.
+    Called before each export. Stops at the first non-None result.
     """
 
 
 @hookspec
-def ortcore_export_done(config: Config, module: torch.nn.Module, fingerprint: str, model: onnx.ModelProto) -> None:
-    """A graph was exported and post-processed (not loaded): store it, inspect it. Return value ignored."""
+def ortcore_export_done(config: Config, module: torch.nn.Module, fingerprint: str, graph: ExportedGraph) -> None:
+    """A graph was exported and post-processed (not loaded from a cache): store it, inspect it.
+
+    Called after each export. Return value ignored.
+    """
 
 
 # -- graph build ----------------------------------------------------------------------------------------------------

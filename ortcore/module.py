@@ -17,7 +17,7 @@ from onnxruntime.capi import _pybind_state as C
 from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
 from .exporter import Exporter
-from .graph import ExportedGraph, export_graph, update_batch_norm
+from .graph import ExportedGraph, export_graph, fingerprint, module_signature, update_batch_norm
 from .inspectors import ForwardInputs, phase_callbacks
 from .options import DebugOptions, FallbackPolicy
 from .plugins import Hooks, PluginHost, get_host
@@ -73,6 +73,15 @@ def _save_model(model: onnx.ModelProto, options: CoreOptions, suffix: str) -> No
         os.unlink(tmp)
         raise
     logger.info("saved %s", path)
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    import onnxruntime
+
+    from . import __version__
+
+    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "ortcore": __version__}
 
 
 class _Runtime:
@@ -231,7 +240,7 @@ class ORTModule(torch.nn.Module):
             key = self._graph_key(schema, tensors, params)
             graph, session = rt.state.resolve(
                 key,
-                export=lambda: self._export(schema, tensors),
+                export=lambda: self._export(schema, tensors, key),
                 build=lambda g: self._build(g, key),
             )
         except tuple(_FALLBACK_FLAG) as e:
@@ -295,8 +304,22 @@ class ORTModule(torch.nn.Module):
             device=str(self._device(tensors, params)),
         )
 
-    def _export(self, schema: InputSchema, tensors: list[torch.Tensor]) -> ExportedGraph:
-        opts = self._ortcore.options
+    def _export(self, schema: InputSchema, tensors: list[torch.Tensor], key: GraphKey) -> ExportedGraph:
+        rt = self._ortcore
+        opts = rt.options
+        passes = rt.hooks.graph_passes()
+        fp = fingerprint(
+            {
+                "key": key.export_key,
+                "module": module_signature(self._original_module),
+                "passes": [p.name for p in passes],
+                "plugins": rt.hooks.export_key(),
+                "versions": _versions(),
+            }
+        )
+        cached = rt.hooks.load_export(self._original_module, fp)
+        if cached is not None:
+            return cached
         graph = export_graph(
             self._original_module,
             schema,
@@ -305,9 +328,10 @@ class ORTModule(torch.nn.Module):
             opset=opts.opset,
             log_level=opts.log_level,
             deepcopy=opts.deepcopy_before_export,
-            graph_passes=self._ortcore.hooks.graph_passes(),
-            config=self._ortcore.config,
+            graph_passes=passes,
+            config=rt.config,
         )
+        rt.hooks.export_done(self._original_module, fp, graph)
         if opts.save_onnx:
             _save_model(graph.model, opts, f"pre_grad_{'training' if graph.training else 'eval'}")
         return graph

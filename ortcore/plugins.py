@@ -129,7 +129,7 @@ class PluginHost:
 
     def _register(self, name: str, plugin: Any, record: PluginRecord) -> None:
         self.pm.register(plugin, name=name)
-        record.plugin = plugin
+        record.plugin, record.status = plugin, "loaded"
         self.records[name] = record
         for caller in self.pm.get_hookcallers(plugin) or []:
             for impl in caller.get_hookimpls():
@@ -252,8 +252,8 @@ class Hooks:
     def load_export(self, module: Any, fingerprint: str) -> Any:
         return self._hook.ortcore_load_export(config=self.config, module=module, fingerprint=fingerprint)
 
-    def export_done(self, module: Any, fingerprint: str, model: Any) -> None:
-        self._hook.ortcore_export_done(config=self.config, module=module, fingerprint=fingerprint, model=model)
+    def export_done(self, module: Any, fingerprint: str, graph: Any) -> None:
+        self._hook.ortcore_export_done(config=self.config, module=module, fingerprint=fingerprint, graph=graph)
 
     def graph_transformer_config(self, transformer_config: Any, training: bool) -> None:
         self._hook.ortcore_graph_transformer_config(

@@ -104,7 +104,7 @@ def build_options(
         for key, raw in layer.items():
             if key not in fields:
                 raise OptionError(
-                    f"unknown key {where}{key!r} (in {source}); allowed: {', '.join(fields)}.{_suggest(key, list(fields))}"
+                    f"unknown key {where + key!r} (in {source}); allowed: {', '.join(fields)}.{_suggest(key, list(fields))}"
                 )
             values[key] = fields[key].metadata["parse"](raw, f"{where}{key}")
             sources[key] = source

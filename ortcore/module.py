@@ -49,16 +49,16 @@ class _RankZeroFilter(logging.Filter):
 
 
 def _configure_logging(options: CoreOptions) -> None:
+    """Set ortcore's log level; print through our own handler only if the application configured no logging."""
     logger.setLevel(options.log_level.python_level)
-    if not any(getattr(h, "_ortcore", False) for h in logger.handlers):
+    ours = [h for h in logger.handlers if getattr(h, "_ortcore", False)]
+    if not ours and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s ortcore: %(message)s"))
         handler._ortcore = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
-        logger.propagate = False
-    for h in logger.handlers:
-        h.filters = [f for f in h.filters if not isinstance(f, _RankZeroFilter)]
-        h.addFilter(_RankZeroFilter(all_ranks=options.log_level <= 1))
+    logger.filters = [f for f in logger.filters if not isinstance(f, _RankZeroFilter)]
+    logger.addFilter(_RankZeroFilter(all_ranks=options.log_level <= 1))
 
 
 def _save_model(model: onnx.ModelProto, options: CoreOptions, suffix: str) -> None:

@@ -86,6 +86,7 @@ class RunResult:
     details: dict[str, Any] = field(default_factory=dict)  # mode-specific: ortcore counters, graph breaks, ...
     environment: dict[str, Any] = field(default_factory=dict)  # as seen inside the worker
     wall_s: float | None = None  # whole worker process, imports included (measured by the parent)
+    cpu_busy_before_pct: float | None = None  # machine-wide CPU use just before the run: others' load skews times
     vs_eager: dict[str, float | None] = field(default_factory=dict)
 
     @property
@@ -262,6 +263,10 @@ def _environment() -> dict[str, Any]:
 
 def run_worker(model_name: str, mode: str, cfg: BenchConfig) -> RunResult:
     """Train one model under one mode in this process and measure it. Meant to run in a fresh process."""
+    if model_name not in MODELS:
+        raise ValueError(f"unknown model {model_name!r}; allowed: {', '.join(MODELS)}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     import torch
     import transformers
 
@@ -377,6 +382,20 @@ def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float 
     return result
 
 
+def _cpu_busy_pct(interval_s: float = 0.5) -> float | None:
+    """Machine-wide CPU use over a short idle wait of ours: anything above zero is someone else's work."""
+    try:
+        import psutil
+
+        return psutil.cpu_percent(interval=interval_s)
+    except Exception:  # only a warning depends on it
+        return None
+
+
+#: Above this machine-wide CPU use before a run, the summary warns that its times may be inflated.
+BUSY_WARNING_PCT = 20.0
+
+
 def add_ratios(results: Sequence[RunResult]) -> None:
     """Fill ``vs_eager`` of every successful run with its ratio to the eager run of the same model."""
     eager = {r.model: r for r in results if r.mode == "eager" and r.ok}
@@ -389,6 +408,9 @@ def add_ratios(results: Sequence[RunResult]) -> None:
             a, b = getattr(r, key), getattr(base, key)
             r.vs_eager[key] = a / b if a is not None and b else None
         r.vs_eager["final_loss_rel_diff"] = _rel_diff(r.final_loss, base.final_loss)
+        # The whole curve, not only the last value: two runs can drift apart and meet again by chance.
+        diffs = [_rel_diff(a, b) for a, b in zip(r.losses, base.losses)]
+        r.vs_eager["max_loss_rel_diff"] = max((d for d in diffs if d is not None), default=None)
 
 
 def _rel_diff(a: float | None, b: float | None) -> float | None:
@@ -457,7 +479,9 @@ def run_bench(
     for i, (model, mode) in enumerate(pairs, 1):
         if on_start is not None:
             on_start(model, mode, i, len(pairs))
+        busy = _cpu_busy_pct()
         result = run_isolated(model, mode, cfg, timeout_s=timeout_s)
+        result.cpu_busy_before_pct = busy
         results.append(result)
         if on_done is not None:
             on_done(result, i, len(pairs))
@@ -560,13 +584,25 @@ def results_table(report: BenchReport) -> Any:
 def summary_lines(report: BenchReport) -> list[str]:
     """Short conclusions under the table: loss agreement, the failures the table points to, the slowest step."""
     lines = []
-    diffs = [r.vs_eager.get("final_loss_rel_diff") for r in report.results if r.ok and r.mode != "eager"]
-    diffs = [d for d in diffs if d is not None]
-    if diffs:
-        lines.append(f"final losses vs eager: max relative difference {max(diffs):.1e}")
+    compared = [
+        r for r in report.results if r.ok and r.mode != "eager" and r.vs_eager.get("max_loss_rel_diff") is not None
+    ]
+    if compared:
+        worst = max(compared, key=lambda r: r.vs_eager["max_loss_rel_diff"])
+        lines.append(
+            f"loss curves vs eager: max relative difference {worst.vs_eager['max_loss_rel_diff']:.1e} "
+            f"over all {report.config.steps} steps ({worst.model}/{worst.mode})"
+        )
     for i, n in _failure_index(report).items():
         r = report.results[i]
         lines.append(f"[{n}] {r.model}/{r.mode}: {_short(r.error or 'failed', 600)}")
+    busy = [r for r in report.results if (r.cpu_busy_before_pct or 0) > BUSY_WARNING_PCT]
+    if busy:
+        worst = max(r.cpu_busy_before_pct or 0 for r in busy)
+        lines.append(
+            f"warning: other processes were using the CPU before {len(busy)} run(s) (up to {worst:.0f}% "
+            "machine-wide); their times may be inflated"
+        )
     timed = [r for r in report.results if r.first_step_s is not None]
     if timed:
         slow = max(timed, key=lambda r: r.first_step_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import warnings
 from typing import Any, Protocol
@@ -116,7 +117,46 @@ def _max_pool(rank: int):
     return symbolic
 
 
+def _batch_norm(g, input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    """Eval-mode batch norm as arithmetic on the running statistics.
+
+    ORT's gradient builder turns an eval-mode BatchNormalization into a training-mode one, which would normalize
+    with batch statistics when an eval-mode model is differentiated (fine-tuning with frozen statistics).
+    """
+    from torch.onnx import symbolic_helper as sh
+    from torch.onnx import symbolic_opset14
+
+    rank = sh._get_tensor_rank(input)
+    if sh._get_const(training, "i", "training") or rank is None or sh._is_none(running_mean):
+        return symbolic_opset14.batch_norm(
+            g, input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
+        )
+    channel_shape = g.op("Constant", value_t=torch.tensor([-1] + [1] * (rank - 2), dtype=torch.int64))
+
+    def per_channel(value):
+        return g.op("Reshape", value, channel_shape)
+
+    epsilon = g.op("Constant", value_t=torch.tensor(sh._get_const(eps, "f", "eps"), dtype=torch.float32))
+    epsilon = g.op("CastLike", epsilon, running_var)
+    scale = g.op("Reciprocal", g.op("Sqrt", g.op("Add", running_var, epsilon)))
+    if not sh._is_none(weight):
+        scale = g.op("Mul", scale, weight)
+    out = g.op("Mul", g.op("Sub", input, per_channel(running_mean)), per_channel(scale))
+    return out if sh._is_none(bias) else g.op("Add", out, per_channel(bias))
+
+
+def _detach(g, input):
+    # The exporter erases detach (ONNX is inference-only); keep it as a marker that ortcore resolves before the
+    # gradient build: a detached output becomes non-differentiable, a detach inside a gradient path is refused.
+    return g.op(f"{STOP_GRADIENT_DOMAIN}::{STOP_GRADIENT}", input)
+
+
+STOP_GRADIENT_DOMAIN = "com.ortcore"
+STOP_GRADIENT = "StopGradient"
+
 _SYMBOLICS = {
+    "::batch_norm": _batch_norm,
+    "::detach": _detach,
     "::layer_norm": _layer_norm,
     "::diff": _diff,
     "::max_pool1d": _max_pool(1),
@@ -136,6 +176,34 @@ def register_symbolics(symbolics: dict[str, Any], opset: int) -> None:
 
 
 _UNSUPPORTED_OP = re.compile(r"operator '?([\w:.]+)'?")
+
+
+@contextlib.contextmanager
+def _captured_fds():
+    """Capture what the exporter prints, from Python and from C++ (its IR dumps go to std::cout), and log it at
+    DEVINFO instead: at WARNING the exporter says nothing on the terminal."""
+    import sys
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            for fd in saved:
+                os.dup2(sink.fileno(), fd)
+            with contextlib.redirect_stdout(io.StringIO()) as py_out:
+                yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace") + py_out.getvalue()
+            if text.strip():
+                logger.log(15, "exporter output:\n%s", text.strip())
 
 
 class TorchScriptExporter:
@@ -169,7 +237,7 @@ class TorchScriptExporter:
             quiet.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
         if log_level > LogLevel.DEVINFO:
-            quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            quiet.enter_context(_captured_fds())
         try:
             with quiet:
                 torch.onnx.export(

@@ -22,7 +22,7 @@ import onnx
 import torch
 
 from .errors import UnsupportedDataError, UnsupportedModelError
-from .exporter import Exporter
+from .exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN, Exporter
 from .graph_passes import GraphPass, PassContext
 from .options import LogLevel
 from .schema import InputSchema, OutputSchema, flatten_outputs
@@ -72,6 +72,7 @@ class ExportedGraph:
     output_schema: OutputSchema
     training: bool
     batch_norms: list[BatchNormStats]
+    raw_model: onnx.ModelProto | None = None  # the exporter's graph before processing, kept only to be saved
     export_seconds: float = 0.0
 
     @property
@@ -170,6 +171,80 @@ def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> 
     return found
 
 
+def _is_stop_gradient(node: onnx.NodeProto) -> bool:
+    return node.domain == STOP_GRADIENT_DOMAIN and node.op_type == STOP_GRADIENT
+
+
+def _to_identity(node: onnx.NodeProto) -> None:
+    node.op_type, node.domain = "Identity", ""
+
+
+def _drop_unused_domain(model: onnx.ModelProto) -> None:
+    if not any(n.domain == STOP_GRADIENT_DOMAIN for n in model.graph.node):
+        kept = [o for o in model.opset_import if o.domain != STOP_GRADIENT_DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(kept)
+
+
+def value_dependencies(model: onnx.ModelProto, values: list[str]) -> dict[str, set[str]]:
+    """For each value, the graph inputs it depends on (a reverse walk of the graph)."""
+    producer = {out: node for node in model.graph.node for out in node.output if out}
+    inputs = {i.name for i in model.graph.input}
+    memo: dict[str, frozenset[str]] = {}
+    for value in values:
+        stack, order = [value], []
+        while stack:  # iterative post-order: deep graphs would overflow Python's recursion limit
+            v = stack.pop()
+            if v in memo or v in order:
+                continue
+            order.append(v)
+            if v in producer:
+                stack.extend(i for i in producer[v].input if i and i not in memo)
+        for v in reversed(order):
+            found = {v} & inputs
+            for i in producer[v].input if v in producer else ():
+                if i:
+                    found |= memo.get(i, frozenset({i}) & inputs)
+            memo[v] = frozenset(found)
+    return {v: set(memo[v]) for v in values}
+
+
+def resolve_stop_gradients(
+    model: onnx.ModelProto, train_names: list[str], build_gradient: bool
+) -> tuple[onnx.ModelProto, set[str]]:
+    """Replace detaches by Identity where that is exact; return the outputs that do not require grad.
+
+    ORT's gradient builder has no stop-gradient op. A detach whose result never meets a gradient path (a detached
+    output, or arithmetic on it that only reaches outputs) is exact as Identity: those outputs get no gradient
+    from torch, so ORT receives zeros. A detach whose result is mixed into a gradient path, as in
+    ``y * y.detach()``, would let gradients through: the model is refused (and falls back under the default policy).
+    """
+    stops = [n for n in model.graph.node if _is_stop_gradient(n)]
+    if not stops:
+        return model, set()
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    requires_grad = set(train_names) if build_gradient else set()
+    for node in model.graph.node:  # ONNX nodes are in topological order
+        if not _is_stop_gradient(node) and any(i in requires_grad for i in node.input):
+            requires_grad.update(o for o in node.output if o)
+    for node in model.graph.node:
+        if not _is_stop_gradient(node):
+            continue
+        downstream = {node.output[0]}
+        for later in model.graph.node:
+            if any(i in downstream for i in later.input):
+                downstream.update(o for o in later.output if o)
+        if downstream & requires_grad:
+            scope = ".".join(node.name.strip("/").split("/")[1:-1]) or "the model itself"
+            raise UnsupportedModelError(
+                f"a detach() in module {scope} is mixed into a gradient path, which ONNX Runtime's gradient "
+                "builder cannot express (detached outputs, and values computed only from them, are fine)"
+            )
+        _to_identity(node)
+    _drop_unused_domain(model)
+    return model, {o.name for o in model.graph.output if o.name not in requires_grad}
+
+
 def update_batch_norm(stats: BatchNormStats, x: torch.Tensor) -> None:
     """Update running statistics and the batch counter the way PyTorch's batch_norm does in training."""
     bn = stats.module
@@ -195,6 +270,7 @@ def export_graph(
     deepcopy: bool,
     graph_passes: list[GraphPass] = (),
     config: Any = None,
+    keep_raw: bool = False,
 ) -> ExportedGraph:
     """Export ``module`` for the call described by ``schema`` and apply the core's post-export processing."""
     import time
@@ -222,6 +298,7 @@ def export_graph(
         except UnsupportedModelError as e:
             raise UnsupportedModelError(str(e).replace("_FlatModule", type(module).__name__)) from e.__cause__
     output_schema = flat.output_schema
+    raw_model = onnx.ModelProto.FromString(model.SerializeToString()) if keep_raw else None
     # Outputs get the user's names; parameters and buffers lose the wrapper's "module." prefix.
     renames = {f"module.{n}": n for n in state_names}
     graph_inputs = {i.name for i in model.graph.input}
@@ -245,6 +322,7 @@ def export_graph(
         output_schema=output_schema,
         training=training,
         batch_norms=batch_norms,
+        raw_model=raw_model,
         export_seconds=time.perf_counter() - start,
     )
     unknown = [n for n in graph.input_names if n not in state_names and n not in user_names]

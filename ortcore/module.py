@@ -115,10 +115,11 @@ class _ORTFunction(torch.autograd.Function):
         ctx.session = session
         ctx.runtime = runtime
         ctx.step = runtime.step
+        ctx.feeds = feeds  # references only: a second backward (retain_graph=True) recomputes the forward
         ctx.state = state
         ctx.meta = [(o.shape, o.dtype) for o in outputs]
         ctx.set_materialize_grads(False)
-        for i in session.non_differentiable:
+        for i in session.torch_non_differentiable:
             ctx.mark_non_differentiable(outputs[i])
         # ORT keeps these for backward itself; saving them lets torch detect in-place changes by the user.
         ctx.save_for_backward(*(outputs[i] for i in session.save_for_backward))
@@ -131,13 +132,19 @@ class _ORTFunction(torch.autograd.Function):
         phases = ctx.runtime.phases
         for call in phases["pre_backward"]:
             call(ctx.step)
-        try:
-            grads = session.run_backward(grad_outputs, ctx.meta, ctx.state)
-        finally:
-            del ctx.state  # free ORT's saved activations now, not when the graph is collected
+        state = ctx.__dict__.pop("state", None)  # ORT's saved activations: freed now, not when the graph is collected
+        if state is None:
+            # ORT's state serves one backward; for another (retain_graph=True) the forward is recomputed.
+            logger.info("second backward through one forward (retain_graph=True): recomputing the forward in ORT")
+            _, state = session.run_forward(ctx.feeds)
+        grads = session.run_backward(grad_outputs, ctx.meta, state)
+        del state
         for call in phases["post_backward"]:
             call(ctx.step)
-        return (None, None, *(grads[j] if j is not None else None for j in session.grad_index))
+        return (None, None, *grads)
+
+
+_WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "forward", "training"})
 
 
 class ORTModule(torch.nn.Module):
@@ -295,6 +302,8 @@ class ORTModule(torch.nn.Module):
             structure=schema.structure,
             constants=schema.constants,
             inputs=schema.tensors,
+            state_dtypes=tuple((n, p.dtype) for n, p in params.items())
+            + tuple((n, b.dtype) for n, b in self._original_module.named_buffers()),
             training=self._original_module.training,
             opset=rt.options.opset,
             exporter=rt.exporter.name,
@@ -330,10 +339,14 @@ class ORTModule(torch.nn.Module):
             deepcopy=opts.deepcopy_before_export,
             graph_passes=passes,
             config=rt.config,
+            keep_raw=opts.save_onnx,
         )
         rt.hooks.export_done(self._original_module, fp, graph)
         if opts.save_onnx:
-            _save_model(graph.model, opts, f"pre_grad_{'training' if graph.training else 'eval'}")
+            mode = "training" if graph.training else "eval"
+            _save_model(graph.raw_model, opts, f"exported_{mode}")
+            _save_model(graph.model, opts, f"pre_grad_{mode}")
+            graph.raw_model = None
         return graph
 
     def _build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
@@ -374,7 +387,7 @@ class ORTModule(torch.nn.Module):
             rt.state.counters.fallbacks += 1
             rt.fallback_reason = f"{type(error).__name__}: {error}"
             message = f"running {type(self._original_module).__name__} in PyTorch ({flag.name}): {error}"
-            logger.warning(message)
+            logger.info(message)  # the warning below is what the user sees, once
             warnings.warn(message, RuntimeWarning, stacklevel=4)
         return self._original_module(*args, **kwargs)
 
@@ -387,6 +400,17 @@ class ORTModule(torch.nn.Module):
             if "_original_module" in modules:
                 return getattr(modules["_original_module"], name)
             raise
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        modules = self.__dict__.get("_modules", {})
+        wrapped = modules.get("_original_module")
+        if wrapped is None or name in _WRAPPER_ATTRIBUTES or name in self.__dict__ or hasattr(type(self), name):
+            super().__setattr__(name, value)
+            return
+        # Everything else is the model's: assigning a submodule, parameter or tensor changes what to export.
+        setattr(wrapped, name, value)
+        if isinstance(value, torch.nn.Module | torch.Tensor):
+            self._ortcore.state.reset(f"attribute {name!r} of the model was replaced")
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_parameters(prefix, recurse, remove_duplicate)

@@ -8,6 +8,7 @@ restored into the original structure, Hugging Face ``ModelOutput`` types include
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import inspect
 import re
@@ -23,9 +24,17 @@ from .errors import UnsupportedDataError
 # Non-tensor leaves that can be baked into a graph as constants (and compared by value).
 _CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, enum.Enum)
 
+def register_dataclass(value: object) -> bool:
+    """Dataclasses (not types) are flattened field by field."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        pytree.register_dataclass(type(value))
+        return True
+    return False
+
+
 # Called with an object that pytree treats as a leaf but that is neither a tensor nor a constant; returns True if
 # it registered the object's type with pytree (a Hugging Face cache, say). Plugins append to this list.
-LEAF_ADAPTERS: list[Callable[[object], bool]] = []
+LEAF_ADAPTERS: list[Callable[[object], bool]] = [register_dataclass]
 
 
 @attrs.frozen
@@ -47,15 +56,16 @@ class Constant:
     """A non-tensor leaf; its value is part of the schema."""
 
     value: Any
+    name: str = ""
 
     @property
     def key(self) -> tuple:
-        return (type(self.value).__name__, repr(self.value))
+        return (self.name, type(self.value).__name__, repr(self.value))
 
 
-def _path_name(path: tuple) -> str:
+def _path_name(path: tuple, root: str = "input") -> str:
     text = ".".join(re.sub(r"^[\[.(']+|[\])']+$", "", pytree.keystr((k,))) for k in path)
-    return re.sub(r"[^0-9A-Za-z_.]", "_", text) or "input"
+    return re.sub(r"[^0-9A-Za-z_.]", "_", text) or root
 
 
 def _flatten(tree: Any, what: str) -> tuple[list[tuple[tuple, Any]], pytree.TreeSpec]:
@@ -68,7 +78,7 @@ def _flatten(tree: Any, what: str) -> tuple[list[tuple[tuple, Any]], pytree.Tree
         path, value = unknown[0]
         if not any(adapter(value) for adapter in LEAF_ADAPTERS):
             raise UnsupportedDataError(
-                f"{what} {_path_name(path)!r} is a {type(value).__module__}.{type(value).__qualname__}, which "
+                f"{what} {_path_name(path, what)!r} is a {type(value).__module__}.{type(value).__qualname__}, which "
                 "ortcore cannot pass through an ONNX graph; allowed: tensors, nested tuples/lists/dicts, dataclasses "
                 "and ModelOutputs of them, None, and int/float/bool/str constants (register other types with "
                 "torch.utils._pytree.register_pytree_node)"
@@ -91,7 +101,7 @@ class InputSchema:
 
     @property
     def constants(self) -> tuple:
-        """The constant leaves, compared by type and value."""
+        """The constant leaves as ``(name, type, repr)``, compared by name, type and value."""
         return tuple(t.key for t in self.template if isinstance(t, Constant))
 
     @property
@@ -137,7 +147,7 @@ def flatten_inputs(signature: inspect.Signature | None, args: tuple, kwargs: dic
             names.append(_path_name(path))
             tensors.append(value)
         else:
-            template.append(Constant(value))
+            template.append(Constant(value, _path_name(path)))
     return InputSchema(spec, tuple(template), _unique(names), signature), tensors
 
 

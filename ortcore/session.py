@@ -18,7 +18,8 @@ import torch
 import torch.utils.dlpack
 from onnxruntime.capi import _pybind_state as C
 
-from .errors import GraphBuildError
+from .errors import GraphBuildError, UnsupportedModelError
+from .graph import resolve_stop_gradients, value_dependencies
 from .options import LogLevel
 
 logger = logging.getLogger("ortcore")
@@ -108,7 +109,7 @@ class TrainingSession:
         self.device = request.device
         try:
             self._build(request)
-        except GraphBuildError:
+        except (GraphBuildError, UnsupportedModelError):
             raise
         except Exception as e:  # pybind raises RuntimeError/Fail/InvalidGraph...: all mean "ORT cannot build this"
             raise GraphBuildError(f"ONNX Runtime could not build the {self.kind} graph: {explain_ort_error(e)}") from e
@@ -118,6 +119,7 @@ class TrainingSession:
         return "training" if self.request.build_gradient else "inference"
 
     def _build(self, r: BuildRequest) -> None:
+        model, no_grad_outputs = resolve_stop_gradients(r.model, r.train_names, r.build_gradient)
         cfg = C.OrtModuleGraphBuilderConfiguration()
         cfg.initializer_names = list(r.input_names)
         cfg.initializer_names_to_train = list(r.train_names)
@@ -127,7 +129,7 @@ class TrainingSession:
         cfg.use_memory_efficient_gradient = False
         cfg.loglevel = _SEVERITY[r.log_level.ort_severity]
         builder = C.OrtModuleGraphBuilder()
-        builder.initialize(r.model.SerializeToString(), cfg)
+        builder.initialize(model.SerializeToString(), cfg)
         builder.build(r.transformer_config or C.TrainingGraphTransformerConfiguration())
         self.graph_info = builder.get_graph_info()
         model_bytes = builder.get_gradient_model() if r.build_gradient else builder.get_forward_model()
@@ -141,6 +143,10 @@ class TrainingSession:
         device = _ort_device(r.device)
         self.user_output_names = list(self.graph_info.user_output_names)
         self.non_differentiable = set(self.graph_info.output_grad_indices_non_differentiable)
+        # What torch must treat as non-differentiable: ORT's set plus outputs computed only from detached values.
+        self.torch_non_differentiable = self.non_differentiable | {
+            i for i, name in enumerate(self.graph_info.user_output_names) if name in no_grad_outputs
+        }
         self.full_shape_grad = set(self.graph_info.output_grad_indices_require_full_shape)
         self.save_for_backward = [
             i for i in self.graph_info.module_output_indices_requires_save_for_backward if i < len(self.user_output_names)
@@ -153,6 +159,13 @@ class TrainingSession:
             # Gradient outputs are named "<input>_grad"; map each feed to its gradient's index (or None).
             grad_index = {name: i for i, name in enumerate(self.fetch_names)}
             self.grad_index = [grad_index.get(f"{name}_grad") for name in self.feed_names]
+            # Which feeds each output depends on: a parameter reached only by outputs that got no gradient gets
+            # None, as in torch, not ORT's zeros (weight decay would move it otherwise).
+            reach = value_dependencies(r.model, [o.name for o in r.model.graph.output])
+            position = {name: i for i, name in enumerate(self.feed_names)}
+            self.output_feeds = [
+                frozenset(position[n] for n in reach.get(o.name, ()) if n in position) for o in r.model.graph.output
+            ]
         else:
             self._agent = None
             self._fetch_devices = [device] * len(self.fetch_names)
@@ -194,4 +207,9 @@ class TrainingSession:
             to_ort(inputs, grad)
         outputs = C.OrtValueVector()
         self._agent.run_backward(inputs, outputs, state)
-        return from_ort(outputs)
+        grads = from_ort(outputs)
+        reached: set[int] = set()
+        for i, grad in enumerate(grad_outputs):
+            if grad is not None:
+                reached |= self.output_feeds[i]
+        return [grads[j] if j is not None and i in reached else None for i, j in enumerate(self.grad_index)]

@@ -19,7 +19,7 @@ import attrs
 
 logger = logging.getLogger("ortcore")
 
-EXPORT_FIELDS = ("structure", "constants", "inputs", "training", "opset", "exporter")
+EXPORT_FIELDS = ("structure", "constants", "inputs", "state_dtypes", "training", "opset", "exporter")
 BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
 
 
@@ -30,6 +30,7 @@ class GraphKey:
     structure: str
     constants: tuple
     inputs: tuple  # (name, dtype, rank, device) per tensor input
+    state_dtypes: tuple  # (name, dtype) of every parameter and buffer
     training: bool
     opset: int
     exporter: str
@@ -55,8 +56,14 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
     if old.structure != new.structure:
         reasons.append("input structure changed (arguments, nesting or None-ness)")
     if old.constants != new.constants:
-        changed = [f"{a[1]}->{b[1]}" for a, b in zip(old.constants, new.constants) if a != b]
-        reasons.append(f"non-tensor input value changed ({', '.join(changed) or 'count'})")
+        before = {name: value for name, _type, value in old.constants}
+        changed = [
+            f"{name} {before.get(name, 'absent')}->{value}"
+            for name, _type, value in new.constants
+            if before.get(name) != value
+        ]
+        changed += [f"{name} {value}->absent" for name, value in before.items() if name not in {c[0] for c in new.constants}]
+        reasons.append(f"non-tensor input changed ({', '.join(changed)})")
     if old.inputs != new.inputs:
         before = dict((n, (d, r, dev)) for n, d, r, dev in old.inputs)
         for name, dtype, rank, dev in new.inputs:
@@ -70,6 +77,10 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
                     if x != y
                 ]
                 reasons.append(f"input {name!r} {', '.join(what)}")
+    if old.state_dtypes != new.state_dtypes:
+        before = dict(old.state_dtypes)
+        changed = [f"{n} {before.get(n)}->{d}" for n, d in new.state_dtypes if before.get(n) != d]
+        reasons.append(f"parameter or buffer dtype changed ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
     if old.training != new.training:
         reasons.append("train->eval" if old.training else "eval->train")
     for field in ("opset", "exporter", "device"):

@@ -163,9 +163,6 @@ def test_warning_level_keeps_exporter_and_ort_silent(capfd: pytest.CaptureFixtur
     assert err == ""
 
 
-@pytest.mark.xfail(
-    strict=True, reason="core bug: a failed TorchScript export dumps the Torch IR graph on stdout at WARNING"
-)
 def test_warning_level_failed_export_prints_no_exporter_dump(capfd: pytest.CaptureFixture):
     reference = CumMax()
     model = ORTModule(copy.deepcopy(reference), DebugOptions(log_level=LogLevel.WARNING))

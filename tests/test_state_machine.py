@@ -150,9 +150,6 @@ def test_none_versus_tensor_argument_reexports():
     assert "mask" in reasons(m.new_transitions(), "export")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="core bug: describe_change pairs constants by position, misreporting unchanged ones"
-)
 def test_reexport_reason_does_not_blame_unchanged_constants():
     m = Tracked()
     x = torch.randn(3, 4)

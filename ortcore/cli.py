@@ -169,6 +169,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
 
     from rich.console import Console
+    from rich.markup import escape
 
     cfg = BenchConfig(
         batch=args.batch,
@@ -188,7 +189,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         if r.ok:
             what = f"first step {r.first_step_s:.2f} s, steady {r.steady_step_s * 1e3:.1f} ms"
         else:
-            what = f"[red]failed: {(r.error or '').splitlines()[0][:200]}[/red]"
+            first_line = ((r.error or "").strip() or "failed").splitlines()[0]
+            what = f"[red]failed: {escape(first_line[:200])}[/red]"  # ORT messages contain [brackets]
         progress.print(f"      done in {r.wall_s or 0:.0f} s: {what}", highlight=False)
 
     report = run_bench(args.models, args.modes, cfg, on_start=on_start, on_done=on_done, timeout_s=args.timeout)
@@ -196,10 +198,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
     console.print(results_table(report))
     for line in summary_lines(report):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False)
     if args.json:
         write_json(report, args.json)
-        console.print(f"results written to {args.json}", highlight=False)
+        console.print(f"results written to {args.json}", highlight=False, markup=False)
     return 0 if report.ok else 1
 
 

@@ -1,0 +1,202 @@
+"""The ``ortcore`` console command: ``demo``, ``bench`` and argument errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from ortcore import bench, cli
+from ortcore.demo import DemoConfig, DemoResult, RunCurve
+
+TINY_BENCH = ["--steps", "3", "--warmup", "1", "--hidden", "64", "--layers", "1", "--seq", "16", "--batch", "2"]
+
+
+def _rows(out: str) -> list[list[str]]:
+    """The demo's table rows: lines that start with a step number."""
+    return [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+
+
+# -- demo --------------------------------------------------------------------------------------------------------
+def test_demo_prints_both_curves(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "torch loss" in out and "ortcore loss" in out and "rel diff" in out
+    rows = _rows(out)
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    for row in rows:
+        torch_loss, ort_loss, rel = float(row[1]), float(row[2]), float(row[3])
+        assert math.isfinite(torch_loss) and torch_loss > 0
+        assert rel <= 1e-4 and abs(torch_loss - ort_loss) <= 1e-4 * torch_loss
+    summary = next(line for line in out.splitlines() if line.startswith("summary:"))
+    assert "max rel loss diff" in summary and "first step" in summary and "median steady step" in summary
+    assert summary.endswith("OK (limit 1e-04)")
+
+
+def _demo_result(torch_losses: list[float], ort_losses: list[float], fallbacks: int = 0) -> DemoResult:
+    times = [0.1] + [0.01] * (len(torch_losses) - 1)
+    return DemoResult(
+        config=DemoConfig(steps=len(torch_losses)),
+        n_params=1,
+        torch_run=RunCurve(torch_losses, times),
+        ortcore_run=RunCurve(ort_losses, times),
+        counters={"exports": 1, "builds": 1, "reuses": 0, "fallbacks": fallbacks},
+        fallback_reason="GraphBuildError: no" if fallbacks else None,
+    )
+
+
+def test_demo_verdict() -> None:
+    assert _demo_result([2.0, 1.0], [2.0, 1.00001]).passed
+    diverged = _demo_result([2.0, 1.0], [2.0, 1.001])
+    assert not diverged.passed and diverged.max_rel_diff == pytest.approx(1e-3, rel=1e-3)
+    assert not _demo_result([2.0, 1.0], [2.0, float("nan")]).passed
+    # Identical curves prove nothing if ortcore quietly ran the model in PyTorch.
+    assert not _demo_result([2.0, 1.0], [2.0, 1.0], fallbacks=1).passed
+    assert _demo_result([2.0], [2.0]).torch_run.steady_step_s is None
+
+
+def test_demo_fails_with_nonzero_exit_when_curves_differ(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("ortcore.demo.run_demo", lambda cfg: _demo_result([2.0, 1.0], [2.0, 1.5]))
+    assert cli.main(["demo", "--steps", "2"]) == 1
+    assert "FAIL: curves differ" in capsys.readouterr().out
+
+
+# -- bench -------------------------------------------------------------------------------------------------------
+def test_bench_writes_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "out.json"
+    code = cli.main(["bench", "--models", "gpt2", "--modes", "eager,ortcore", *TINY_BENCH, "--json", str(path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert "GOMP_SPINCOUNT=10000" in captured.out and "peak − base" in captured.out
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left behind
+
+    data = json.loads(path.read_text())
+    assert set(data) == {"settings", "results", "wall_s"}
+    settings = data["settings"]
+    assert {k: settings[k] for k in ("steps", "warmup", "hidden", "layers", "seq", "batch")} == {
+        "steps": 3,
+        "warmup": 1,
+        "hidden": 64,
+        "layers": 1,
+        "seq": 16,
+        "batch": 2,
+    }
+    assert settings["worker_env"] == {"GOMP_SPINCOUNT": "10000"}
+    results = {r["mode"]: r for r in data["results"]}
+    assert list(results) == ["eager", "ortcore"]
+    for r in results.values():
+        assert r["model"] == "gpt2" and r["ok"] and r["error"] is None, r
+        assert r["environment"]["GOMP_SPINCOUNT"] == "10000"  # seen inside the worker, not only requested
+        assert len(r["step_times_s"]) == len(r["losses"]) == 3
+        assert all(t > 0 for t in r["step_times_s"])
+        assert r["first_step_s"] >= r["step_times_s"][0] > 0
+        assert r["steady_step_s"] == pytest.approx(statistics.median(r["step_times_s"][1:]))
+        assert 50 < r["rss_baseline_mib"] <= r["rss_peak_mib"] < 8192
+        assert r["rss_peak_above_baseline_mib"] == pytest.approx(r["rss_peak_mib"] - r["rss_baseline_mib"])
+        assert math.isfinite(r["final_loss"]) and r["final_loss"] == r["losses"][-1]
+        assert math.log(8000) * 0.9 < r["losses"][0] < math.log(8000) * 1.1  # random init: about ln(vocab)
+        assert set(r["vs_eager"]) >= {"first_step_s", "steady_step_s", "rss_peak_above_baseline_mib"}
+    assert results["eager"]["vs_eager"]["steady_step_s"] == 1.0
+    ort = results["ortcore"]
+    assert ort["details"]["exports"] == 1 and ort["details"]["builds"] == 1 and ort["details"]["fallbacks"] == 0
+    assert ort["final_loss"] == pytest.approx(results["eager"]["final_loss"], rel=1e-4)
+    assert ort["vs_eager"]["final_loss_rel_diff"] < 1e-4 and ort["vs_eager"]["max_loss_rel_diff"] < 1e-4
+    assert "loss curves vs eager: max relative difference" in captured.out
+
+
+@pytest.mark.slow
+def test_bench_compile_and_console_script(tmp_path) -> None:
+    """The real entry point with every mode (torch.compile alone takes 20-60 s on 2 cores)."""
+    path = tmp_path / "all.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ortcore.cli", "bench", "--models", "gpt2", *TINY_BENCH, "--json", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(path.read_text())["results"]
+    assert [(r["model"], r["mode"]) for r in results] == [("gpt2", "eager"), ("gpt2", "compile"), ("gpt2", "ortcore")]
+    for r in results:
+        assert r["ok"], r["error"]
+        assert r["vs_eager"]["max_loss_rel_diff"] < 1e-4
+
+
+def test_worker_failure_becomes_an_error_result() -> None:
+    # The CLI rejects unknown modes up front; the worker must still fail cleanly if handed one.
+    cfg = bench.BenchConfig(steps=2, warmup=1, hidden=64, layers=1, seq=8, batch=1)
+    result = bench.run_isolated("gpt2", "nonsense", cfg)
+    assert not result.ok
+    assert "unknown mode 'nonsense'" in result.error and result.wall_s > 0
+
+
+def test_failed_run_is_shown_in_its_row() -> None:
+    ok = bench.RunResult(
+        model="bert",
+        mode="eager",
+        ok=True,
+        setup_s=0.0,
+        first_step_s=0.5,
+        steady_step_s=0.1,
+        step_times_s=[0.5, 0.1],
+        losses=[0.7, 0.69],
+        final_loss=0.69,
+        rss_baseline_mib=400.0,
+        rss_peak_mib=500.0,
+        rss_peak_above_baseline_mib=100.0,
+    )
+    failed = bench.RunResult(model="bert", mode="compile", error="BackendCompilerFailed: no C++ compiler")
+    report = bench.BenchReport(bench.BenchConfig(), [ok, failed], dict(bench.WORKER_ENV), 1.0)
+    bench.add_ratios(report.results)
+    assert not report.ok and failed.vs_eager == {}
+
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(bench.results_table(report))
+    text = console.export_text()
+    assert "FAILED, see [1]" in text and "100 (1.00×)" in text
+    assert any(line.startswith("[1] bert/compile: BackendCompilerFailed") for line in bench.summary_lines(report))
+
+
+def test_write_json_is_atomic(tmp_path) -> None:
+    report = bench.BenchReport(bench.BenchConfig(), [], {}, 0.0)
+    path = tmp_path / "r.json"
+    path.write_text("old")
+    bench.write_json(report, str(path))
+    assert json.loads(path.read_text())["results"] == []
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+# -- argument errors ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bench", "--models", "bert,llama"], "unknown model 'llama'; allowed: bert, gpt2"),
+        (["bench", "--modes", "eager,jax"], "unknown mode 'jax'; allowed: eager, compile, ortcore"),
+        (["bench", "--models", ","], "comma-separated list of models from: bert, gpt2"),
+        (["bench", "--steps", "3", "--warmup", "3"], "--warmup (3) must be less than --steps (3)"),
+        (["bench", "--batch", "0"], "expected a positive integer, got 0"),
+        (["bench", "--json", "/nonexistent-dir/x.json"], "does not exist"),
+        (["demo", "--steps", "many"], "expected a positive integer, got 'many'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+
+
+def test_no_subcommand_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert "demo" in err and "bench" in err

@@ -144,7 +144,7 @@ class _ORTFunction(torch.autograd.Function):
         return (None, None, *grads)
 
 
-_WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "forward", "training"})
+_WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "training"})
 
 
 class ORTModule(torch.nn.Module):
@@ -203,12 +203,18 @@ class ORTModule(torch.nn.Module):
         _configure_logging(config.core)
         self._ortcore = _Runtime(self._original_module, config, hooks, exporter)
 
-        @functools.wraps(self._original_module.forward)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return self._run(args, kwargs)
+    def __new__(cls, module: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> ORTModule:
+        if cls is ORTModule and isinstance(module, torch.nn.Module) and not isinstance(module, ORTModule):
+            cls = _wrapper_class(type(module))
+        return super().__new__(cls)
 
-        # An instance attribute, so inspect.signature(model.forward) is the wrapped model's (HF Trainer reads it).
-        self.forward = forward
+    def __reduce_ex__(self, protocol: int):
+        # Instances of the per-model subclass are rebuilt through it (the subclass itself is not importable).
+        return (_new_wrapper, (type(self._original_module),), self.__getstate__())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model's forward in ONNX Runtime (its signature is the wrapped model's)."""
+        return self._run(args, kwargs)
 
     # -- public state ------------------------------------------------------------------------------------------
     @property
@@ -427,7 +433,6 @@ class ORTModule(torch.nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         rt = state.pop("_ortcore")
-        state.pop("forward", None)
         state["_ortcore_config"] = (rt.config, rt.custom_exporter)
         return state
 
@@ -435,3 +440,29 @@ class ORTModule(torch.nn.Module):
         config, exporter = state.pop("_ortcore_config")
         self.__dict__.update(state)
         self._init_runtime(config, get_host().hooks, exporter)
+
+
+@functools.cache
+def _wrapper_class(model_class: type) -> type[ORTModule]:
+    """An ORTModule subclass whose class-level ``forward`` has the model class's signature.
+
+    Tools read signatures from the class, not the instance: Hugging Face's Trainer finds label names with
+    ``inspect.signature(type(model).forward)`` and selects dataset columns from ``model.forward``.
+    """
+    try:
+        signature = inspect.signature(model_class.forward)
+    except (TypeError, ValueError):
+        return ORTModule
+
+    def forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
+        return self._run(args, kwargs)
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    forward.__doc__ = model_class.forward.__doc__
+    name = f"ORTModule[{model_class.__name__}]"
+    return type(name, (ORTModule,), {"forward": forward, "__module__": __name__, "__qualname__": name})
+
+
+def _new_wrapper(model_class: type) -> ORTModule:
+    """Unpickling: an empty instance of the wrapper class, filled by ``__setstate__``."""
+    return torch.nn.Module.__new__(_wrapper_class(model_class))

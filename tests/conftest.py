@@ -1,0 +1,46 @@
+"""Shared test set-up: a clean ortcore environment and seeded RNGs per test, and the parity error report."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # so test files can `import models`
+
+import models  # noqa: E402
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--parity-errors",
+        action="store_true",
+        default=False,
+        help="print the largest ortcore-vs-torch differences each parity test observed",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    """No ORTMODULE_* variable from the caller's shell changes a test, and every test starts from seed 0."""
+    for name in list(os.environ):
+        if name.startswith("ORTMODULE_"):
+            monkeypatch.delenv(name)
+    torch.manual_seed(0)
+    models.set_current_test(request.node.nodeid)
+    yield
+    models.set_current_test("<no test>")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not config.getoption("--parity-errors") or not models.MAX_ERRORS:
+        return
+    tr = terminalreporter
+    tr.section("largest ortcore vs torch differences")
+    tr.write_line(f"{'test':<72} {'quantity':<8} {'max abs':>10} {'max rel':>10} {'tol used':>9}")
+    for test, quantities in models.MAX_ERRORS.items():
+        name = test.split("::", 1)[-1]
+        for quantity, err in quantities.items():
+            tr.write_line(f"{name:<72} {quantity:<8} {err.abs:10.2e} {err.rel:10.2e} {err.tol_used:9.3f}")

@@ -212,21 +212,22 @@ def value_dependencies(model: onnx.ModelProto, values: list[str]) -> dict[str, s
 def resolve_stop_gradients(
     model: onnx.ModelProto, train_names: list[str], build_gradient: bool
 ) -> tuple[onnx.ModelProto, set[str]]:
-    """Replace detaches by Identity where that is exact; return the outputs that do not require grad.
+    """Replace detaches by Identity where that is exact; return the outputs that do not require grad (computed
+    only from detached values, buffers, or inputs that need no gradient).
 
     ORT's gradient builder has no stop-gradient op. A detach whose result never meets a gradient path (a detached
     output, or arithmetic on it that only reaches outputs) is exact as Identity: those outputs get no gradient
     from torch, so ORT receives zeros. A detach whose result is mixed into a gradient path, as in
     ``y * y.detach()``, would let gradients through: the model is refused (and falls back under the default policy).
     """
-    stops = [n for n in model.graph.node if _is_stop_gradient(n)]
-    if not stops:
-        return model, set()
-    model = onnx.ModelProto.FromString(model.SerializeToString())
     requires_grad = set(train_names) if build_gradient else set()
     for node in model.graph.node:  # ONNX nodes are in topological order
         if not _is_stop_gradient(node) and any(i in requires_grad for i in node.input):
             requires_grad.update(o for o in node.output if o)
+    no_grad_outputs = {o.name for o in model.graph.output if o.name not in requires_grad}
+    if not any(_is_stop_gradient(n) for n in model.graph.node):
+        return model, no_grad_outputs
+    model = onnx.ModelProto.FromString(model.SerializeToString())
     for node in model.graph.node:
         if not _is_stop_gradient(node):
             continue
@@ -242,7 +243,7 @@ def resolve_stop_gradients(
             )
         _to_identity(node)
     _drop_unused_domain(model)
-    return model, {o.name for o in model.graph.output if o.name not in requires_grad}
+    return model, no_grad_outputs
 
 
 def update_batch_norm(stats: BatchNormStats, x: torch.Tensor) -> None:

@@ -119,8 +119,8 @@ class _ORTFunction(torch.autograd.Function):
         ctx.state = state
         ctx.meta = [(o.shape, o.dtype) for o in outputs]
         ctx.set_materialize_grads(False)
-        for i in session.torch_non_differentiable:
-            ctx.mark_non_differentiable(outputs[i])
+        # One call with all of them: each call replaces the previous set.
+        ctx.mark_non_differentiable(*(outputs[i] for i in session.torch_non_differentiable))
         # ORT keeps these for backward itself; saving them lets torch detect in-place changes by the user.
         ctx.save_for_backward(*(outputs[i] for i in session.save_for_backward))
         return tuple(outputs)

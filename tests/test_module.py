@@ -683,3 +683,24 @@ def test_hugging_face_model_output_restored():
     out.last_hidden_state.sum().backward()
     expected.last_hidden_state.sum().backward()
     assert_grads_match(model, reference)
+
+
+class PassThrough(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        return self.fc(x), y, y * 2, self.fc(x).argmax(-1)
+
+
+def test_outputs_computed_without_trainable_inputs_do_not_require_grad_like_torch():
+    model, reference = ort_and_torch(PassThrough())
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    outputs, expected = model(x, y), reference(x, y)
+    assert [o.requires_grad for o in outputs] == [o.requires_grad for o in expected] == [True, False, False, False]
+    for out, ref in zip(outputs, expected):
+        assert_close(out, ref)
+    outputs[0].sum().backward()
+    expected[0].sum().backward()
+    assert_grads_match(model, reference)

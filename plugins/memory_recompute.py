@@ -1,0 +1,552 @@
+"""memory_recompute: trade compute for memory by recomputing activations in backward instead of keeping them.
+
+ONNX Runtime's memory optimizer finds subgraphs whose outputs are kept from forward to backward ("stashed
+activations") and can be recomputed cheaply in backward instead. Each such subgraph is a *cluster*, named by its op
+types (``Gelu+``, ``FusedMatMul+Add+``, ``LayerNormalization+``...). This plugin tells ORT which clusters to
+recompute, as upstream ORTModule's ``ORTMODULE_MEMORY_OPT_LEVEL`` and ``ORTMODULE_MEMORY_OPT_CONFIG`` did::
+
+    [plugins.memory_recompute]
+    level = 1                          # env ORTMODULE_MEMORY_OPT_LEVEL
+    config = ["BiasGelu+:1:-1"]        # env ORTMODULE_MEMORY_OPT_CONFIG (JSON list, comma list or JSON file)
+
+- ``level = 0``: recompute only the clusters listed in ``config``.
+- ``level = 1``: recompute every cluster ORT finds, within transformer layers (strategy 1, "recompute").
+- ``level = 2``: as 1, plus clusters that can only be recomputed with a compromise (strategy 2).
+- ``config`` entries are ``"<cluster id>:<strategy 0|1|2>:<count|-1>"``: strategy 0 leaves the cluster alone,
+  count is how many occurrences to recompute (-1: all, 0: none). At level 1 or 2 they override what the level chose
+  for the same cluster.
+
+How: when a training session is built, the plugin asks ORT's ``TrainingAgent.get_serialized_ortmodule_memory_stat``
+for the recompute opportunities of that graph, picks the plan, and builds the session again with the session
+config entries ``optimization.memory_optimizer_config`` (a JSON file with the plan) and
+``optimization.enable_memory_probe_recompute_config``, written by this plugin's ``ortcore_session_options`` hook, and
+with ORT's memory-efficient execution order. At ``log_level = "INFO"`` the opportunities are logged as a table, with
+each plan ON or OFF, even when recompute is off. With ``save_onnx`` the graph ORT really runs (recompute nodes are
+named ``..._recompute``) is saved as ``<prefix>_execution_model_training.onnx``.
+
+Run ``python -m ortcore_plugins.memory_recompute --bench`` to measure peak memory with and without recompute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import contextvars
+import difflib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import onnxruntime
+
+from ortcore.config import option
+from ortcore.errors import OptionError
+from ortcore.hookspecs import hookimpl
+from ortcore.options import LogLevel
+
+NAME = "memory_recompute"
+logger = logging.getLogger("ortcore.memory_recompute")
+
+LEVELS = {
+    0: "USER_SPECIFIED",
+    1: "TRANSFORMER_LAYERWISE_RECOMPUTE",
+    2: "TRANSFORMER_LAYERWISE_RECOMPUTE_WITH_COMPROMISE",
+}
+CONFIG_ENTRY = "optimization.memory_optimizer_config"
+PROBE_ENTRY = "optimization.enable_memory_probe_recompute_config"
+# "<probe level>:<use transformer layers as boundaries>", as upstream: layer boundaries for the layer-wise levels.
+PROBE_USER, PROBE_LAYERWISE = "1:0", "1:1"
+
+
+# -- options -------------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RecomputeEntry:
+    """One ``<cluster id>:<strategy>:<count>`` entry of the memory optimizer's configuration."""
+
+    cluster: str
+    strategy: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.cluster}:{self.strategy}:{self.count}"
+
+    @property
+    def active(self) -> bool:
+        return self.strategy > 0 and self.count != 0
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> RecomputeEntry:
+        """Parse one entry; the error names it and says what is expected."""
+
+        def bad(why: str) -> OptionError:
+            return OptionError(
+                f"{source}: entry {text!r} is not '<cluster id>:<strategy 0|1|2>:<count|-1>' ({why}); "
+                "e.g. 'BiasGelu+:1:1'"
+            )
+
+        parts = text.strip().rsplit(":", 2)
+        if len(parts) != 3:
+            raise bad("it needs three fields separated by ':'")
+        cluster, strategy, count = (p.strip() for p in parts)
+        if not cluster or ":" in cluster:
+            raise bad("the cluster id is empty" if not cluster else "the cluster id contains ':'")
+        if strategy not in ("0", "1", "2"):
+            raise bad(f"strategy {strategy!r} is not 0, 1 or 2")
+        if not re.fullmatch(r"-1|\d+", count):
+            raise bad(f"count {count!r} is not an integer >= -1")
+        return cls(cluster, int(strategy), int(count))
+
+
+def parse_level(value: object, source: str) -> int:
+    """0, 1 or 2, or the level's upstream name (``TRANSFORMER_LAYERWISE_RECOMPUTE``...)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value in LEVELS:
+        return value
+    if isinstance(value, str):
+        text = value.strip().upper()
+        if text in ("0", "1", "2"):
+            return int(text)
+        names = {name: level for level, name in LEVELS.items()}
+        if text in names:
+            return names[text]
+    allowed = ", ".join(f"{level} ({name})" for level, name in LEVELS.items())
+    raise OptionError(f"{source}={value!r} is not a memory optimization level; allowed: {allowed}")
+
+
+def parse_config(value: object, source: str) -> tuple[RecomputeEntry, ...]:
+    """A list of entries from a TOML list, a JSON list, a comma-separated list, or the path of a JSON file.
+
+    Upstream let one list item hold several entries joined by commas (a combined plan); those are split too.
+    """
+    if isinstance(value, tuple) and all(isinstance(v, RecomputeEntry) for v in value):
+        return value
+    if isinstance(value, list | tuple):
+        items = list(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return ()
+        if text.startswith("["):
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise OptionError(f"{source}={value!r} is not a valid JSON list: {e}") from e
+        elif os.path.isfile(text) or text.lower().endswith(".json"):
+            items = _read_config_file(text, source)
+        else:
+            items = [text]
+    else:
+        raise OptionError(f"{source}={value!r} must be a list of '<cluster id>:<strategy>:<count>' strings")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise OptionError(f"{source}={value!r} must be a list of '<cluster id>:<strategy>:<count>' strings")
+    return tuple(RecomputeEntry.parse(part, source) for item in items for part in item.split(",") if part.strip())
+
+
+def _read_config_file(path: str, source: str) -> list:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError as e:
+        raise OptionError(f"{source}={path!r}: no such file (expected a JSON list of recompute entries)") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise OptionError(f"{source}={path!r}: cannot read a JSON list from it: {e}") from e
+    if not isinstance(data, list):
+        raise OptionError(f"{source}={path!r} must hold a JSON list of strings, not {type(data).__name__}")
+    return data
+
+
+@attrs.frozen
+class MemoryRecomputeOptions:
+    """Options of ``[plugins.memory_recompute]``, with upstream's environment variables."""
+
+    level: int = option(
+        0,
+        parse_level,
+        "0 = recompute what `config` lists, 1 = every cluster within transformer layers, 2 = also with compromise",
+        env="ORTMODULE_MEMORY_OPT_LEVEL",
+    )
+    config: tuple[RecomputeEntry, ...] = option(
+        (),
+        parse_config,
+        "recompute entries '<cluster id>:<strategy 0|1|2>:<count|-1>' (JSON list, comma list or JSON file)",
+        env="ORTMODULE_MEMORY_OPT_CONFIG",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.level > 0 or any(e.active for e in self.config)
+
+    @property
+    def probe_config(self) -> str:
+        return PROBE_LAYERWISE if self.level > 0 else PROBE_USER
+
+
+def _options(config: Any) -> MemoryRecomputeOptions:
+    return config.plugin_options(NAME) or MemoryRecomputeOptions()
+
+
+# -- planning ----------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Opportunity:
+    """A recompute plan ORT found: its cluster entries, how often it occurs, and the bytes it saves (symbolic)."""
+
+    plan: str  # one or more entries joined by ',' (ORT's cluster id combination)
+    frequency: int
+    saving: str  # ORT's symbolic expression, in bytes
+
+    @property
+    def entries(self) -> list[RecomputeEntry]:
+        return [RecomputeEntry.parse(p, "ORT") for p in self.plan.split(",") if p]
+
+
+def find_opportunities(agent: Any, probe_config: str) -> list[Opportunity]:
+    """The recompute opportunities of a training graph, from ORT's analysis of the session's memory plan.
+
+    ``agent`` is a ``TrainingAgent`` of a session built *without* a memory optimizer config, so that every
+    opportunity is still there.
+    """
+    _, found = agent.get_serialized_ortmodule_memory_stat("", probe_config, False)
+    return [Opportunity(plan, int(freq), saving) for plan, (saving, freq) in found.items()]
+
+
+def choose_entries(
+    options: MemoryRecomputeOptions, opportunities: Sequence[Opportunity]
+) -> tuple[list[RecomputeEntry], list[RecomputeEntry]]:
+    """The entries to apply, and the user's entries that name clusters ORT did not find in this graph."""
+    chosen: dict[str, RecomputeEntry] = {}
+    allowed = {1: (1,), 2: (1, 2)}.get(options.level, ())
+    for opportunity in opportunities:
+        for entry in opportunity.entries:
+            if entry.strategy in allowed:
+                chosen.setdefault(entry.cluster, entry)
+    found = {e.cluster for o in opportunities for e in o.entries}
+    unknown = [e for e in options.config if e.cluster not in found]
+    for entry in options.config:
+        if entry.cluster in found:
+            chosen[entry.cluster] = entry  # the user's entry wins over the level's choice
+    # Inactive entries are never passed on: ORT 1.19.2 still recomputes some occurrences of a count of 0.
+    return [e for e in chosen.values() if e.active], unknown
+
+
+def plan_is_on(opportunity: Opportunity, applied: Sequence[RecomputeEntry]) -> bool:
+    on = {(e.cluster, e.strategy) for e in applied}
+    return all((e.cluster, e.strategy) in on for e in opportunity.entries)
+
+
+def simplify_saving(expression: str) -> str:
+    """ORT's saving expression in bytes, compact: ``2x(4*?*?) + 512*input_ids_dim0*input_ids_dim1``.
+
+    ORT names the dimensions it can trace to an input (``input_ids_dim0``); the others get a fresh
+    ``empty_dim_paramN`` each, shown as ``?``. Identical terms (one per occurrence of the cluster) are counted once.
+    """
+    try:
+        import sympy
+        from sympy.parsing.sympy_parser import parse_expr
+
+        terms = sympy.Add.make_args(sympy.nsimplify(sympy.expand(parse_expr(expression))))
+        texts = [re.sub(r"empty_dim_param\d+", "?", str(t)) for t in terms]
+    except Exception:  # an expression sympy cannot read is still worth showing as ORT wrote it
+        return re.sub(r"\s*\*\s*1\.000000", "", expression)
+    counts: dict[str, int] = {}
+    for text in texts:
+        counts[text] = counts.get(text, 0) + 1
+    return " + ".join(text if n == 1 else f"{n}x({text})" for text, n in counts.items())
+
+
+def opportunity_table(
+    options: MemoryRecomputeOptions, opportunities: Sequence[Opportunity], applied: Sequence[RecomputeEntry]
+) -> str:
+    """The table logged at INFO: every plan ORT found, ON or OFF, its frequency and its saving."""
+    from ortcore_plugins.runtime_inspector import format_table
+
+    on = sum(plan_is_on(o, applied) for o in opportunities)
+    head = f"memory recompute: level {options.level} ({LEVELS[options.level]}), {on} of {len(opportunities)} plans ON"
+    if not opportunities:
+        return head + "; ORT found nothing to recompute in this graph"
+    rows = [
+        (i, "ON" if plan_is_on(o, applied) else "OFF", o.plan, o.frequency, simplify_saving(o.saving))
+        for i, o in enumerate(sorted(opportunities, key=lambda o: o.plan), 1)
+    ]
+    notes = (
+        []
+        if options.enabled
+        else [
+            "  enable with ORTMODULE_MEMORY_OPT_LEVEL=1 (or 2), or list plans in ORTMODULE_MEMORY_OPT_CONFIG, e.g. "
+            f"'{rows[0][2].split(',')[0]}'"
+        ]
+    )
+    table = format_table(("plan", "status", "config", "freq", "saving in bytes (symbolic dims)"), rows)
+    return "\n".join([head + ":", table, *notes])
+
+
+# -- building the session with the plan ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Plan:
+    path: str
+    probe_config: str
+
+
+_pending: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("ortcore_memory_recompute_plan", default=None)
+
+
+@contextlib.contextmanager
+def _plan_file(entries: Sequence[RecomputeEntry]) -> Iterator[str]:
+    """The plan as ORT reads it: a JSON file with a list of entries, kept while the session is built."""
+    fd, path = tempfile.mkstemp(prefix="ortcore_recompute_", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump([str(e) for e in entries], f)
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def rebuild_with_plan(session: Any, entries: Sequence[RecomputeEntry], probe_config: str) -> None:
+    """Build ``session`` again with the memory optimizer configured, and swap the new build in place.
+
+    The core keeps the session object it built, so the new session's state replaces the old one's; if ORT cannot
+    build the plan, the session is left as it was.
+    """
+    from ortcore.session import TrainingSession
+
+    with _plan_file(entries) as path:
+        token = _pending.set(_Plan(path, probe_config))
+        try:
+            rebuilt = TrainingSession(session.request)
+        finally:
+            _pending.reset(token)
+    vars(session).update(vars(rebuilt))
+
+
+# -- hooks -----------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def ortcore_options_class() -> type:
+    return MemoryRecomputeOptions
+
+
+@hookimpl
+def ortcore_session_options(config: Any, session_options: onnxruntime.SessionOptions) -> None:
+    plan = _pending.get()
+    if plan is None:
+        return
+    session_options.add_session_config_entry(CONFIG_ENTRY, plan.path)
+    session_options.add_session_config_entry(PROBE_ENTRY, plan.probe_config)
+    # Recompute nodes must run right before their backward consumers, not wherever the default order puts them.
+    session_options.execution_order = onnxruntime.ExecutionOrder.MEMORY_EFFICIENT
+    core = config.core
+    if core.save_onnx:
+        session_options.optimized_model_filepath = os.path.join(
+            core.save_dir, f"{core.onnx_prefix}_execution_model_training.onnx"
+        )
+
+
+@hookimpl
+def ortcore_session_created(config: Any, session: Any) -> None:
+    if not session.request.build_gradient:
+        return  # nothing is kept for a backward that does not exist
+    options = _options(config)
+    show = config.core.log_level <= LogLevel.INFO
+    if not options.enabled and not show:
+        return
+    start = time.perf_counter()
+    try:
+        opportunities = find_opportunities(session._agent, options.probe_config)
+    except Exception as e:  # an analysis ORT cannot do must not stop training
+        logger.warning("memory_recompute: ORT could not analyse the training graph (%s: %s)", type(e).__name__, e)
+        return
+    applied: list[RecomputeEntry] = []
+    if options.enabled:
+        applied, unknown = choose_entries(options, opportunities)
+        found = sorted({e.cluster for o in opportunities for e in o.entries})
+        for entry in unknown:
+            close = difflib.get_close_matches(entry.cluster, found, n=1)
+            logger.warning(
+                "memory_recompute: config entry '%s' names cluster %r, which ORT did not find in this graph%s; found: %s",
+                entry,
+                entry.cluster,
+                f" (did you mean {close[0]!r}?)" if close else "",
+                ", ".join(found) or "none",
+            )
+        if applied:
+            try:
+                rebuild_with_plan(session, applied, options.probe_config)
+            except Exception as e:  # an ORT failure must not stop training: keep the session without recompute
+                logger.warning(
+                    "memory_recompute: ONNX Runtime could not build the plan %s (%s: %s); training without recompute",
+                    [str(a) for a in applied],
+                    type(e).__name__,
+                    e,
+                )
+                applied = []
+    if show:
+        logger.info(
+            "%s\n  (analysis and rebuild: %.2f s)",
+            opportunity_table(options, opportunities, applied),
+            time.perf_counter() - start,
+        )
+
+
+# -- benchmark -----------------------------------------------------------------------------------------------------
+
+BENCH_CONFIG = {"n_embd": 256, "n_layer": 6, "n_head": 8, "vocab_size": 2048, "batch": 8, "seq": 256, "steps": 3}
+
+
+def _bench_worker(setting: str, spec: Mapping[str, int]) -> dict[str, Any]:
+    """One measurement, in a fresh process: peak RSS of training steps for ``setting`` ("torch" or a level).
+
+    ORT keeps its arena after the first step, so the steady-state peak of an ortcore run is at least its RSS then.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ortcore import ORTModule
+    from ortcore.testing import make_host
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=spec["vocab_size"],
+        n_embd=spec["n_embd"],
+        n_layer=spec["n_layer"],
+        n_head=spec["n_head"],
+        n_positions=spec["seq"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = GPT2LMHeadModel(config).train()
+    if setting != "torch":
+        import ortcore_plugins.memory_recompute as plugin
+
+        table = {"plugins": {NAME: {"level": int(setting)}}}
+        model = ORTModule(model, host=make_host({NAME: plugin}, table=table), fallback_policy="FALLBACK_DISABLE")
+    ids = torch.randint(0, spec["vocab_size"], (spec["batch"], spec["seq"]))
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return float(loss)
+
+    first = time.perf_counter()
+    loss = step()  # export, build, and the first step: not part of the steady peak
+    first = time.perf_counter() - first
+    first_peak = _peak_rss()  # model, export, session builds and the first step
+    reset = _reset_peak_rss()
+    start = time.perf_counter()
+    for _ in range(spec["steps"]):
+        step()
+    seconds = (time.perf_counter() - start) / spec["steps"]
+    return {
+        "setting": setting,
+        "loss": loss,
+        "first_step_s": round(first, 2),
+        "step_s": round(seconds, 3),
+        "first_peak_rss_mib": round(first_peak / 2**20, 1),
+        "peak_rss_mib": round(_peak_rss() / 2**20, 1),
+        "peak_is_steady_state": reset,
+    }
+
+
+def _peak_rss() -> int:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak RSS (Linux), so the peak measured is that of the training steps only."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def bench_memory_recompute(
+    settings: Sequence[str] = ("torch", "0", "1", "2"), spec: Mapping[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """Peak memory of GPT-2 training steps in PyTorch and in ortcore at each recompute level.
+
+    Each setting runs in its own process (a peak RSS cannot be shared), with the same model, data and seed.
+    Returns one dict per setting: loss, first-step and steady step time, the peak RSS up to the end of the first step
+    (model, export, session builds) and the peak RSS of the steps after it (on Linux, where the peak can be reset).
+    """
+    spec = {**BENCH_CONFIG, **(spec or {})}
+    results = []
+    for setting in settings:
+        cmd = [sys.executable, "-m", "ortcore_plugins.memory_recompute", "--bench-worker", setting, json.dumps(spec)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"benchmark setting {setting} failed:\n{done.stderr[-4000:]}")
+        results.append(json.loads(lines[-1]))
+    return results
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m ortcore_plugins.memory_recompute", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--bench", action="store_true", help="measure peak memory with and without recompute")
+    parser.add_argument("--settings", default="torch,0,1,2", help="comma list of 'torch' and levels (default: all)")
+    for key, value in BENCH_CONFIG.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
+    parser.add_argument("--bench-worker", nargs=2, metavar=("SETTING", "SPEC"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.bench_worker:
+        setting, spec = args.bench_worker
+        print(json.dumps(_bench_worker(setting, json.loads(spec))), flush=True)
+        return
+    if not args.bench:
+        parser.print_help()
+        return
+    spec = {key: getattr(args, key) for key in BENCH_CONFIG}
+    print("GPT-2 " + ", ".join(f"{k}={v}" for k, v in spec.items()), flush=True)
+    results = bench_memory_recompute(args.settings.split(","), spec)
+    from ortcore_plugins.runtime_inspector import format_table
+
+    torch_peak = next((r["peak_rss_mib"] for r in results if r["setting"] == "torch"), None)
+    rows = []
+    for r in results:
+        name = "PyTorch eager" if r["setting"] == "torch" else f"ortcore, level {r['setting']}"
+        ratio = f"{r['peak_rss_mib'] / torch_peak:.2f}" if torch_peak else "-"
+        rows.append(
+            (
+                name,
+                r["peak_rss_mib"],
+                ratio,
+                r["first_peak_rss_mib"],
+                r["step_s"],
+                r["first_step_s"],
+                f"{r['loss']:.5f}",
+            )
+        )
+    header = ("setting", "peak RSS MiB", "vs torch", "peak to 1st step MiB", "step s", "1st step s", "loss")
+    print(format_table(header, rows))
+    if not all(r["peak_is_steady_state"] for r in results):
+        print("  (the peak could not be reset here: 'peak RSS' includes export and the first step)")
+
+
+if __name__ == "__main__":
+    _main()

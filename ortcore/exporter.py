@@ -151,12 +151,22 @@ def _detach(g, input):
     return g.op(f"{STOP_GRADIENT_DOMAIN}::{STOP_GRADIENT}", input)
 
 
+def _cumsum(g, input, dim, dtype=None):
+    # torch sums booleans as int64 (Hugging Face's mask code does); ONNX CumSum has no bool type.
+    from torch.onnx import symbolic_opset11
+
+    if input.type().scalarType() == "Bool":
+        input = g.op("Cast", input, to_i=onnx.TensorProto.INT64)
+    return symbolic_opset11.cumsum(g, input, dim, dtype)
+
+
 STOP_GRADIENT_DOMAIN = "com.ortcore"
 STOP_GRADIENT = "StopGradient"
 
 _SYMBOLICS = {
     "::batch_norm": _batch_norm,
     "::detach": _detach,
+    "::cumsum": _cumsum,
     "::layer_norm": _layer_norm,
     "::diff": _diff,
     "::max_pool1d": _max_pool(1),

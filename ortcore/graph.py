@@ -148,6 +148,13 @@ def _rename_inputs(model: onnx.ModelProto, renames: dict[str, str]) -> None:
             value.name = renames[value.name]
 
 
+def _add_dropout_masks(model: onnx.ModelProto) -> None:
+    """Give every Dropout its mask output: ORT's gradient of Dropout reads it (some symbolics omit it)."""
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+            node.output.append(f"{node.output[0]}_mask")
+
+
 def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> list[BatchNormStats]:
     """Expose the input of each training-mode BatchNormalization, from which torch's running statistics follow.
 
@@ -311,6 +318,7 @@ def export_graph(
         for i, name in enumerate(node.output):
             if name in renames:
                 node.output[i] = renames[name]
+    _add_dropout_masks(model)
     batch_norms = _add_batch_norm_outputs(model, module) if training else []
     context = PassContext(module=module, training=training, config=config)
     for graph_pass in graph_passes:

@@ -29,11 +29,11 @@ _SEVERITY = {0: C.Severity.VERBOSE, 1: C.Severity.INFO, 2: C.Severity.WARNING, 3
 
 def explain_ort_error(error: Exception) -> str:
     """ORT's message without the C++ location and signature, plus the module that owns the failing node."""
-    text = str(error).strip()
+    original = text = str(error).strip()
     for marker in ("was false.", "] : "):
-        if marker in text:
+        if marker in text and text.rsplit(marker, 1)[1].strip():
             text = text.rsplit(marker, 1)[1]
-    text = re.sub(r"^\d+ : \w+ : ", "", text.strip())
+    text = re.sub(r"^\d+ : \w+ : ", "", text.strip()) or original
     node = re.search(r"node (/\S+)", text)
     if node:
         scope = node.group(1).strip("/").split("/")[1:-1]  # "/module/encoder/layer.0/Det" -> encoder.layer.0

@@ -9,6 +9,7 @@ import pytest
 import torch
 from models import (
     HF_VOCAB,
+    adamw,
     assert_close,
     assert_curves_match,
     assert_grads_match,
@@ -26,6 +27,7 @@ from models import (
     tiny_bert,
     tiny_gpt2,
     train_curve,
+    wrap,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -113,6 +115,42 @@ def test_gpt2_matches_torch(call):
 
     check_step_and_training(ort, ref, batches, step, STEPS)
     assert ort.module.lm_head.weight is ort.module.transformer.wte.weight
+    assert_ran_in_ort(ort, exports=1)
+
+
+def test_gpt2_without_cache_matches_torch():
+    """use_cache=False sends Hugging Face's mask code through a cumsum of booleans (no ONNX CumSum for bool)."""
+
+    def step(model, batch):
+        out = model(batch["input_ids"], labels=batch["input_ids"], use_cache=False)
+        assert out.past_key_values is None
+        return out, out.loss
+
+    ort, ref = ort_and_torch(tiny_gpt2())
+    check_step_and_training(ort, ref, make_batches(gpt2_batch, 6), step, 5)
+    assert_ran_in_ort(ort, exports=1)
+
+
+@pytest.mark.parametrize("model", ["bert", "gpt2"])
+def test_models_with_dropout_train_in_ort(model):
+    """Dropout on: ORT draws its own masks (no parity with torch's RNG), but the graph builds and training works."""
+    if model == "bert":
+        net = tiny_bert(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+        batch = make_batches(bert_batch, 1)[0]
+    else:
+        net = tiny_gpt2(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+        batch = make_batches(gpt2_batch, 1)[0]
+        batch = {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+    ort = wrap(net)
+    optimizer = adamw(ort)
+    losses = []
+    for _ in range(5):
+        loss = ort(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert_ran_in_ort(ort, exports=1)
 
 

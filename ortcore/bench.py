@@ -86,7 +86,7 @@ class RunResult:
     details: dict[str, Any] = field(default_factory=dict)  # mode-specific: ortcore counters, graph breaks, ...
     environment: dict[str, Any] = field(default_factory=dict)  # as seen inside the worker
     wall_s: float | None = None  # whole worker process, imports included (measured by the parent)
-    cpu_busy_before_pct: float | None = None  # machine-wide CPU use just before the run: others' load skews times
+    others_cpu_pct: float | None = None  # share of the machine's CPU other processes used during the run
     vs_eager: dict[str, float | None] = field(default_factory=dict)
 
     @property
@@ -110,6 +110,8 @@ def build_model(name: str, cfg: BenchConfig) -> Any:
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
+            # use_cache keeps its default (on), as most training scripts leave it: the model then also returns
+            # its KV cache, and every mode pays for that alike.
             # GPT-2's default ids (50256) lie outside the small vocabulary.
             bos_token_id=0,
             eos_token_id=0,
@@ -382,18 +384,48 @@ def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float 
     return result
 
 
-def _cpu_busy_pct(interval_s: float = 0.5) -> float | None:
-    """Machine-wide CPU use over a short idle wait of ours: anything above zero is someone else's work."""
-    try:
+class OthersCPU:
+    """CPU share that processes other than this one and its children used between creation and :meth:`stop`.
+
+    Other work on the machine inflates step times (two cores are easily taken); this makes that visible instead of
+    leaving it to be guessed from odd numbers. Machine-wide busy time (stolen time included, as the hypervisor's
+    other tenants count too) minus our own and our finished children's CPU time, over the wall time × cores.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            import resource
+
+            import psutil
+
+            t = psutil.cpu_times()
+            busy = sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+            own = sum(
+                r.ru_utime + r.ru_stime
+                for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+            )
+            return busy, own, time.monotonic()
+        except Exception:  # only a warning depends on it
+            return None
+
+    def stop(self) -> float | None:
+        """Others' share of the whole machine in percent (0 = we had it to ourselves), or None if unknown."""
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return None
         import psutil
 
-        return psutil.cpu_percent(interval=interval_s)
-    except Exception:  # only a warning depends on it
-        return None
+        others = (end[0] - self._start[0]) - (end[1] - self._start[1])
+        capacity = (end[2] - self._start[2]) * (psutil.cpu_count() or 1)
+        return max(0.0, min(100.0, 100.0 * others / capacity))
 
 
-#: Above this machine-wide CPU use before a run, the summary warns that its times may be inflated.
-BUSY_WARNING_PCT = 20.0
+#: Above this share of the CPU taken by other processes during a run, its times are flagged as unreliable.
+BUSY_WARNING_PCT = 10.0
 
 
 def add_ratios(results: Sequence[RunResult]) -> None:
@@ -479,9 +511,9 @@ def run_bench(
     for i, (model, mode) in enumerate(pairs, 1):
         if on_start is not None:
             on_start(model, mode, i, len(pairs))
-        busy = _cpu_busy_pct()
+        others = OthersCPU()
         result = run_isolated(model, mode, cfg, timeout_s=timeout_s)
-        result.cpu_busy_before_pct = busy
+        result.others_cpu_pct = others.stop()
         results.append(result)
         if on_done is not None:
             on_done(result, i, len(pairs))
@@ -517,6 +549,13 @@ def _failure_index(report: BenchReport) -> dict[int, int]:
 def _notes(r: RunResult, footnote: int | None) -> str:
     if footnote is not None:
         return f"fell back to PyTorch, see [{footnote}]" if r.fell_back else f"FAILED, see [{footnote}]"
+    notes = _mode_notes(r)
+    if (r.others_cpu_pct or 0) > BUSY_WARNING_PCT:
+        notes = ", ".join(n for n in (notes, f"others used {r.others_cpu_pct:.0f}% CPU") if n)
+    return notes
+
+
+def _mode_notes(r: RunResult) -> str:
     d = r.details
     if r.mode == "ortcore":
         return f"exports {d.get('exports')}, builds {d.get('builds')}, fallbacks {d.get('fallbacks')}"
@@ -596,12 +635,12 @@ def summary_lines(report: BenchReport) -> list[str]:
     for i, n in _failure_index(report).items():
         r = report.results[i]
         lines.append(f"[{n}] {r.model}/{r.mode}: {_short(r.error or 'failed', 600)}")
-    busy = [r for r in report.results if (r.cpu_busy_before_pct or 0) > BUSY_WARNING_PCT]
+    busy = [r for r in report.results if (r.others_cpu_pct or 0) > BUSY_WARNING_PCT]
     if busy:
-        worst = max(r.cpu_busy_before_pct or 0 for r in busy)
+        worst = max(r.others_cpu_pct or 0 for r in busy)
         lines.append(
-            f"warning: other processes were using the CPU before {len(busy)} run(s) (up to {worst:.0f}% "
-            "machine-wide); their times may be inflated"
+            f"warning: other processes took CPU during {len(busy)} run(s) (up to {worst:.0f}% of the machine); "
+            "their times are inflated (see notes), rerun on an idle machine"
         )
     timed = [r for r in report.results if r.first_step_s is not None]
     if timed:

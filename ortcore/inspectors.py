@@ -15,11 +15,13 @@ PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
 
 @attrs.frozen
 class ForwardInputs:
-    """The call being run: the user's ``args``/``kwargs`` and its tensors by graph input name."""
+    """The call being run: the user's ``args``/``kwargs``, its tensors by graph input name, and the
+    :class:`ortcore.session.TrainingSession` that runs it (its graph, its ORT session)."""
 
     args: tuple
     kwargs: dict
     tensors: dict[str, Any]
+    session: Any = None
 
 
 class RuntimeInspector:

@@ -273,7 +273,7 @@ class ORTModule(torch.nn.Module):
         feeds = [by_name[name] for name in session.feed_names]
         rt = self._ortcore
         if rt.phases["pre_forward"]:
-            inputs = ForwardInputs(call[0], call[1], dict(zip(graph.user_input_names, tensors)))
+            inputs = ForwardInputs(call[0], call[1], dict(zip(graph.user_input_names, tensors)), session)
             for inspect_call in rt.phases["pre_forward"]:
                 inspect_call(rt.step, inputs)
         if session.request.build_gradient:

@@ -134,13 +134,9 @@ class TrainingSession:
         self.graph_info = builder.get_graph_info()
         model_bytes = builder.get_gradient_model() if r.build_gradient else builder.get_forward_model()
         self.model = onnx.load_model_from_string(model_bytes)
+        self._model_bytes = model_bytes
         self.feed_names = [i.name for i in self.model.graph.input]
         self.fetch_names = [o.name for o in self.model.graph.output]
-        so = session_options(r.log_level)
-        if r.configure_session is not None:
-            r.configure_session(so, r.device)
-        self._sess = onnxruntime.InferenceSession(model_bytes, so, providers=_providers(r.device))
-        device = _ort_device(r.device)
         self.user_output_names = list(self.graph_info.user_output_names)
         self.non_differentiable = set(self.graph_info.output_grad_indices_non_differentiable)
         # What torch must treat as non-differentiable: ORT's set plus outputs computed only from detached values.
@@ -152,10 +148,6 @@ class TrainingSession:
             i for i in self.graph_info.module_output_indices_requires_save_for_backward if i < len(self.user_output_names)
         ]
         if r.build_gradient:
-            n_fw = len(self.user_output_names) + len(self.graph_info.frontier_node_arg_map)
-            self._agent = C.TrainingAgent(
-                self._sess._sess, self.feed_names, [device] * n_fw, self.fetch_names, [device] * len(self.fetch_names), 0
-            )
             # Gradient outputs are named "<input>_grad"; map each feed to its gradient's index (or None).
             grad_index = {name: i for i, name in enumerate(self.fetch_names)}
             self.grad_index = [grad_index.get(f"{name}_grad") for name in self.feed_names]
@@ -166,10 +158,42 @@ class TrainingSession:
             self.output_feeds = [
                 frozenset(position[n] for n in reach.get(o.name, ()) if n in position) for o in r.model.graph.output
             ]
+        self._create_session()
+
+    def _create_session(self) -> None:
+        r = self.request
+        so = session_options(r.log_level)
+        if r.configure_session is not None:
+            r.configure_session(so, r.device)
+        self._sess = onnxruntime.InferenceSession(self._model_bytes, so, providers=_providers(r.device))
+        device = _ort_device(r.device)
+        if r.build_gradient:
+            n_fw = len(self.user_output_names) + len(self.graph_info.frontier_node_arg_map)
+            self._agent = C.TrainingAgent(
+                self._sess._sess, self.feed_names, [device] * n_fw, self.fetch_names, [device] * len(self.fetch_names), 0
+            )
         else:
             self._agent = None
             self._fetch_devices = [device] * len(self.fetch_names)
             self._run_options = C.RunOptions()
+
+    def recreate_session(self) -> None:
+        """Create the ORT session again from the same graph, asking the session-options hooks again.
+
+        For plugins that choose session settings after seeing the built graph (the memory optimizer's plan).
+        The old session stays if ORT fails to create the new one.
+        """
+        previous = (self._sess, self._agent, getattr(self, "_fetch_devices", None), getattr(self, "_run_options", None))
+        try:
+            self._create_session()
+        except Exception as e:
+            self._sess, self._agent, self._fetch_devices, self._run_options = previous
+            raise GraphBuildError(f"ONNX Runtime could not create the {self.kind} session: {explain_ort_error(e)}") from e
+
+    @property
+    def agent(self) -> C.TrainingAgent | None:
+        """ORT's TrainingAgent of a training session (None for inference); e.g. for its memory statistics."""
+        return self._agent
 
     # -- running -------------------------------------------------------------------------------------------
     def run_inference(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -316,20 +316,16 @@ def _plan_file(entries: Sequence[RecomputeEntry]) -> Iterator[str]:
 
 
 def rebuild_with_plan(session: Any, entries: Sequence[RecomputeEntry], probe_config: str) -> None:
-    """Build ``session`` again with the memory optimizer configured, and swap the new build in place.
+    """Create ``session``'s ORT session again with the memory optimizer configured (the gradient graph is kept).
 
-    The core keeps the session object it built, so the new session's state replaces the old one's; if ORT cannot
-    build the plan, the session is left as it was.
+    If ORT cannot apply the plan, the session is left as it was and the error is raised.
     """
-    from ortcore.session import TrainingSession
-
     with _plan_file(entries) as path:
         token = _pending.set(_Plan(path, probe_config))
         try:
-            rebuilt = TrainingSession(session.request)
+            session.recreate_session()
         finally:
             _pending.reset(token)
-    vars(session).update(vars(rebuilt))
 
 
 # -- hooks -----------------------------------------------------------------------------------------------------------
@@ -366,7 +362,7 @@ def ortcore_session_created(config: Any, session: Any) -> None:
         return
     start = time.perf_counter()
     try:
-        opportunities = find_opportunities(session._agent, options.probe_config)
+        opportunities = find_opportunities(session.agent, options.probe_config)
     except Exception as e:  # an analysis ORT cannot do must not stop training
         logger.warning("memory_recompute: ORT could not analyse the training graph (%s: %s)", type(e).__name__, e)
         return

@@ -31,6 +31,7 @@ import logging
 import re
 import resource
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -141,14 +142,6 @@ class DensityProbe:
     derived: list[str]  # tensors computed by ``session`` (the others are user inputs themselves)
     session: onnxruntime.InferenceSession | None = None
     session_inputs: tuple[str, ...] = ()
-
-    def matches(self, user_inputs: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> bool:
-        """Whether this probe was built for a model with these user inputs and parameters."""
-        if self.user_inputs != user_inputs:
-            return False
-        return all(
-            name in shapes and (shape is None or shapes[name] == shape) for name, shape in self.parameters.items()
-        )
 
     def values(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The tensors each source consumes, for this step's inputs."""
@@ -304,32 +297,8 @@ def _probe_session(
     return onnxruntime.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-class _ProbeRegistry:
-    """The probes of recently built graphs, newest last; inspectors pick the one matching their model.
-
-    ``ortcore_session_created`` knows the graph but not the model, an inspector the model but not the graph: they
-    meet here, by user input names and parameter names and shapes.
-    """
-
-    LIMIT = 32
-
-    def __init__(self) -> None:
-        self.probes: list[DensityProbe] = []
-        self.generation = 0
-
-    def add(self, probe: DensityProbe) -> None:
-        self.probes = [p for p in self.probes if p.user_inputs != probe.user_inputs or p.parameters != probe.parameters]
-        self.probes = [*self.probes[-(self.LIMIT - 1) :], probe]
-        self.generation += 1
-
-    def find(self, user_inputs: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> DensityProbe | None:
-        for probe in reversed(self.probes):
-            if probe.matches(user_inputs, shapes):
-                return probe
-        return None
-
-
-PROBES = _ProbeRegistry()
+# The probe of each built graph, by the session that runs it; a session going away takes its probe with it.
+PROBES: weakref.WeakKeyDictionary[Any, DensityProbe] = weakref.WeakKeyDictionary()
 
 
 def _padding_idx(module: torch.nn.Module, weight: str) -> int | None:
@@ -349,25 +318,14 @@ class InputDensityInspector(RuntimeInspector):
     def __init__(self, module: torch.nn.Module, all_steps: bool):
         self.module = module
         self.all_steps = all_steps
-        self._generation = -1
-        self._probe: DensityProbe | None = None
-        self._user_inputs: tuple[str, ...] = ()
         self._warned = False
-
-    def _resolve(self, user_inputs: tuple[str, ...]) -> DensityProbe | None:
-        if self._generation != PROBES.generation or self._user_inputs != user_inputs:
-            shapes = {n: tuple(t.shape) for n, t in self.module.named_parameters()}
-            shapes.update((n, tuple(t.shape)) for n, t in self.module.named_buffers())
-            self._probe = PROBES.find(user_inputs, shapes)
-            self._generation, self._user_inputs = PROBES.generation, user_inputs
-        return self._probe
 
     def pre_forward(self, step: int, inputs: ForwardInputs) -> None:
         if not (self.module.training and torch.is_grad_enabled()) or not should_log(step, self.all_steps):
             return
         if _rank()[0] != 0:
             return
-        probe = self._resolve(tuple(inputs.tensors))
+        probe = PROBES.get(inputs.session) if inputs.session is not None else None
         rows = self.measure(probe, inputs.tensors) if probe is not None else []
         if not rows:
             if not self._warned:
@@ -562,7 +520,7 @@ def ortcore_session_created(config: Any, session: Any) -> None:
     if not _options(config).print_input_density:
         return
     try:
-        PROBES.add(build_probe(session.model, list(session.request.user_input_names)))
+        PROBES[session] = build_probe(session.model, list(session.request.user_input_names))
     except Exception as e:  # a graph the probe cannot cut out must never stop training: report and go on
         logger.warning("input density: could not analyse the %s graph: %s: %s", session.kind, type(e).__name__, e)
 

@@ -205,8 +205,111 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+# -- ortcore plugins / config / doctor -----------------------------------------------------------------------------
+def _add_plugins(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plugins",
+        help="list installed plugins: version, source, enabled, hooks, options",
+        description="List every plugin found through the 'ortcore.plugins' entry points, loaded or not.",
+    )
+    p.set_defaults(run=_run_plugins)
+
+
+def _host_or_error():
+    from .report import load_host
+
+    host, error = load_host()
+    if host is None:
+        print(f"ortcore: configuration error: {error}", file=sys.stderr)
+    return host
+
+
+def _run_plugins(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .report import plugin_rows
+
+    host = _host_or_error()
+    if host is None:
+        return 1
+    table = Table(title="ortcore plugins", title_justify="left")
+    for column in ("name", "version", "source", "enabled", "hooks", "options"):
+        table.add_column(column, overflow="fold")
+    for row in plugin_rows(host):
+        hooks = ", ".join(h.removeprefix("ortcore_") for h in row.hooks)
+        table.add_row(row.name, row.version, row.source, row.enabled, hooks, "\n".join(row.options))
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    if host.config.path:
+        print(f"configuration: {host.config.path}")
+    return 0
+
+
+def _add_config(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "config",
+        help="show the effective configuration and where each value came from",
+        description="Every core and plugin option: its value, its source (default, file, argument, env) and its "
+        "environment variable.",
+    )
+    p.set_defaults(run=_run_config)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .report import config_rows
+
+    host = _host_or_error()
+    if host is None:
+        return 1
+    table = Table(title=f"ortcore configuration ({host.config.path or 'no ortcore.toml found'})", title_justify="left")
+    for column in ("key", "value", "source", "env", "meaning"):
+        table.add_column(column, overflow="fold")
+    for row in config_rows(host):
+        table.add_row(row.key, row.value, row.source, row.env, row.doc)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    disabled = ", ".join(host.config.disable) or "none"
+    print(f"plugins disabled: {disabled}")
+    return 0
+
+
+def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="check versions, training bindings, environment and plugins; suggest a fix for each problem",
+        description="Check the installation and run one training step of a tiny model against PyTorch.",
+    )
+    p.add_argument("--no-smoke", action="store_true", help="skip the one-step training check")
+    p.set_defaults(run=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from .report import doctor, load_host, smoke_test
+
+    host, error = load_host()
+    findings = doctor(host, error)
+    if not args.no_smoke and not any(f.level == "error" for f in findings):
+        findings.append(smoke_test())
+    marks = {"ok": "ok     ", "warning": "warning", "error": "ERROR  "}
+    for f in findings:
+        print(f"{marks[f.level]} {f.what}")
+        if f.fix:
+            print(f"        fix: {f.fix}")
+    problems = sum(f.level != "ok" for f in findings)
+    print(f"{problems} problem(s) found" if problems else "no problems found")
+    return 1 if any(f.level == "error" for f in findings) else 0
+
+
 # -- entry point -------------------------------------------------------------------------------------------------
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_bench)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_demo,
+    _add_bench,
+    _add_plugins,
+    _add_config,
+    _add_doctor,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

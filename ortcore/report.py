@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import os
 import sys
 from collections.abc import Mapping
@@ -225,10 +224,6 @@ def smoke_test() -> Finding:
         return Finding("error", f"a one-step training smoke test failed: {type(e).__name__}: {e}", "run with ORTMODULE_LOG_LEVEL=INFO for details")
     level = "ok" if worst < 1e-5 else "error"
     return Finding(level, f"one training step in ONNX Runtime matches torch (max gradient difference {worst:.1e})")
-
-
-def has_module(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
 
 
 def load_host() -> tuple[PluginHost | None, Exception | None]:

@@ -51,7 +51,7 @@ def installed_nan_guard():
 def test_contrib_plugin_is_listed_acts_and_switches_off(installed_nan_guard, tmp_path):
     listing = _run([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
     assert listing.returncode == 0, listing.stderr
-    row = next(line for line in listing.stdout.splitlines() if "nan_guard" in line)
+    row = next(line for line in listing.stdout.splitlines() if line.strip("│ ").startswith("nan_guard "))
     assert "ortcore-nan-guard" in row and "yes" in row
 
     (tmp_path / "train.py").write_text(SCRIPT)
@@ -64,5 +64,5 @@ def test_contrib_plugin_is_listed_acts_and_switches_off(installed_nan_guard, tmp
     assert switched_off.returncode == 0, switched_off.stderr
     assert "finished; finite: False" in switched_off.stdout
     listing = _run([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
-    row = next(line for line in listing.stdout.splitlines() if "nan_guard" in line)
-    assert "no" in row
+    row = next(line for line in listing.stdout.splitlines() if line.strip("│ ").startswith("nan_guard "))
+    assert "no (disabled)" in row

@@ -27,6 +27,9 @@ logger = logging.getLogger("ortcore")
 
 
 class Exporter(Protocol):
+    """Turns a flat module into an ONNX graph. ``name`` is part of every graph key; an exporter with settings that
+    change its graphs also defines ``fingerprint() -> dict`` (JSON-serialisable) so that caches tell them apart."""
+
     name: str
 
     def export(
@@ -178,7 +181,15 @@ _registered: dict[tuple[str, int], Any] = {}
 
 
 def register_symbolics(symbolics: dict[str, Any], opset: int) -> None:
-    """Register TorchScript symbolics for ``opset`` (idempotent; a changed function replaces the old one)."""
+    """Make exactly ``symbolics`` ortcore's custom symbolics for ``opset``.
+
+    torch's registry is process-wide: symbolics another ORTModule's plugins registered are removed first, so one
+    model's plugins never change how another model exports.
+    """
+    for name, registered_opset in list(_registered):
+        if registered_opset == opset and name not in symbolics:
+            torch.onnx.unregister_custom_op_symbolic(name, opset)
+            del _registered[(name, opset)]
     for name, fn in symbolics.items():
         if _registered.get((name, opset)) is not fn:
             torch.onnx.register_custom_op_symbolic(name, fn, opset)
@@ -257,7 +268,8 @@ class TorchScriptExporter:
                     dynamo=False,
                     opset_version=opset,
                     do_constant_folding=False,
-                    training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
+                    # PRESERVE: every submodule keeps its own mode (a frozen batch norm in a training model).
+                    training=torch.onnx.TrainingMode.PRESERVE,
                     export_params=False,
                     keep_initializers_as_inputs=True,
                     input_names=input_names,

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import pickle
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,9 +97,12 @@ class ExportedGraph:
     @classmethod
     def from_bytes(cls, data: bytes, module: torch.nn.Module) -> ExportedGraph:
         """Inverse of :meth:`to_bytes`; raises ValueError for data of another format or another model."""
-        state = pickle.loads(data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's LeafSpec pickles warn about their own format
+            state = pickle.loads(data)
         if not isinstance(state, dict) or state.get("format") != GRAPH_FORMAT:
             raise ValueError("not an ortcore exported graph of this format")
+        state["output_schema"].register_types()
         modules = dict(module.named_modules())
         batch_norms = []
         for path, output_name, buffer_names in state["batch_norms"]:
@@ -290,7 +294,7 @@ def export_graph(
     with _preserved_state(module):
         target = copy.deepcopy(module) if deepcopy else module
         flat = _FlatModule(target, schema)
-        flat.train(training)
+        flat.training = training  # not .train(): submodules keep their own modes (a frozen batch norm, say)
         example = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
         try:
             model = exporter.export(

@@ -12,15 +12,15 @@ import sys
 from .schema import LEAF_ADAPTERS
 
 
-def register_transformers_cache(value: object) -> bool:
-    """Register the pytree node of a transformers cache; return False for anything else."""
-    if "transformers" not in sys.modules or not type(value).__module__.startswith("transformers."):
+def register_transformers_cache(cls: type) -> bool:
+    """Register the pytree node of a transformers cache class; return False for anything else."""
+    if "transformers" not in sys.modules or not cls.__module__.startswith("transformers."):
         return False
     from transformers.cache_utils import Cache, DynamicCache
 
-    if not isinstance(value, Cache):
+    if not issubclass(cls, Cache):
         return False
-    if isinstance(value, DynamicCache) and type(value) is DynamicCache:
+    if cls is DynamicCache:
         from transformers.integrations.executorch import register_dynamic_cache_export_support
 
         register_dynamic_cache_export_support()
@@ -29,7 +29,7 @@ def register_transformers_cache(value: object) -> bool:
         from transformers.exporters.exporter_dynamo import register_pytree_node
     except ImportError:
         return False
-    register_pytree_node(type(value))
+    register_pytree_node(cls)
     return True
 
 

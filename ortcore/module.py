@@ -75,6 +75,18 @@ def _save_model(model: onnx.ModelProto, options: CoreOptions, suffix: str) -> No
     logger.info("saved %s", path)
 
 
+def _exporter_identity(exporter: Exporter) -> dict[str, Any]:
+    """What of the exporter shapes graphs: its name, which symbolic serves each op (plugins add some), and the
+    settings an exporter declares through an optional ``fingerprint()`` method."""
+    symbolics = getattr(exporter, "symbolics", {}) or {}
+    declared = getattr(exporter, "fingerprint", None)
+    return {
+        "name": exporter.name,
+        "symbolics": sorted(f"{op}={fn.__module__}.{fn.__qualname__}" for op, fn in symbolics.items()),
+        "settings": declared() if callable(declared) else None,
+    }
+
+
 @functools.cache
 def _versions() -> dict[str, str]:
     import onnxruntime
@@ -311,6 +323,7 @@ class ORTModule(torch.nn.Module):
             state_dtypes=tuple((n, p.dtype) for n, p in params.items())
             + tuple((n, b.dtype) for n, b in self._original_module.named_buffers()),
             training=self._original_module.training,
+            module_modes=tuple(m.training for m in self._original_module.modules()),
             opset=rt.options.opset,
             exporter=rt.exporter.name,
             grad_enabled=torch.is_grad_enabled() and bool(trainable or inputs_rg),
@@ -328,6 +341,7 @@ class ORTModule(torch.nn.Module):
                 "key": key.export_key,
                 "module": module_signature(self._original_module),
                 "passes": [p.name for p in passes],
+                "exporter": _exporter_identity(rt.exporter),
                 "plugins": rt.hooks.export_key(),
                 "versions": _versions(),
             }

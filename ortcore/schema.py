@@ -24,17 +24,22 @@ from .errors import UnsupportedDataError
 # Non-tensor leaves that can be baked into a graph as constants (and compared by value).
 _CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, enum.Enum)
 
-def register_dataclass(value: object) -> bool:
-    """Dataclasses (not types) are flattened field by field."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        pytree.register_dataclass(type(value))
+def register_dataclass(cls: type) -> bool:
+    """Dataclasses are flattened field by field."""
+    if dataclasses.is_dataclass(cls):
+        pytree.register_dataclass(cls)
         return True
     return False
 
 
-# Called with an object that pytree treats as a leaf but that is neither a tensor nor a constant; returns True if
-# it registered the object's type with pytree (a Hugging Face cache, say). Plugins append to this list.
-LEAF_ADAPTERS: list[Callable[[object], bool]] = [register_dataclass]
+# Called with the type of an object that pytree treats as a leaf but that is neither a tensor nor a constant;
+# returns True if it registered the type with pytree (a Hugging Face cache, say). Plugins append to this list.
+LEAF_ADAPTERS: list[Callable[[type], bool]] = [register_dataclass]
+
+
+def adapt(cls: type) -> bool:
+    """Offer ``cls`` to the leaf adapters; True once pytree knows it."""
+    return cls in pytree.SUPPORTED_NODES or any(adapter(cls) for adapter in LEAF_ADAPTERS)
 
 
 @attrs.frozen
@@ -76,7 +81,7 @@ def _flatten(tree: Any, what: str) -> tuple[list[tuple[tuple, Any]], pytree.Tree
         if not unknown:
             return leaves, spec
         path, value = unknown[0]
-        if not any(adapter(value) for adapter in LEAF_ADAPTERS):
+        if not adapt(type(value)):
             raise UnsupportedDataError(
                 f"{what} {_path_name(path, what)!r} is a {type(value).__module__}.{type(value).__qualname__}, which "
                 "ortcore cannot pass through an ONNX graph; allowed: tensors, nested tuples/lists/dicts, dataclasses "
@@ -167,6 +172,19 @@ class OutputSchema:
     spec: pytree.TreeSpec
     template: tuple  # None for a tensor slot, Constant otherwise
     names: tuple[str, ...]
+
+    def register_types(self) -> None:
+        """Make sure pytree knows every container type in the outputs (a process that loaded this schema from a
+        cache never flattened them); raises UnsupportedDataError naming those no adapter knows."""
+        stack, missing = [self.spec], []
+        while stack:
+            spec = stack.pop()
+            if not spec.is_leaf():
+                if not adapt(spec.type):
+                    missing.append(f"{spec.type.__module__}.{spec.type.__qualname__}")
+                stack.extend(spec.children())
+        if missing:
+            raise UnsupportedDataError(f"output types {missing} are not registered with torch.utils._pytree")
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> Any:
         it = iter(tensors)

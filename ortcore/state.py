@@ -19,7 +19,7 @@ import attrs
 
 logger = logging.getLogger("ortcore")
 
-EXPORT_FIELDS = ("structure", "constants", "inputs", "state_dtypes", "training", "opset", "exporter")
+EXPORT_FIELDS = ("structure", "constants", "inputs", "state_dtypes", "training", "module_modes", "opset", "exporter")
 BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
 
 
@@ -32,6 +32,7 @@ class GraphKey:
     inputs: tuple  # (name, dtype, rank, device) per tensor input
     state_dtypes: tuple  # (name, dtype) of every parameter and buffer
     training: bool
+    module_modes: tuple  # the training flag of every submodule (a frozen batch norm inside a training model)
     opset: int
     exporter: str
     grad_enabled: bool
@@ -83,6 +84,8 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
         reasons.append(f"parameter or buffer dtype changed ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
     if old.training != new.training:
         reasons.append("train->eval" if old.training else "eval->train")
+    elif old.module_modes != new.module_modes:
+        reasons.append("train/eval mode of a submodule changed")
     for field in ("opset", "exporter", "device"):
         if getattr(old, field) != getattr(new, field):
             reasons.append(f"{field} {getattr(old, field)}->{getattr(new, field)}")

@@ -48,13 +48,11 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-import torch.utils._pytree as pytree
 
 from ortcore.config import Config, option
 from ortcore.errors import OptionError
 from ortcore.graph import GRAPH_FORMAT, ExportedGraph
 from ortcore.hookspecs import hookimpl
-from ortcore.schema import LEAF_ADAPTERS
 
 logger = logging.getLogger("ortcore.export_cache")
 
@@ -452,32 +450,6 @@ def _check_graph(graph: ExportedGraph, module: torch.nn.Module) -> None:
         raise EntryError(f"graph inputs {foreign[:5]} are neither arguments nor state of {type(module).__name__}")
 
 
-def _register_output_types(graph: ExportedGraph) -> list[str]:
-    """Register with pytree the output types the exporting process registered on the fly; return those we cannot.
-
-    ortcore's leaf adapters register some output types (a transformers ``DynamicCache``, a dataclass) the first
-    time one is flattened, which happens during export. A process that loads the graph instead never flattens one,
-    and restoring the outputs would fail; so each such type is offered to the adapters here, as an empty instance.
-    """
-    missing = []
-    stack = [graph.output_schema.spec]
-    while stack:
-        spec = stack.pop()
-        if spec.is_leaf():
-            continue
-        kind = spec.type
-        if kind not in pytree.SUPPORTED_NODES:
-            try:
-                instance = kind.__new__(kind)
-                any(adapter(instance) for adapter in LEAF_ADAPTERS)
-            except Exception:  # an adapter that cannot handle an empty instance: the type stays unregistered
-                pass
-            if kind not in pytree.SUPPORTED_NODES:
-                missing.append(f"{kind.__module__}.{kind.__qualname__}")
-        stack.extend(spec.children())
-    return missing
-
-
 def _rank() -> int:
     """The torch.distributed rank, or 0: ranks never share entries."""
     dist = torch.distributed
@@ -525,16 +497,6 @@ class ExportCache:
                 "export cache entry %s is unusable (%s: %s); removed it and exporting again", path, type(e).__name__, e
             )
             self._remove(path, identity)
-            return None
-        missing = _register_output_types(graph)
-        if missing:  # the entry is fine; this process just cannot rebuild those outputs without tracing once
-            logger.info(
-                "export cache miss %s (rank %d): output types %s are not registered with torch's pytree in "
-                "this process; exporting",
-                fingerprint[:12],
-                rank,
-                missing,
-            )
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # least recently used is evicted first

@@ -108,6 +108,7 @@ def test_bench_writes_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None
     assert ort["details"]["exports"] == 1 and ort["details"]["builds"] == 1 and ort["details"]["fallbacks"] == 0
     assert ort["final_loss"] == pytest.approx(results["eager"]["final_loss"], rel=1e-4)
     assert ort["vs_eager"]["final_loss_rel_diff"] < 1e-4 and ort["vs_eager"]["max_loss_rel_diff"] < 1e-4
+    assert all(r["others_cpu_pct"] is None or 0 <= r["others_cpu_pct"] <= 100 for r in data["results"])
     assert "loss curves vs eager: max relative difference" in captured.out
 
 
@@ -152,6 +153,7 @@ def test_failed_run_is_shown_in_its_row() -> None:
         rss_baseline_mib=400.0,
         rss_peak_mib=500.0,
         rss_peak_above_baseline_mib=100.0,
+        others_cpu_pct=55.0,
     )
     failed = bench.RunResult(model="bert", mode="compile", error="BackendCompilerFailed: no C++ compiler")
     report = bench.BenchReport(bench.BenchConfig(), [ok, failed], dict(bench.WORKER_ENV), 1.0)
@@ -164,7 +166,18 @@ def test_failed_run_is_shown_in_its_row() -> None:
     console.print(bench.results_table(report))
     text = console.export_text()
     assert "FAILED, see [1]" in text and "100 (1.00×)" in text
-    assert any(line.startswith("[1] bert/compile: BackendCompilerFailed") for line in bench.summary_lines(report))
+    # Times measured while other processes used the CPU are flagged, not silently reported.
+    assert "others used 55% CPU" in text
+    lines = bench.summary_lines(report)
+    assert any(line.startswith("[1] bert/compile: BackendCompilerFailed") for line in lines)
+    assert any(line.startswith("warning: other processes took CPU during 1 run(s)") for line in lines)
+
+
+def test_others_cpu_share_is_a_percentage() -> None:
+    probe = bench.OthersCPU()
+    sum(i * i for i in range(300_000))  # our own work must not count as someone else's
+    share = probe.stop()
+    assert share is None or 0.0 <= share <= 100.0
 
 
 def test_write_json_is_atomic(tmp_path) -> None:

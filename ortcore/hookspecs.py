@@ -124,6 +124,15 @@ def ortcore_session_options(config: Config, session_options: onnxruntime.Session
 
 
 @hookspec
+def ortcore_provider_options(config: Config, device: torch.device, providers: list[tuple[str, dict[str, str]]]) -> None:
+    """Adjust the execution providers of a new session in place: ``providers`` is a list of ``(name, options)``
+    (for CUDA: ``[("CUDAExecutionProvider", {"device_id": "0"}), ("CPUExecutionProvider", {})]``).
+
+    Called before each session is created, after ``ortcore_session_options``. Return value ignored.
+    """
+
+
+@hookspec
 def ortcore_session_created(config: Config, session: Any) -> None:
     """A :class:`ortcore.session.TrainingSession` was built; inspect its graph or its memory plan here."""
 

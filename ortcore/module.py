@@ -389,6 +389,7 @@ class ORTModule(torch.nn.Module):
                 log_level=opts.log_level,
                 transformer_config=transformer_config,
                 configure_session=hooks.session_options,
+                configure_providers=hooks.provider_options,
             )
         )
         hooks.session_created(session)

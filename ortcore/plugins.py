@@ -24,7 +24,7 @@ import importlib_metadata
 import pluggy
 
 from . import hookspecs
-from .config import Config, build_options
+from .config import Config, CoreOptions, build_options
 from .errors import OptionError, ORTCoreError
 from .graph_passes import GraphPass, order_passes
 
@@ -34,7 +34,7 @@ trace_logger = logging.getLogger("ortcore.hooks")
 ENTRY_POINT_GROUP = "ortcore.plugins"
 
 # The plugins shipped in plugins/ and registered in pyproject.toml; a test checks the installed entry points match.
-BUILTIN_PLUGINS: tuple[str, ...] = ("runtime_inspector", "memory_recompute", "export_cache")
+BUILTIN_PLUGINS: tuple[str, ...] = ("runtime_inspector", "memory_recompute", "export_cache", "cuda_execution")
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"
 
@@ -144,8 +144,8 @@ class PluginHost:
             start = time.perf_counter()
             try:
                 result = function(*args)
-            except PluginError:
-                raise
+            except (PluginError, OptionError):
+                raise  # already names what is wrong (an option error names the key or variable)
             except Exception as e:
                 raise PluginError(f"plugin {plugin!r} raised in hook {hook}: {type(e).__name__}: {e}") from e
             if self.trace:
@@ -190,12 +190,45 @@ class PluginHost:
             )
             sources.update({f"{where}{k}": v for k, v in found.items()})
         self.config = attrs.evolve(self.config, plugins=options, sources={**self.config.sources, **sources})
+        for var, suggestion in self.unread_env_vars(self.config.env):
+            # Never silent: a variable nothing reads is a typo or a feature that is not loaded.
+            logger.warning(
+                "%s is set but nothing reads it%s", var, f" (did you mean {suggestion}?)" if suggestion else ""
+            )
         self.pm.hook.ortcore_configure(config=self.config)
 
     def close(self) -> None:
         self.pm.hook.ortcore_unconfigure(config=self.config)
 
     # -- introspection ----------------------------------------------------------------------------------------------
+    def known_env_vars(self) -> dict[str, str]:
+        """Every environment variable ortcore or a loaded plugin reads, with the option it sets."""
+        known = {f.metadata["env"]: f"core.{f.name}" for f in attrs.fields(CoreOptions) if f.metadata.get("env")}
+        for name, record in self.records.items():
+            if record.options_class is not None:
+                for f in attrs.fields(record.options_class):
+                    env = f.metadata.get("env")
+                    for var in (env,) if isinstance(env, str) else env or ():
+                        known[var] = f"plugins.{name}.{f.name}"
+        known.update(
+            {
+                "ORTCORE_CONFIG": "the ortcore.toml to use",
+                "ORTCORE_DISABLE_PLUGINS": "plugins not to load (comma list)",
+                "ORTCORE_TRACE_HOOKS": "log every hook call",
+            }
+        )
+        return known
+
+    def unread_env_vars(self, env: Mapping[str, str]) -> list[tuple[str, str | None]]:
+        """``ORTMODULE_*``/``ORTCORE_*`` variables that are set but that nothing loaded reads, with the closest
+        known name (a typo, or the variable of a plugin that is disabled or not installed)."""
+        known = self.known_env_vars()
+        unread = []
+        for var in sorted(v for v in env if v.startswith(("ORTMODULE_", "ORTCORE_"))):
+            if var not in known:
+                close = difflib.get_close_matches(var, list(known), n=1)
+                unread.append((var, close[0] if close else None))
+        return unread
     def hooks_of(self, name: str) -> list[str]:
         """Names of the hooks plugin ``name`` implements."""
         plugin = self.pm.get_plugin(name)
@@ -262,6 +295,9 @@ class Hooks:
 
     def session_options(self, session_options: Any, device: Any) -> None:
         self._hook.ortcore_session_options(config=self.config, session_options=session_options, device=device)
+
+    def provider_options(self, device: Any, providers: list) -> None:
+        self._hook.ortcore_provider_options(config=self.config, device=device, providers=providers)
 
     def session_created(self, session: Any) -> None:
         self._hook.ortcore_session_created(config=self.config, session=session)

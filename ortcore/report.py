@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 from collections.abc import Mapping
@@ -91,30 +90,6 @@ def _show(value: Any) -> str:
     return name if isinstance(name, str) and not isinstance(value, str) else repr(value)
 
 
-def known_env_vars(host: PluginHost) -> dict[str, str]:
-    """Every environment variable ortcore or a loaded plugin reads, with the option it sets."""
-    known = {f.metadata["env"]: f"core.{f.name}" for f in attrs.fields(CoreOptions) if f.metadata.get("env")}
-    for name, record in host.records.items():
-        if record.options_class is not None:
-            for f in attrs.fields(record.options_class):
-                for var in _env_names(f.metadata.get("env")):
-                    known[var] = f"plugins.{name}.{f.name}"
-    known.update(
-        {
-            "ORTCORE_CONFIG": "the ortcore.toml to use",
-            "ORTCORE_DISABLE_PLUGINS": "plugins not to load (comma list)",
-            "ORTCORE_TRACE_HOOKS": "log every hook call",
-        }
-    )
-    return known
-
-
-def _env_names(value: object) -> tuple[str, ...]:
-    if not value:
-        return ()
-    return tuple(value) if isinstance(value, list | tuple) else (str(value),)
-
-
 @attrs.frozen
 class Finding:
     level: str  # "ok", "warning", "error"
@@ -171,17 +146,14 @@ def doctor(host: PluginHost | None, load_error: Exception | None = None, env: Ma
     if load_error is not None:
         findings.append(Finding("error", f"configuration: {load_error}", "fix the named key or variable"))
     if host is not None:
-        known = known_env_vars(host)
-        for var in sorted(v for v in env if v.startswith(("ORTMODULE_", "ORTCORE_"))):
-            if var not in known:
-                close = difflib.get_close_matches(var, list(known), n=1)
-                findings.append(
-                    Finding(
-                        "warning",
-                        f"{var} is set but nothing reads it",
-                        f"did you mean {close[0]}?" if close else "unset it (see docs/options.md for the variables)",
-                    )
+        for var, suggestion in host.unread_env_vars(env):
+            findings.append(
+                Finding(
+                    "warning",
+                    f"{var} is set but nothing reads it",
+                    f"did you mean {suggestion}?" if suggestion else "unset it (see docs/options.md for the variables)",
                 )
+            )
         for name, record in sorted(host.records.items()):
             if record.status == "failed":
                 findings.append(

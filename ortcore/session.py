@@ -47,10 +47,10 @@ def _ort_device(device: torch.device) -> C.OrtDevice:
     return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
-def _providers(device: torch.device) -> list:
+def _providers(device: torch.device) -> list[tuple[str, dict[str, str]]]:
     if device.type == "cuda":
-        return [("CUDAExecutionProvider", {"device_id": str(device.index or 0)}), "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
+        return [("CUDAExecutionProvider", {"device_id": str(device.index or 0)}), ("CPUExecutionProvider", {})]
+    return [("CPUExecutionProvider", {})]
 
 
 def session_options(log_level: LogLevel) -> onnxruntime.SessionOptions:
@@ -99,6 +99,7 @@ class BuildRequest:
     log_level: LogLevel
     transformer_config: object = None  # a C.TrainingGraphTransformerConfiguration, filled by plugins
     configure_session: Callable[[onnxruntime.SessionOptions, torch.device], None] | None = None
+    configure_providers: Callable[[torch.device, list], None] | None = None
 
 
 class TrainingSession:
@@ -165,7 +166,12 @@ class TrainingSession:
         so = session_options(r.log_level)
         if r.configure_session is not None:
             r.configure_session(so, r.device)
-        self._sess = onnxruntime.InferenceSession(self._model_bytes, so, providers=_providers(r.device))
+        providers = _providers(r.device)
+        if r.configure_providers is not None:
+            r.configure_providers(r.device, providers)
+        self._sess = onnxruntime.InferenceSession(
+            self._model_bytes, so, providers=[name for name, _ in providers], provider_options=[o for _, o in providers]
+        )
         device = _ort_device(r.device)
         if r.build_gradient:
             n_fw = len(self.user_output_names) + len(self.graph_info.frontier_node_arg_map)

@@ -1,0 +1,132 @@
+"""compute_optimizer: ORT's compute optimizer is on by default, off by option, and off (ORT's default) without the
+plugin; when on, ORT's UpStreamGather visibly moves a slice up the graph and gradients still match PyTorch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from models import (
+    assert_ran_in_ort,
+    bert_batch,
+    check_step_and_training,
+    hf_step,
+    make_batches,
+    ort_and_torch,
+    tiny_bert,
+)
+from onnxruntime.capi import _pybind_state as C
+from torch import nn
+
+import ortcore_plugins.compute_optimizer as plugin
+from ortcore import DebugOptions
+from ortcore.errors import OptionError
+from ortcore.plugins import PluginHost
+from ortcore.testing import assert_matches_torch
+
+ENV = "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"
+HostFactory = Callable[..., PluginHost]
+
+
+class FirstTokenHead(nn.Module):
+    """``head(gelu(enc(x))[:, 0])``: the first-token slice ORT's UpStreamGather can move above ``enc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.enc(x))[:, 0])
+
+
+def transformer_config(host: PluginHost, preset: bool | None = None) -> Any:
+    """A fresh ``TrainingGraphTransformerConfiguration`` after the host's plugins adjusted it."""
+    config = C.TrainingGraphTransformerConfiguration()
+    if preset is not None:
+        config.enable_compute_optimizer = preset
+    host.hooks.graph_transformer_config(config, training=True)
+    return config
+
+
+def gather_source(tmp_path: Path, prefix: str) -> str:
+    """What the first-token Gather of the saved training graph reads: a graph input's name or a node's op type."""
+    model = onnx.load(str(tmp_path / f"{prefix}_training.onnx"))
+    producer = {out: node for node in model.graph.node for out in node.output}
+    gathers = [n for n in model.graph.node if n.op_type == "Gather"]
+    assert len(gathers) == 1, [n.name for n in gathers]
+    data = gathers[0].input[0]
+    return producer[data].op_type if data in producer else data
+
+
+def run_first_token_head(host: PluginHost, tmp_path: Path, prefix: str) -> None:
+    model = FirstTokenHead()
+    debug = DebugOptions(save_onnx=True, onnx_prefix=prefix, save_path=str(tmp_path))
+    wrapped = assert_matches_torch(model, (torch.randn(4, 6, 8),), host=host, debug_options=debug)
+    assert_ran_in_ort(wrapped)
+
+
+# -- the switch -----------------------------------------------------------------------------------------------------
+
+
+def test_ort_default_is_off() -> None:
+    # The core passes a default-constructed configuration: without this plugin the compute optimizer is off.
+    assert C.TrainingGraphTransformerConfiguration().enable_compute_optimizer is False
+
+
+@pytest.mark.parametrize(
+    ("table", "env", "expected"),
+    [
+        ({}, {}, True),
+        ({}, {ENV: "0"}, False),
+        ({}, {ENV: "1"}, True),
+        ({"enable": False}, {}, False),
+        ({"enable": False}, {ENV: "1"}, True),  # the environment wins over the file
+        ({"enable": True}, {ENV: "off"}, False),
+    ],
+)
+def test_option_sets_ort_switch(ortcore_host: HostFactory, table: dict, env: dict, expected: bool) -> None:
+    host = ortcore_host({"compute_optimizer": plugin}, table={"plugins": {"compute_optimizer": table}}, env=env)
+    assert transformer_config(host).enable_compute_optimizer is expected
+
+
+def test_option_off_is_set_explicitly(ortcore_host: HostFactory) -> None:
+    host = ortcore_host({"compute_optimizer": plugin}, env={ENV: "0"})
+    assert transformer_config(host, preset=True).enable_compute_optimizer is False
+
+
+def test_without_plugin_config_keeps_ort_default(ortcore_host: HostFactory) -> None:
+    assert transformer_config(ortcore_host({})).enable_compute_optimizer is False
+
+
+def test_bad_value_names_variable(ortcore_host: HostFactory) -> None:
+    with pytest.raises(OptionError, match=f"{ENV}='maybe' is not a boolean"):
+        ortcore_host({"compute_optimizer": plugin}, env={ENV: "maybe"})
+
+
+def test_unknown_key_suggests_enable(ortcore_host: HostFactory) -> None:
+    with pytest.raises(OptionError, match="Did you mean 'enable'"):
+        ortcore_host({"compute_optimizer": plugin}, table={"plugins": {"compute_optimizer": {"enabled": True}}})
+
+
+# -- the graph ORT builds ----------------------------------------------------------------------------------------
+
+
+def test_upstream_gather_moves_slice_to_input(ortcore_host: HostFactory, tmp_path: Path) -> None:
+    run_first_token_head(ortcore_host({"compute_optimizer": plugin}), tmp_path, "on")
+    run_first_token_head(ortcore_host({"compute_optimizer": plugin}, env={ENV: "0"}), tmp_path, "off")
+    run_first_token_head(ortcore_host({}), tmp_path, "disabled")
+    # On: the slice runs on the input, so enc and gelu see one token per row instead of six.
+    assert gather_source(tmp_path, "on") == "x"
+    assert gather_source(tmp_path, "off") == "Gelu"
+    assert gather_source(tmp_path, "disabled") == "Gelu"
+
+
+def test_bert_trains_like_torch(ortcore_host: HostFactory) -> None:
+    ort, ref = ort_and_torch(tiny_bert(), host=ortcore_host({"compute_optimizer": plugin}))
+    check_step_and_training(ort, ref, make_batches(bert_batch, 4), hf_step, steps=3)

@@ -152,11 +152,17 @@ def _rename_inputs(model: onnx.ModelProto, renames: dict[str, str]) -> None:
             value.name = renames[value.name]
 
 
-def _add_dropout_masks(model: onnx.ModelProto) -> None:
-    """Give every Dropout its mask output: ORT's gradient of Dropout reads it (some symbolics omit it)."""
+# Ops whose ORT gradient reads a second output that the exporter may leave out: Dropout's mask, the loss's
+# log-probabilities.
+_GRADIENT_NEEDS_SECOND_OUTPUT = {"Dropout": "_mask", "SoftmaxCrossEntropyLoss": "_log_prob"}
+
+
+def _add_second_outputs(model: onnx.ModelProto) -> None:
+    """Give those ops their second output (ORT's gradient builder reads it)."""
     for node in model.graph.node:
-        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
-            node.output.append(f"{node.output[0]}_mask")
+        suffix = _GRADIENT_NEEDS_SECOND_OUTPUT.get(node.op_type)
+        if suffix and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+            node.output.append(f"{node.output[0]}{suffix}")
 
 
 def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> list[BatchNormStats]:
@@ -322,7 +328,7 @@ def export_graph(
         for i, name in enumerate(node.output):
             if name in renames:
                 node.output[i] = renames[name]
-    _add_dropout_masks(model)
+    _add_second_outputs(model)
     batch_norms = _add_batch_norm_outputs(model, module) if training else []
     context = PassContext(module=module, training=training, config=config)
     for graph_pass in graph_passes:

@@ -34,7 +34,14 @@ trace_logger = logging.getLogger("ortcore.hooks")
 ENTRY_POINT_GROUP = "ortcore.plugins"
 
 # The plugins shipped in plugins/ and registered in pyproject.toml; a test checks the installed entry points match.
-BUILTIN_PLUGINS: tuple[str, ...] = ("runtime_inspector", "memory_recompute", "export_cache", "cuda_execution")
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "runtime_inspector",
+    "memory_recompute",
+    "export_cache",
+    "cuda_execution",
+    "compute_optimizer",
+    "sparse_optimizer",
+)
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"
 

@@ -92,7 +92,8 @@ def op_types(tmp_path: Path, name: str) -> Counter:
 
 
 def host_with(ortcore_host: HostFactory, env: dict[str, str] | None = None, **kwargs: Any) -> PluginHost:
-    return ortcore_host(PLUGINS, env=env or {}, **kwargs)
+    """Both plugins; label sparsity switched on unless ``env`` is given (it is off by default on CPU)."""
+    return ortcore_host(PLUGINS, env={LABEL: "1"} if env is None else env, **kwargs)
 
 
 def run_and_compare(model: nn.Module, args: tuple, host: PluginHost, **kwargs: Any) -> None:
@@ -109,10 +110,10 @@ def run_and_compare(model: nn.Module, args: tuple, host: PluginHost, **kwargs: A
 # -- options --------------------------------------------------------------------------------------------------------
 
 
-def test_defaults_label_on_embedding_off(ortcore_host: HostFactory) -> None:
-    switches = plugin.resolve(host_with(ortcore_host).config)
-    assert (switches.label_requested, switches.embedding_requested, switches.compute_optimizer) == (True, False, True)
-    assert switches.label
+def test_defaults_label_off_embedding_off(ortcore_host: HostFactory) -> None:
+    switches = plugin.resolve(host_with(ortcore_host, {}).config)
+    assert (switches.label_requested, switches.embedding_requested, switches.compute_optimizer) == (False, False, True)
+    assert not switches.label
 
 
 @pytest.mark.parametrize(
@@ -120,7 +121,7 @@ def test_defaults_label_on_embedding_off(ortcore_host: HostFactory) -> None:
     [
         ({}, {SPARSE: "0"}, (False, False)),
         ({}, {SPARSE: "1"}, (True, True)),
-        ({}, {EMBEDDING: "1"}, (True, True)),
+        ({}, {EMBEDDING: "1"}, (False, True)),
         ({}, {SPARSE: "0", LABEL: "1"}, (True, False)),  # a specific variable beats the older one
         ({"label": True}, {SPARSE: "0"}, (False, False)),  # the environment beats the file
         ({"enable": False, "label": True}, {}, (True, False)),  # same level: the specific key wins
@@ -136,7 +137,7 @@ def test_older_switch_precedence(ortcore_host: HostFactory, table: dict, env: di
 
 @pytest.mark.parametrize(
     ("plugins", "env"),
-    [(PLUGINS, {COMPUTE: "0"}), ({"sparse_optimizer": plugin}, {})],
+    [(PLUGINS, {COMPUTE: "0", LABEL: "1"}), ({"sparse_optimizer": plugin}, {LABEL: "1"})],
     ids=["compute-optimizer-off", "compute-optimizer-disabled"],
 )
 def test_label_sparsity_needs_compute_optimizer(ortcore_host: HostFactory, plugins: dict, env: dict) -> None:

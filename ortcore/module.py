@@ -433,6 +433,16 @@ class ORTModule(torch.nn.Module):
         if isinstance(value, torch.nn.Module | torch.Tensor):
             self._ortcore.state.reset(f"attribute {name!r} of the model was replaced")
 
+    # Container protocol of the wrapped model (a Sequential, a ModuleList): dunder lookups skip __getattr__.
+    def __getitem__(self, index: Any) -> Any:
+        return self._original_module[index]
+
+    def __len__(self) -> int:
+        return len(self._original_module)
+
+    def __iter__(self):
+        return iter(self._original_module)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
 

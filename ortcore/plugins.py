@@ -41,6 +41,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "cuda_execution",
     "compute_optimizer",
     "sparse_optimizer",
+    "aten_fallback",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"

@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from .errors import GraphBuildError
+
 logger = logging.getLogger("ortcore")
 
 EXPORT_FIELDS = ("structure", "constants", "inputs", "state_dtypes", "training", "module_modes", "opset", "exporter")
@@ -138,17 +140,22 @@ class ExportStateMachine:
             return cached
         reason = describe_change(self._last, key)
         graph, session = cached or (self._graphs.get(key.export_key), None)
-        if graph is None:
+        exported = graph is None
+        if exported:
             self._record("export", reason)
-            graph = export()
-            self.counters.exports += 1
-            self._put(self._graphs, key.export_key, graph)
+            graph = self._export(key, export)
         if session is None:
-            if self.history and self.history[-1].reason == reason and self.history[-1].action == "export":
-                self._record("build", "after export")
-            else:
-                self._record("build", reason)
-            session = build(graph)
+            self._record("build", "after export" if exported else reason)
+            try:
+                session = build(graph)
+            except GraphBuildError as e:
+                if exported:
+                    raise
+                # A graph exported under other requires_grad flags can be unfit for this build (an exporter or
+                # plugin may export differently when an input needs no gradient): export once more for this key.
+                self._record("export", f"{reason}; the cached graph did not build for it ({e})")
+                graph = self._export(key, export)
+                session = build(graph)
             self.counters.builds += 1
             self._put(self._sessions, key.build_key, (graph, session))
         else:
@@ -159,6 +166,12 @@ class ExportStateMachine:
         self._sessions.move_to_end(key.build_key)
         self._last = key
         return graph, session
+
+    def _export(self, key: GraphKey, export: Callable[[], Any]) -> Any:
+        graph = export()
+        self.counters.exports += 1
+        self._put(self._graphs, key.export_key, graph)
+        return graph
 
     def reset(self, reason: str) -> None:
         """Forget every graph and session (the model's structure changed, say)."""

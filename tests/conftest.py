@@ -24,9 +24,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture(autouse=True)
 def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
-    """No ORTMODULE_* variable from the caller's shell changes a test, and every test starts from seed 0."""
+    """No ORTMODULE_*/ORTCORE_* variable from the caller's shell changes a test, and every test starts from seed 0."""
     for name in list(os.environ):
-        if name.startswith("ORTMODULE_"):
+        if name.startswith(("ORTMODULE_", "ORTCORE_")):
             monkeypatch.delenv(name)
     torch.manual_seed(0)
     models.set_current_test(request.node.nodeid)

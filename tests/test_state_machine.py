@@ -346,3 +346,29 @@ def test_transitions_are_not_logged_at_warning(caplog: pytest.LogCaptureFixture)
         m(torch.randn(3, 4))
         m(torch.randn(2, 3, 4))
     assert [r.getMessage() for r in caplog.records if r.name == "ortcore"] == []
+
+
+def test_a_cached_graph_that_does_not_build_for_new_requires_grad_is_exported_again():
+    """aten_fallback routes LayerNorm to PyTorch only when its input needs a gradient (an ORT rule for ATen
+    gradients): freezing the layer below after the first export needs a new export, not just a rebuild."""
+    import ortcore_plugins.aten_fallback as aten
+
+    from ortcore.testing import make_host
+
+    reference = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    model = ORTModule(copy.deepcopy(reference), host=make_host({"aten_fallback": aten}), fallback_policy="FALLBACK_DISABLE")
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    for m in (model, reference):
+        m.zero_grad()
+        m[0].requires_grad_(False)
+    out, expected = model(x), reference(x)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert model.state_machine.counters.exports == 2
+    assert any(t.action == "export" and "did not build" in t.reason for t in model.state_machine.history)

@@ -352,7 +352,6 @@ def test_a_cached_graph_that_does_not_build_for_new_requires_grad_is_exported_ag
     """aten_fallback routes LayerNorm to PyTorch only when its input needs a gradient (an ORT rule for ATen
     gradients): freezing the layer below after the first export needs a new export, not just a rebuild."""
     import ortcore_plugins.aten_fallback as aten
-
     from ortcore.testing import make_host
 
     reference = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
 import onnx
@@ -15,14 +14,6 @@ import ortcore
 from ortcore import DebugOptions, LogLevel, ORTModule
 
 RTOL, ATOL = 1e-4, 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _no_ortmodule_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("ORTMODULE_"):
-            monkeypatch.delenv(name)
-    torch.manual_seed(0)
 
 
 def assert_close(actual, expected, msg: str | None = None) -> None:

@@ -10,11 +10,11 @@ import copy
 import dataclasses
 import inspect
 import io
-import os
 import pickle
 
 import pytest
 import torch
+from models import assert_grads_match, ort_and_torch, wrap
 from torch import nn
 
 import ortcore
@@ -23,39 +23,8 @@ from ortcore import DebugOptions, LogLevel, ORTModule, UnsupportedModelError
 RTOL, ATOL = 1e-4, 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _no_ortmodule_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("ORTMODULE_"):
-            monkeypatch.delenv(name)
-    torch.manual_seed(0)
-
-
 def assert_close(actual, expected, msg: str | None = None) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=msg)
-
-
-def wrap(model: nn.Module, **kwargs) -> ORTModule:
-    """ORTModule with fallback disabled, so that no test passes by silently running PyTorch."""
-    kwargs.setdefault("fallback_policy", "FALLBACK_DISABLE")
-    return ORTModule(model, **kwargs)
-
-
-def ort_and_torch(model: nn.Module, **kwargs) -> tuple[ORTModule, nn.Module]:
-    """``(ORTModule over a deep copy, the model itself)``: identical weights, buffers and mode on both sides."""
-    return wrap(copy.deepcopy(model), **kwargs), model
-
-
-def assert_grads_match(ort_model: nn.Module, torch_model: nn.Module) -> None:
-    ort_params = list(ort_model.named_parameters())
-    torch_params = list(torch_model.named_parameters())
-    assert [n for n, _ in ort_params] == [n for n, _ in torch_params]
-    for (name, p), (_, q) in zip(ort_params, torch_params):
-        if q.grad is None:
-            assert p.grad is None, f"{name}: torch has no gradient, ortcore has one"
-        else:
-            assert p.grad is not None, f"{name}: ortcore has no gradient"
-            assert_close(p.grad, q.grad, msg=f"gradient of {name}")
 
 
 def assert_params_match(ort_model: nn.Module, torch_model: nn.Module) -> None:

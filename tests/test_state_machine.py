@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import pytest
 import torch
@@ -17,14 +16,6 @@ from torch import nn
 from ortcore import DebugOptions, LogLevel, ORTModule
 
 RTOL, ATOL = 1e-4, 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _no_ortmodule_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("ORTMODULE_"):
-            monkeypatch.delenv(name)
-    torch.manual_seed(0)
 
 
 def assert_close(actual, expected, msg: str | None = None) -> None:

@@ -155,6 +155,15 @@ def ortcore_activation_subscribers(config: Config, module: torch.nn.Module) -> l
     """
 
 
+@hookspec
+def ortcore_subscriber_classes() -> dict[str, type] | None:
+    """Subscriber classes this plugin provides, by name: ``{"StatisticsSubscriber": StatisticsSubscriber}``.
+
+    ``ortcore.hooks`` exposes them (``from ortcore.hooks import StatisticsSubscriber``). Collected from every plugin;
+    a name offered twice is an error naming both plugins.
+    """
+
+
 @hookspec(firstresult=True)
 def ortcore_autograd_function_handler(config: Config, function: type) -> Any | None:
     """Who runs this ``torch.autograd.Function`` subclass inside the graph? Return a handler (exports it and runs

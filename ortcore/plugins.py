@@ -317,6 +317,15 @@ class Hooks:
         found = self._hook.ortcore_activation_subscribers(config=self.config, module=module)
         return [s for group in found for s in group or []]
 
+    def subscriber_classes(self) -> dict[str, type]:
+        merged: dict[str, type] = {}
+        for impl in reversed(self._hook.ortcore_subscriber_classes.get_hookimpls()):
+            for name, cls in (impl.function() or {}).items():
+                if name in merged and merged[name] is not cls:
+                    raise PluginError(f"two plugins offer a subscriber class named {name!r} (one is {impl.plugin_name!r})")
+                merged[name] = cls
+        return merged
+
     def autograd_function_handler(self, function: type) -> Any:
         return self._hook.ortcore_autograd_function_handler(config=self.config, function=function)
 

@@ -46,15 +46,19 @@ class Exporter(Protocol):
     ) -> onnx.ModelProto: ...
 
 
-def _layer_norm(g, input, normalized_shape, weight, bias, eps, cudnn_enable):
-    # ORT's gradient builder needs LayerNormalization with all three outputs (mean and inverse std are saved).
+def layer_norm(g, input, normalized_shape, weight, bias, eps, cudnn_enable=None):
+    """``LayerNormalization`` with all three outputs: ORT's gradient builder reads the saved mean and inverse std.
+
+    Plugins that route some layer norms elsewhere reuse this symbolic for the others.
+    """
     from torch.onnx import symbolic_helper as sh
 
     shape = sh._get_const(normalized_shape, "is", "normalized_shape")
+    dtype = input.type().dtype() or torch.float32  # missing affine parameters take the input's dtype
     if sh._is_none(weight):
-        weight = g.op("Constant", value_t=torch.ones(shape))
+        weight = g.op("Constant", value_t=torch.ones(shape, dtype=dtype))
     if sh._is_none(bias):
-        bias = g.op("Constant", value_t=torch.zeros(shape))
+        bias = g.op("Constant", value_t=torch.zeros(shape, dtype=dtype))
     out, _mean, _inv_std = g.op(
         "LayerNormalization",
         input,
@@ -170,7 +174,7 @@ _SYMBOLICS = {
     "::batch_norm": _batch_norm,
     "::detach": _detach,
     "::cumsum": _cumsum,
-    "::layer_norm": _layer_norm,
+    "::layer_norm": layer_norm,
     "::diff": _diff,
     "::max_pool1d": _max_pool(1),
     "::max_pool2d": _max_pool(2),

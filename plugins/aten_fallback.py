@@ -28,6 +28,7 @@ import torch
 
 from ortcore.config import Config, option
 from ortcore.errors import OptionError
+from ortcore.exporter import layer_norm
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 
@@ -507,7 +508,7 @@ def _symbolic_layer_norm(
     from torch.onnx import symbolic_helper as sh
 
     if not _gradient_reaches_first_input(input, weight, bias):
-        return _ort_layer_norm(g, input, normalized_shape, weight, bias, eps)
+        return layer_norm(g, input, normalized_shape, weight, bias, eps)
     shape = list(sh._get_const(normalized_shape, "is", "normalized_shape"))
     # Without weight or bias, feed ones and zeros: the gradient definition names a gradient for each, and ORT names
     # every gradient of a missing input "_grad", which would then be defined twice.
@@ -530,28 +531,6 @@ def _symbolic_layer_norm(
     _typed(mean, input, None if sizes is None else [*sizes[: len(sizes) - len(shape)], *[1] * len(shape)])
     _typed(rstd, input, None if sizes is None else [*sizes[: len(sizes) - len(shape)], *[1] * len(shape)])
     return _typed(out, input, sizes)
-
-
-def _ort_layer_norm(g: Any, input: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any) -> Any:
-    """ORT's LayerNormalization, with the three outputs its gradient builder needs (as ortcore's core exports it)."""
-    from torch.onnx import symbolic_helper as sh
-
-    shape = list(sh._get_const(normalized_shape, "is", "normalized_shape"))
-    dtype = input.type().dtype() or torch.float32
-    if sh._is_none(weight):
-        weight = _constant(g, torch.ones(shape).tolist(), dtype)
-    if sh._is_none(bias):
-        bias = _constant(g, torch.zeros(shape).tolist(), dtype)
-    out, _mean, _inv_std = g.op(
-        "LayerNormalization",
-        input,
-        weight,
-        bias,
-        epsilon_f=sh._get_const(eps, "f", "eps"),
-        axis_i=-len(shape),
-        outputs=3,
-    )
-    return out
 
 
 def _symbolic_cross_entropy(

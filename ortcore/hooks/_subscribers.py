@@ -1,0 +1,287 @@
+"""Activation subscribers: forward outputs of every submodule, named intermediates, and their gradients.
+
+:class:`GlobalSubscriberManager` puts forward hooks on every submodule of a plain PyTorch model and tensor hooks on
+their outputs; each activation then goes to the model's subscribers (:class:`SubscriberBase` objects), called
+directly, never through pluggy. Subscriber classes contributed by plugins (``StatisticsSubscriber``) are found
+through the plugin host, see :func:`subscriber_classes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+logger = logging.getLogger("ortcore.hooks")
+
+
+class SubscriberBase:
+    """What a subscriber implements; override any callback, the defaults do nothing.
+
+    Steps are counted per subscribed model: each top-level ``forward`` in training mode starts one (the first is
+    step 0). Within a step, forward outputs and gradients are numbered in one sequence, ``order``, in execution
+    order: forward outputs as each module returns (children before their parent), then gradients as autograd
+    computes them. Callbacks run only for steps in ``[start_step, end_step)``.
+
+    Example::
+
+        class Printer(SubscriberBase):
+            def on_forward(self, step, order, name, tensor):
+                print(step, order, name, tensor.shape)
+
+    Args:
+        start_step: the first step whose activations are delivered (default: 0).
+        end_step: the step at which delivery stops, exclusive (default: never).
+    """
+
+    def __init__(self, start_step: int | None = None, end_step: int | None = None):
+        if start_step is not None and end_step is not None and end_step <= start_step:
+            raise ValueError(f"end_step={end_step} must be greater than start_step={start_step}")
+        self.start_step = start_step
+        self.end_step = end_step
+
+    def is_active(self, step: int) -> bool:
+        """Whether this subscriber takes part in ``step`` (no hook work is done for steps nobody wants)."""
+        return (self.start_step is None or step >= self.start_step) and (self.end_step is None or step < self.end_step)
+
+    def on_subscribe(self, model: torch.nn.Module) -> None:
+        """The subscriber was attached to ``model`` (called once, before any step)."""
+
+    def on_step_start(self, step: int) -> None:
+        """A training step begins: the model's top-level forward was called in training mode."""
+
+    def on_forward(self, step: int, order: int, name: str, tensor: torch.Tensor) -> None:
+        """A forward output (or a named intermediate from :func:`inspect_activation`); do not modify it."""
+
+    def on_backward(self, step: int, order: int, name: str, grad: torch.Tensor) -> None:
+        """The gradient of the activation ``name``; do not modify it."""
+
+    def on_step_end(self, step: int) -> None:
+        """``step`` is over: called when the next step starts, or at :meth:`GlobalSubscriberManager.unsubscribe`
+        (a step's backward may run any time after its forward, so only the next step proves it finished)."""
+
+
+def _tensor_leaves(value: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in ``value`` with its pytree path (``""`` for a bare tensor, ``.logits``, ``[0]``, ...)."""
+    try:
+        flat = [(pytree.keystr(path), leaf) for path, leaf in pytree.tree_flatten_with_path(value)[0]]
+    except (ValueError, TypeError, NotImplementedError):  # a type registered without key paths
+        flat = [(f"[{i}]", leaf) for i, leaf in enumerate(pytree.tree_leaves(value))]
+    return [(path, leaf) for path, leaf in flat if isinstance(leaf, torch.Tensor)]
+
+
+def _tracing() -> bool:
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
+class _StepState:
+    """One step of one subscribed model: its number, the subscribers taking part, and the next ``order``."""
+
+    def __init__(self, step: int, subscribers: list[SubscriberBase]):
+        self.step = step
+        self.subscribers = subscribers
+        self.order = 0
+
+    def next_order(self) -> int:
+        order, self.order = self.order, self.order + 1
+        return order
+
+
+class _Subscription:
+    """The hooks and step counter of one subscribed model."""
+
+    def __init__(self, model: torch.nn.Module, subscribers: list[SubscriberBase]):
+        self.model = model
+        self.root_name = type(model).__name__
+        self.subscribers = subscribers
+        self.step = -1
+        self.current: _StepState | None = None  # the step being recorded; None in eval mode or an unwanted step
+        self.depth = 0  # re-entrant calls of the root's forward
+        self.handles = [model.register_forward_pre_hook(self._root_pre_hook)]
+        for path, module in model.named_modules():
+            self.handles.append(module.register_forward_hook(self._output_hook(path or self.root_name)))
+        # Last, so the root's own output is recorded before the step's forward is marked finished.
+        self.handles.append(model.register_forward_hook(self._root_post_hook, always_call=True))
+
+    # -- steps ------------------------------------------------------------------------------------------------------
+    def _root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1 or _tracing():
+            return
+        if module.training:
+            self.end_step()
+            self.step += 1
+            active = [s for s in self.subscribers if s.is_active(self.step)]
+            self.current = _StepState(self.step, active) if active else None
+            for subscriber in active:
+                subscriber.on_step_start(self.step)
+        _running().append(self)
+
+    def _root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0 and not _tracing():
+            stack = _running()
+            if stack and stack[-1] is self:
+                stack.pop()
+
+    def end_step(self) -> None:
+        if self.current is not None:
+            for subscriber in self.current.subscribers:
+                subscriber.on_step_end(self.current.step)
+        self.current = None
+
+    def recording(self) -> _StepState | None:
+        """The step to record into, if this model is running a wanted training step."""
+        if self.depth == 0 or self.current is None or not self.model.training or _tracing():
+            return None
+        return self.current
+
+    # -- activations ------------------------------------------------------------------------------------------------
+    def _output_hook(self, path: str):
+        def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            state = self.recording()
+            if state is not None:
+                for leaf_path, tensor in _tensor_leaves(output):
+                    self.record(state, path + leaf_path, tensor)
+
+        return hook
+
+    def record(self, state: _StepState, name: str, tensor: torch.Tensor) -> None:
+        """Deliver a forward activation now and its gradient when autograd computes it."""
+        order = state.next_order()
+        with torch.no_grad():
+            for subscriber in state.subscribers:
+                subscriber.on_forward(state.step, order, name, tensor.detach())
+        if tensor.requires_grad and torch.is_grad_enabled():
+
+            def on_grad(grad: torch.Tensor) -> None:
+                grad_order = state.next_order()
+                with torch.no_grad():
+                    for subscriber in state.subscribers:
+                        subscriber.on_backward(state.step, grad_order, name, grad.detach())
+
+            tensor.register_hook(on_grad)
+
+    def remove(self) -> None:
+        self.end_step()
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+_local = threading.local()
+
+
+def _running() -> list[_Subscription]:
+    """Subscribed models whose forward is running on this thread, innermost last."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _is_ortmodule(model: torch.nn.Module) -> bool:
+    from ..module import ORTModule  # imported here: the hooks package must stay importable without ORT
+
+    return isinstance(model, ORTModule)
+
+
+class GlobalSubscriberManager:
+    """Attach subscribers to a plain PyTorch model (process-wide; the seed's entry point).
+
+    Example::
+
+        from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
+        GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(output_dir="pt_out", override_output_dir=True)])
+    """
+
+    _subscriptions: dict[int, _Subscription] = {}
+
+    @classmethod
+    def subscribe(cls, model: torch.nn.Module, subscribers: Iterable[SubscriberBase], *, host: Any = None) -> None:
+        """Deliver ``model``'s activations to ``subscribers`` (and to those plugins contribute through the
+        ``ortcore_activation_subscribers`` hook). Subscribing a model again adds subscribers to it.
+
+        Raises NotImplementedError for an :class:`ortcore.ORTModule`: its activations are ONNX Runtime's tensors,
+        which are not collected yet.
+        """
+        if _is_ortmodule(model):
+            raise NotImplementedError(
+                "subscribing an ORTModule is not implemented yet: its forward runs in ONNX Runtime, and collecting "
+                "activations from ORT's own tensors is the next step of this feature. Collect the PyTorch baseline "
+                "by subscribing the unwrapped model (without ORTModule) instead."
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"subscribe() takes a torch.nn.Module, not {type(model).__name__}")
+        subscribers = list(subscribers)
+        for subscriber in subscribers:
+            if not isinstance(subscriber, SubscriberBase):
+                raise TypeError(f"{type(subscriber).__name__} is not a SubscriberBase")
+        if host is None:
+            from ..plugins import get_host
+
+            host = get_host()
+        subscribers += host.hooks.activation_subscribers(model)
+        for subscriber in subscribers:
+            subscriber.on_subscribe(model)
+        existing = cls._subscriptions.get(id(model))
+        if existing is not None and existing.model is model:
+            existing.subscribers.extend(subscribers)
+        else:
+            cls._subscriptions[id(model)] = _Subscription(model, subscribers)
+
+    @classmethod
+    def is_subscribed(cls, model: torch.nn.Module) -> bool:
+        found = cls._subscriptions.get(id(model))
+        return found is not None and found.model is model
+
+    @classmethod
+    def unsubscribe(cls, model: torch.nn.Module) -> None:
+        """End the open step (``on_step_end``) and remove every hook from ``model``."""
+        found = cls._subscriptions.get(id(model))
+        if found is not None and found.model is model:
+            del cls._subscriptions[id(model)]
+            found.remove()
+
+
+def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Record an intermediate tensor of a ``forward`` (and its gradient) under ``name``; returns ``tensor``.
+
+    Records only while a subscribed model's training step is running on this thread; otherwise does nothing.
+    Keep names unique: records are named by ``name`` and their execution order.
+    """
+    stack = _running()
+    if stack and isinstance(tensor, torch.Tensor):
+        subscription = stack[-1]
+        state = subscription.recording()
+        if state is not None:
+            subscription.record(state, name, tensor)
+    return tensor
+
+
+def subscriber_classes(host: Any = None) -> dict[str, type]:
+    """Subscriber classes contributed by plugins, by name (``{"StatisticsSubscriber": ...}``).
+
+    Asked through the ``ortcore_subscriber_classes`` hook; a plugin host that lacks that spec is searched for
+    plugins with a ``SUBSCRIBER_CLASSES`` dict instead.
+    """
+    if host is None:
+        from ..plugins import get_host
+
+        host = get_host()
+    facade = getattr(host.hooks, "subscriber_classes", None)
+    if callable(facade):
+        return dict(facade())
+    caller = getattr(host.pm.hook, "ortcore_subscriber_classes", None)
+    merged: dict[str, type] = {}
+    if caller is not None:
+        for contribution in caller():
+            merged.update(contribution or {})
+        return merged
+    for record in host.records.values():
+        merged.update(getattr(record.plugin, "SUBSCRIBER_CLASSES", None) or {})
+    return merged

@@ -1,0 +1,226 @@
+"""activation_stats: per-step statistics of every activation and gradient, written as one JSON file each.
+
+Compare a PyTorch run with another run (seed or code change, later an ORTModule run) step by step to find the
+first activation that diverges. Usage::
+
+    from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
+    GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(output_dir="pt_out", override_output_dir=True)])
+
+Layout (format 1, see docs/plugins/activation_stats.md): ``<output_dir>/meta.json`` and, per step,
+``<output_dir>/step_<step>/<order:05d>_<kind>_<safe name>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
+from ortcore.hookspecs import hookimpl
+
+FORMAT = 1
+SAMPLES = 8
+NAME_LIMIT = 120
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def safe_name(name: str) -> str:
+    """``name`` with characters outside ``[A-Za-z0-9._-]`` replaced by ``_``, at most 120 characters."""
+    return _UNSAFE.sub("_", name)[:NAME_LIMIT]
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _json_number(value: float) -> float | str:
+    """Strict JSON has no NaN/Inf: non-finite samples are written as the strings "nan", "inf", "-inf"."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    """Write atomically: a temporary file in the same directory, then ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".json.tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, allow_nan=False)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def tensor_statistics(tensor: torch.Tensor, bucket_size: int = 1024**3, run_on_cpu: bool = False) -> dict[str, Any]:
+    """Statistics of ``tensor``, in float64 over chunks of ``bucket_size`` elements.
+
+    min/max/mean/std/abs_mean are over finite values (``None`` if there are none; std needs two, and uses
+    torch's default correction of 1); NaN and Inf are counted separately. Non-floating tensors get counts and
+    min/max only.
+    """
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size={bucket_size} must be >= 1")
+    flat = tensor.detach().reshape(-1)
+    if run_on_cpu:
+        flat = flat.cpu()
+    numel = flat.numel()
+    floating = flat.is_floating_point()
+    count, mean, m2, abs_sum = 0, 0.0, 0.0, 0.0
+    zeros = nans = infs = 0
+    low: float | None = None
+    high: float | None = None
+    for start in range(0, numel, bucket_size):
+        chunk = flat[start : start + bucket_size]
+        zeros += int((chunk == 0).sum())
+        if floating:
+            chunk = chunk.to(torch.float64)
+            nan_mask, inf_mask = torch.isnan(chunk), torch.isinf(chunk)
+            nans += int(nan_mask.sum())
+            infs += int(inf_mask.sum())
+            chunk = chunk[~(nan_mask | inf_mask)]
+        elif chunk.is_complex():
+            continue
+        elif chunk.dtype == torch.bool:
+            chunk = chunk.to(torch.int64)
+        n = chunk.numel()
+        if n == 0:
+            continue
+        chunk_low, chunk_high = chunk.min().item(), chunk.max().item()
+        low = chunk_low if low is None else min(low, chunk_low)
+        high = chunk_high if high is None else max(high, chunk_high)
+        if not floating:
+            continue
+        # Chan et al.'s parallel update: mean and sum of squared deviations merged chunk by chunk.
+        chunk_mean = chunk.mean().item()
+        chunk_m2 = (chunk - chunk_mean).square().sum().item()
+        total = count + n
+        delta = chunk_mean - mean
+        mean += delta * n / total
+        m2 += chunk_m2 + delta * delta * count * n / total
+        abs_sum += chunk.abs().sum().item()
+        count = total
+    if numel:
+        indices = torch.linspace(0, numel - 1, min(SAMPLES, numel)).round().long()
+        samples = [_json_number(v) if floating else v for v in flat[indices.to(flat.device)].tolist()]
+    else:
+        samples = []
+    return {
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "numel": numel,
+        "min": low,
+        "max": high,
+        "mean": mean if floating and count else None,
+        "std": math.sqrt(m2 / (count - 1)) if floating and count > 1 else None,
+        "abs_mean": abs_sum / count if floating and count else None,
+        "zeros": zeros,
+        "nans": nans,
+        "infs": infs,
+        "samples": samples,
+    }
+
+
+class StatisticsSubscriber(SubscriberBase):
+    """Write statistics of every activation and gradient of the subscribed model, one JSON file each.
+
+    Args:
+        output_dir: where the records go (per rank, give each rank its own directory).
+        start_step: the first step recorded (default: 0).
+        end_step: the step at which recording stops, exclusive (default: never).
+        override_output_dir: allow a non-empty ``output_dir``; its previous ``step_*`` folders are removed.
+            Without it a non-empty ``output_dir`` raises FileExistsError and nothing is deleted.
+        run_on_cpu: compute statistics on a CPU copy (a last resort when the device runs out of memory).
+        bucket_size: elements per chunk of the float64 computation (bounds its extra memory).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        start_step: int | None = None,
+        end_step: int | None = None,
+        override_output_dir: bool = False,
+        run_on_cpu: bool = False,
+        bucket_size: int = 1024 * 1024 * 1024,
+    ):
+        super().__init__(start_step, end_step)
+        if bucket_size < 1:
+            raise ValueError(f"bucket_size={bucket_size} must be >= 1")
+        self.output_dir = os.fspath(output_dir)
+        self.run_on_cpu = run_on_cpu
+        self.bucket_size = bucket_size
+        self.rank, self.world_size = _rank_and_world()
+        self._model: torch.nn.Module | None = None
+        if os.path.isdir(self.output_dir) and os.listdir(self.output_dir):
+            if not override_output_dir:
+                raise FileExistsError(
+                    f"output_dir {self.output_dir!r} exists and is not empty; pass override_output_dir=True to "
+                    "replace its step_* folders, or choose another directory"
+                )
+            for entry in os.listdir(self.output_dir):
+                path = os.path.join(self.output_dir, entry)
+                if entry.startswith("step_") and os.path.isdir(path):
+                    shutil.rmtree(path)
+        os.makedirs(self.output_dir, exist_ok=True)
+
+    def on_subscribe(self, model: torch.nn.Module) -> None:
+        if self._model is not None and self._model is not model:
+            raise ValueError("a StatisticsSubscriber records one model: the records of two would collide")
+        self._model = model
+        meta = {
+            "format": FORMAT,
+            "source": "torch",
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "model": type(model).__name__,
+        }
+        _write_json(os.path.join(self.output_dir, "meta.json"), meta)
+
+    def on_step_start(self, step: int) -> None:
+        os.makedirs(self._step_dir(step), exist_ok=True)
+
+    def on_forward(self, step: int, order: int, name: str, tensor: torch.Tensor) -> None:
+        self._write(step, order, "forward", name, tensor)
+
+    def on_backward(self, step: int, order: int, name: str, grad: torch.Tensor) -> None:
+        self._write(step, order, "backward", name, grad)
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.output_dir, f"step_{step}")
+
+    def _write(self, step: int, order: int, kind: str, name: str, tensor: torch.Tensor) -> None:
+        record = {"format": FORMAT, "name": name, "kind": kind, "step": step, "order": order, "rank": self.rank}
+        record.update(tensor_statistics(tensor, self.bucket_size, self.run_on_cpu))
+        folder = self._step_dir(step)
+        os.makedirs(folder, exist_ok=True)
+        _write_json(os.path.join(folder, f"{order:05d}_{kind}_{safe_name(name)}.json"), record)
+
+
+SUBSCRIBER_CLASSES: dict[str, type] = {"StatisticsSubscriber": StatisticsSubscriber}
+
+
+@hookimpl(optionalhook=True)
+def ortcore_subscriber_classes() -> dict[str, type]:
+    return SUBSCRIBER_CLASSES
+
+
+@hookimpl
+def ortcore_runtime_inspectors(module: torch.nn.Module) -> None:
+    # Wrapping a subscribed model would silently record nothing: its forward then runs in ONNX Runtime.
+    if GlobalSubscriberManager.is_subscribed(module):
+        raise NotImplementedError(
+            "this model has activation subscribers, but collecting activations inside ONNX Runtime is not "
+            "implemented yet; unsubscribe it (GlobalSubscriberManager.unsubscribe) before wrapping it in ORTModule"
+        )
+    return None

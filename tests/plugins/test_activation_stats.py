@@ -133,7 +133,9 @@ def test_gpt2_model_output_fields_and_gradients(hooks_api, tmp_path):
     transformers = pytest.importorskip("transformers")
     from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
 
-    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(config)
     forward, backward = capture(model)
     GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / "gpt2")])

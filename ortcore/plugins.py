@@ -42,6 +42,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "compute_optimizer",
     "sparse_optimizer",
     "aten_fallback",
+    "activation_stats",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"

@@ -210,7 +210,7 @@ class StatisticsSubscriber(SubscriberBase):
 SUBSCRIBER_CLASSES: dict[str, type] = {"StatisticsSubscriber": StatisticsSubscriber}
 
 
-@hookimpl(optionalhook=True)
+@hookimpl
 def ortcore_subscriber_classes() -> dict[str, type]:
     return SUBSCRIBER_CLASSES
 

@@ -264,24 +264,9 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def subscriber_classes(host: Any = None) -> dict[str, type]:
-    """Subscriber classes contributed by plugins, by name (``{"StatisticsSubscriber": ...}``).
-
-    Asked through the ``ortcore_subscriber_classes`` hook; a plugin host that lacks that spec is searched for
-    plugins with a ``SUBSCRIBER_CLASSES`` dict instead.
-    """
+    """Subscriber classes contributed by plugins through ``ortcore_subscriber_classes``, by name."""
     if host is None:
         from ..plugins import get_host
 
         host = get_host()
-    facade = getattr(host.hooks, "subscriber_classes", None)
-    if callable(facade):
-        return dict(facade())
-    caller = getattr(host.pm.hook, "ortcore_subscriber_classes", None)
-    merged: dict[str, type] = {}
-    if caller is not None:
-        for contribution in caller():
-            merged.update(contribution or {})
-        return merged
-    for record in host.records.values():
-        merged.update(getattr(record.plugin, "SUBSCRIBER_CLASSES", None) or {})
-    return merged
+    return host.hooks.subscriber_classes()

@@ -291,12 +291,3 @@ def test_wrapping_a_subscribed_model_raises_not_implemented(hooks_api, tmp_path)
     GlobalSubscriberManager.subscribe(model, [Recorder()])
     with pytest.raises(PluginError, match="NotImplementedError.*not implemented yet"):
         ORTModule(model)
-
-
-def test_subscriber_classes_fall_back_to_the_plugin_attribute():
-    # A host from before the ortcore_subscriber_classes hook: no facade method, no hook caller.
-    record = types.SimpleNamespace(plugin=types.SimpleNamespace(SUBSCRIBER_CLASSES={"Recorder": Recorder}))
-    host = types.SimpleNamespace(hooks=object(), pm=types.SimpleNamespace(hook=object()), records={"old": record})
-    from ortcore.hooks import subscriber_classes
-
-    assert subscriber_classes(host) == {"Recorder": Recorder}

@@ -302,6 +302,32 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return 1 if any(f.level == "error" for f in findings) else 0
 
 
+# -- ortcore merge-activation-summary / find-divergence -------------------------------------------------------------
+def _add_merge(subparsers: argparse._SubParsersAction) -> None:
+    from .hooks import merge_activation_summary
+
+    p = subparsers.add_parser(
+        "merge-activation-summary",
+        help="write per-step summaries of a PyTorch and an ortcore activation-statistics run side by side",
+        description="Merge two StatisticsSubscriber output directories into one side-by-side text file per step.",
+    )
+    merge_activation_summary.add_arguments(p)
+    p.set_defaults(run=merge_activation_summary.run)
+
+
+def _add_find_divergence(subparsers: argparse._SubParsersAction) -> None:
+    from .hooks import divergence
+
+    p = subparsers.add_parser(
+        "find-divergence",
+        help="report the first step and activation where two activation-statistics runs differ (exit 1 if any)",
+        description="Compare a PyTorch run and an ortcore run of StatisticsSubscriber records: the first divergence "
+        "in execution order, a ranked table of the worst activations, and an optional HTML report with plots.",
+    )
+    divergence.add_arguments(p)
+    p.set_defaults(run=divergence.run)
+
+
 # -- entry point -------------------------------------------------------------------------------------------------
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_demo,
@@ -309,6 +335,8 @@ _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_plugins,
     _add_config,
     _add_doctor,
+    _add_merge,
+    _add_find_divergence,
 )
 
 

@@ -356,3 +356,16 @@ def test_records_written_by_the_collector(tmp_path):
     report = find_divergence(a, c)
     assert report.first.step == 1 and report.first.order == 0
     assert len(merge(a, c, tmp_path / "merged")) == 3
+
+
+def test_ortcore_command_runs_both_tools(tmp_path, reference, perturbed, capsys):
+    from ortcore.cli import main
+
+    write_run(tmp_path / "pt", reference)
+    write_run(tmp_path / "ort", perturbed, source="ortcore")
+    assert main(["find-divergence", str(tmp_path / "pt"), str(tmp_path / "pt")]) == 0
+    assert main(["find-divergence", str(tmp_path / "pt"), str(tmp_path / "ort"), "--html", str(tmp_path / "r.html")]) == 1
+    assert "fc2" in capsys.readouterr().out and (tmp_path / "r.html").is_file()
+    args = ["merge-activation-summary", "--pt_dir", str(tmp_path / "pt"), "--ort_dir", str(tmp_path / "ort")]
+    assert main([*args, "--output_dir", str(tmp_path / "merged")]) == 0
+    assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == ["step_1.txt", "step_2.txt", "step_3.txt"]

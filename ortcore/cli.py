@@ -14,28 +14,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from .argtypes import non_negative_int, positive_int
+
 
 # -- argument types ----------------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
-
-
 def _choice_list(kind: str, allowed: Sequence[str]) -> Callable[[str], list[str]]:
     """An argparse type for a comma-separated subset of ``allowed``, keeping the user's order, no duplicates."""
 
@@ -62,7 +44,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
             "Exits nonzero if the curves differ by more than the tolerance or ortcore fell back to PyTorch."
         ),
     )
-    p.add_argument("--steps", type=_positive_int, default=20, help="training steps per run (default: 20)")
+    p.add_argument("--steps", type=positive_int, default=20, help="training steps per run (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
     p.set_defaults(run=_run_demo)
 
@@ -136,21 +118,21 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         "--models", type=_choice_list("model", MODELS), default=list(MODELS), help=f"default: {','.join(MODELS)}"
     )
     p.add_argument("--modes", type=_choice_list("mode", MODES), default=list(MODES), help=f"default: {','.join(MODES)}")
-    p.add_argument("--steps", type=_positive_int, default=d.steps, help=f"training steps per run (default: {d.steps})")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help=f"training steps per run (default: {d.steps})")
     p.add_argument(
         "--warmup",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.warmup,
         help=f"steps left out of the steady-state median (default: {d.warmup})",
     )
-    p.add_argument("--batch", type=_positive_int, default=d.batch, help=f"default: {d.batch}")
-    p.add_argument("--seq", type=_positive_int, default=d.seq, help=f"sequence length (default: {d.seq})")
-    p.add_argument("--hidden", type=_positive_int, default=d.hidden, help=f"hidden size (default: {d.hidden})")
-    p.add_argument("--layers", type=_positive_int, default=d.layers, help=f"default: {d.layers}")
-    p.add_argument("--vocab", type=_positive_int, default=d.vocab, help=f"vocabulary size (default: {d.vocab})")
+    p.add_argument("--batch", type=positive_int, default=d.batch, help=f"default: {d.batch}")
+    p.add_argument("--seq", type=positive_int, default=d.seq, help=f"sequence length (default: {d.seq})")
+    p.add_argument("--hidden", type=positive_int, default=d.hidden, help=f"hidden size (default: {d.hidden})")
+    p.add_argument("--layers", type=positive_int, default=d.layers, help=f"default: {d.layers}")
+    p.add_argument("--vocab", type=positive_int, default=d.vocab, help=f"vocabulary size (default: {d.vocab})")
     p.add_argument("--json", metavar="PATH", help="also write all results to PATH as JSON (atomically)")
     p.add_argument(
-        "--timeout", type=_positive_int, default=1800, help="seconds before a single run is abandoned (default: 1800)"
+        "--timeout", type=positive_int, default=1800, help="seconds before a single run is abandoned (default: 1800)"
     )
     p.set_defaults(run=_run_bench, parser=p)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ortcore.argtypes import non_negative_float, non_negative_int
 from ortcore.hooks.merge_activation_summary import (
     COUNT_STATS,
     FLOAT_STATS,
@@ -393,32 +394,12 @@ def write_html_report(report: Report, path: str | os.PathLike[str], plots: int |
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-def _nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
-    return v
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pt_dir", metavar="PT_DIR", help="PyTorch run dir, or a parent of rank_<r>/ run dirs")
     parser.add_argument("ort_dir", metavar="ORT_DIR", help="ortcore run dir, or a parent of rank_<r>/ run dirs")
-    parser.add_argument("--rtol", type=_nonneg_float, default=1e-3, help="relative tolerance (default 1e-3)")
-    parser.add_argument("--atol", type=_nonneg_float, default=1e-6, help="absolute tolerance (default 1e-6)")
-    parser.add_argument("--top", type=_nonneg_int, default=20, help="rows of the ranked table (default 20)")
+    parser.add_argument("--rtol", type=non_negative_float, default=1e-3, help="relative tolerance (default 1e-3)")
+    parser.add_argument("--atol", type=non_negative_float, default=1e-6, help="absolute tolerance (default 1e-6)")
+    parser.add_argument("--top", type=non_negative_int, default=20, help="rows of the ranked table (default 20)")
     parser.add_argument("--html", metavar="PATH", help="also write an HTML report with plots to PATH")
 
 

@@ -259,10 +259,12 @@ class ORTModule(torch.nn.Module):
         rt = self._ortcore
         if rt.fallback_reason is not None and not rt.options.fallback_retry:
             return self._original_module(*args, **kwargs)
+        # One walk of the model's state per step, shared by the key and the feeds.
         params = dict(self._original_module.named_parameters())
+        buffers = dict(self._original_module.named_buffers())
         try:
             schema, tensors = flatten_inputs(rt.signature, args, kwargs)
-            key = self._graph_key(schema, tensors, params)
+            key = self._graph_key(schema, tensors, params, buffers)
             graph, session = rt.state.resolve(
                 key,
                 export=lambda: self._export(schema, tensors, key),
@@ -271,14 +273,20 @@ class ORTModule(torch.nn.Module):
         except tuple(_FALLBACK_FLAG) as e:
             return self._fall_back(e, args, kwargs)
         rt.fallback_reason = None
-        return self._execute(graph, session, tensors, params, (args, kwargs))
+        return self._execute(graph, session, tensors, params, buffers, (args, kwargs))
 
     def _execute(
-        self, graph: ExportedGraph, session: TrainingSession, tensors: list[torch.Tensor], params: dict, call: tuple
+        self,
+        graph: ExportedGraph,
+        session: TrainingSession,
+        tensors: list[torch.Tensor],
+        params: dict,
+        buffers: dict,
+        call: tuple,
     ) -> Any:
         by_name = dict(zip(graph.user_input_names, tensors))
         by_name.update(params)
-        by_name.update(self._original_module.named_buffers())
+        by_name.update(buffers)
         for stats in graph.batch_norms:
             for name in stats.buffer_names:
                 by_name[name] = by_name[name].clone()
@@ -312,7 +320,7 @@ class ORTModule(torch.nn.Module):
             raise UnsupportedDeviceError(f"device {device} is not supported; allowed: cpu, cuda")
         return device
 
-    def _graph_key(self, schema: InputSchema, tensors: list[torch.Tensor], params: dict) -> GraphKey:
+    def _graph_key(self, schema: InputSchema, tensors: list[torch.Tensor], params: dict, buffers: dict) -> GraphKey:
         rt = self._ortcore
         trainable = tuple(n for n, p in params.items() if p.requires_grad)
         inputs_rg = tuple(n for n, t in zip(schema.names, tensors) if t.requires_grad)
@@ -321,7 +329,7 @@ class ORTModule(torch.nn.Module):
             constants=schema.constants,
             inputs=schema.tensors,
             state_dtypes=tuple((n, p.dtype) for n, p in params.items())
-            + tuple((n, b.dtype) for n, b in self._original_module.named_buffers()),
+            + tuple((n, b.dtype) for n, b in buffers.items()),
             training=self._original_module.training,
             module_modes=tuple(m.training for m in self._original_module.modules()),
             opset=rt.options.opset,

@@ -206,22 +206,30 @@ def _host_or_error():
     return host
 
 
-def _run_plugins(args: argparse.Namespace) -> int:
+def _print_table(title: str, columns: Sequence[str], rows: list[Sequence[str]]) -> None:
+    """A rich table; piped output gets a fixed width wide enough for the option columns."""
     from rich.console import Console
     from rich.table import Table
 
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def _run_plugins(args: argparse.Namespace) -> int:
     from .report import plugin_rows
 
     host = _host_or_error()
     if host is None:
         return 1
-    table = Table(title="ortcore plugins", title_justify="left")
-    for column in ("name", "version", "source", "enabled", "hooks", "options"):
-        table.add_column(column, overflow="fold")
-    for row in plugin_rows(host):
-        hooks = ", ".join(h.removeprefix("ortcore_") for h in row.hooks)
-        table.add_row(row.name, row.version, row.source, row.enabled, hooks, "\n".join(row.options))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    rows = [
+        (r.name, r.version, r.source, r.enabled, ", ".join(h.removeprefix("ortcore_") for h in r.hooks), "\n".join(r.options))
+        for r in plugin_rows(host)
+    ]
+    _print_table("ortcore plugins", ("name", "version", "source", "enabled", "hooks", "options"), rows)
     if host.config.path:
         print(f"configuration: {host.config.path}")
     return 0
@@ -238,22 +246,17 @@ def _add_config(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_config(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from .report import config_rows
 
     host = _host_or_error()
     if host is None:
         return 1
-    table = Table(title=f"ortcore configuration ({host.config.path or 'no ortcore.toml found'})", title_justify="left")
-    for column in ("key", "value", "source", "env", "meaning"):
-        table.add_column(column, overflow="fold")
-    for row in config_rows(host):
-        table.add_row(row.key, row.value, row.source, row.env, row.doc)
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
-    disabled = ", ".join(host.config.disable) or "none"
-    print(f"plugins disabled: {disabled}")
+    _print_table(
+        f"ortcore configuration ({host.config.path or 'no ortcore.toml found'})",
+        ("key", "value", "source", "env", "meaning"),
+        [(r.key, r.value, r.source, r.env, r.doc) for r in config_rows(host)],
+    )
+    print(f"plugins disabled: {', '.join(host.config.disable) or 'none'}")
     return 0
 
 

@@ -261,6 +261,20 @@ def loss_of(step: StepFn) -> LossFn:
     return lambda model, batch: step(model, batch)[1]
 
 
+def check_gradient_accumulation(ort: nn.Module, ref: nn.Module, batches: list, step: StepFn) -> None:
+    """Two micro-batches accumulate the same gradient as torch, then a training curve with accumulate=2 matches."""
+    for model in (ort, ref):
+        for micro in batches[:2]:
+            (loss_of(step)(model, micro) / 2).backward()
+    assert_grads_match(ort, ref)
+    ort.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    curve = train_curve(ort, batches, loss_of(step), accumulate=2)
+    curve_ref = train_curve(ref, batches, loss_of(step), accumulate=2)
+    assert_curves_match(curve, curve_ref)
+    assert_ran_in_ort(ort, exports=1)
+
+
 def check_step_and_training(
     ort: ORTModule, ref: nn.Module, batches: Sequence[Any], step: StepFn, steps: int = 20
 ) -> tuple[list[float], list[float]]:

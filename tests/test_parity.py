@@ -16,6 +16,7 @@ from models import (
     assert_losses_match,
     assert_outputs_match,
     assert_ran_in_ort,
+    check_gradient_accumulation,
     check_step_and_training,
     classification_step,
     dict_batch,
@@ -175,18 +176,7 @@ def test_changed_float_keyword_is_not_served_by_a_stale_graph():
 )
 def test_gradient_accumulation_over_two_backwards_matches_torch(model_fn, make_batch, step):
     ort, ref = ort_and_torch(model_fn())
-    batches = make_batches(make_batch, 2 * 10)
-    # The accumulated gradient of the first two micro-batches, before any optimizer step.
-    for model in (ort, ref):
-        for micro in batches[:2]:
-            (loss_of(step)(model, micro) / 2).backward()
-    assert_grads_match(ort, ref)
-    ort.zero_grad(set_to_none=True)
-    ref.zero_grad(set_to_none=True)
-    curve = train_curve(ort, batches, loss_of(step), accumulate=2)
-    curve_ref = train_curve(ref, batches, loss_of(step), accumulate=2)
-    assert_curves_match(curve, curve_ref)
-    assert_ran_in_ort(ort, exports=1)
+    check_gradient_accumulation(ort, ref, make_batches(make_batch, 2 * 10), step)
 
 
 def test_two_forwards_then_one_backward_matches_torch():

@@ -18,6 +18,7 @@ from models import (
     assert_ran_in_ort,
     bert_batch,
     causal_lm_loss,
+    check_gradient_accumulation,
     check_step_and_training,
     gpt2_batch,
     hf_step,
@@ -219,17 +220,7 @@ def test_gpt2_batch_size_and_sequence_length_changes_do_not_re_export():
 
 def test_gpt2_gradient_accumulation_over_two_backwards_matches_torch():
     ort, ref = ort_and_torch(tiny_gpt2())
-    batches = make_batches(gpt2_batch, 2 * 8)
-    for model in (ort, ref):
-        for micro in batches[:2]:
-            (loss_of(_gpt2_with_labels)(model, micro) / 2).backward()
-    assert_grads_match(ort, ref)
-    ort.zero_grad(set_to_none=True)
-    ref.zero_grad(set_to_none=True)
-    curve = train_curve(ort, batches, loss_of(_gpt2_with_labels), accumulate=2)
-    curve_ref = train_curve(ref, batches, loss_of(_gpt2_with_labels), accumulate=2)
-    assert_curves_match(curve, curve_ref)
-    assert_ran_in_ort(ort, exports=1)
+    check_gradient_accumulation(ort, ref, make_batches(gpt2_batch, 2 * 8), _gpt2_with_labels)
 
 
 def test_wrapped_model_keeps_the_forward_signature():

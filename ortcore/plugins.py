@@ -43,6 +43,9 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "sparse_optimizer",
     "aten_fallback",
     "activation_stats",
+    "autograd_function",
+    "efficient_attention",
+    "grad_management",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"

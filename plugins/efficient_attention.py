@@ -1,0 +1,1 @@
+"""efficient_attention: work in progress; registers no hooks yet."""

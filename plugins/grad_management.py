@@ -1,0 +1,1 @@
+"""grad_management: work in progress; registers no hooks yet."""

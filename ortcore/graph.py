@@ -25,12 +25,14 @@ import torch
 from .errors import UnsupportedDataError, UnsupportedModelError
 from .exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN, Exporter
 from .graph_passes import GraphPass, PassContext
+from .hooks._subscribers import TAP, TAP_DOMAIN
 from .options import LogLevel
 from .schema import InputSchema, OutputSchema, flatten_outputs
 
 logger = logging.getLogger("ortcore")
 
 BN_INPUT_PREFIX = "ortcore.batch_norm_input::"
+TAP_OUTPUT_PREFIX = "ortcore.tap::"
 GRAPH_FORMAT = 1  # bump when ExportedGraph.to_bytes changes
 
 
@@ -62,6 +64,15 @@ class BatchNormStats:
     module_path: str
 
 
+@attrs.frozen
+class TapPoint:
+    """An activation of a subscribed model: its name, the graph value holding it, and the extra output exposing it."""
+
+    name: str
+    value: str  # the value flowing on in the graph; its gradient is "<value>_grad" in the backward graph
+    output: str  # the graph output exposing it: an extra ``ortcore.tap::<n>``, or a model output
+
+
 @attrs.define(eq=False)
 class ExportedGraph:
     """An exported, post-processed forward graph and what is needed to feed it and read it."""
@@ -75,10 +86,17 @@ class ExportedGraph:
     batch_norms: list[BatchNormStats]
     raw_model: onnx.ModelProto | None = None  # the exporter's graph before processing, kept only to be saved
     export_seconds: float = 0.0
+    taps: list[TapPoint] = attrs.Factory(list)  # in execution order; outputs after the batch-norm ones
 
     @property
     def n_user_outputs(self) -> int:
         return len(self.output_schema.names)
+
+    @property
+    def tap_outputs(self) -> list[int]:
+        """The graph output index of each tap."""
+        index = {o.name: i for i, o in enumerate(self.model.graph.output)}
+        return [index[tap.output] for tap in self.taps]
 
     def to_bytes(self) -> bytes:
         """Serialise for an export cache (pickle: load only from a directory you trust)."""
@@ -91,6 +109,7 @@ class ExportedGraph:
             "output_schema": self.output_schema,
             "training": self.training,
             "batch_norms": [(b.module_path, b.output_name, b.buffer_names) for b in self.batch_norms],
+            "taps": [(t.name, t.value, t.output) for t in self.taps],
         }
         return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -117,6 +136,7 @@ class ExportedGraph:
             output_schema=state["output_schema"],
             training=bool(state["training"]),
             batch_norms=batch_norms,
+            taps=[TapPoint(*t) for t in state.get("taps", ())],
         )
 
 
@@ -188,6 +208,49 @@ def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> 
     return found
 
 
+def _expose_taps(model: onnx.ModelProto, names: list[str]) -> list[TapPoint]:
+    """Turn the exporter's ``com.ortcore::Tap`` nodes into extra graph outputs.
+
+    A tap is removed and its consumers read the tapped value directly, so the graph ORT runs computes what it
+    would without taps; each tapped value is exposed through an Identity as ``ortcore.tap::<n>``. A tap whose
+    output is a model output stays, as an Identity, and that output serves as the tap's: ORT gives a model
+    output consumed inside the graph a gradient that is not the model's, so nothing may consume it.
+    """
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    rewired: dict[str, str] = {}
+    found: list[tuple[int, str, str | None]] = []  # (number, value, the model output that exposes it already)
+    kept = []
+    for node in graph.node:  # topological order: a tap's input is already rewired when the tap is seen
+        for i, name in enumerate(node.input):
+            if name in rewired:
+                node.input[i] = rewired[name]
+        if not (node.domain == TAP_DOMAIN and node.op_type == TAP):
+            kept.append(node)
+            continue
+        order = next(a.i for a in node.attribute if a.name == "order")
+        if node.output[0] in outputs:
+            _to_identity(node)
+            del node.attribute[:]
+            kept.append(node)
+            found.append((order, node.output[0], node.output[0]))
+        else:
+            rewired[node.output[0]] = node.input[0]
+            found.append((order, node.input[0], None))
+    del graph.node[:]
+    graph.node.extend(kept)
+    taps = []
+    for order, value, output in sorted(found):
+        if output is None:
+            output = f"{TAP_OUTPUT_PREFIX}{order}"
+            graph.node.append(onnx.helper.make_node("Identity", [value], [output], name=output))
+            graph.output.append(onnx.helper.make_empty_tensor_value_info(output))
+        taps.append(TapPoint(names[order], value, output))
+    if found:
+        _drop_unused_domain(model)
+    return taps
+
+
 def _is_stop_gradient(node: onnx.NodeProto) -> bool:
     return node.domain == STOP_GRADIENT_DOMAIN and node.op_type == STOP_GRADIENT
 
@@ -197,16 +260,18 @@ def _to_identity(node: onnx.NodeProto) -> None:
 
 
 def _drop_unused_domain(model: onnx.ModelProto) -> None:
-    if not any(n.domain == STOP_GRADIENT_DOMAIN for n in model.graph.node):
+    if not any(n.domain == STOP_GRADIENT_DOMAIN for n in model.graph.node):  # the domain of taps too
         kept = [o for o in model.opset_import if o.domain != STOP_GRADIENT_DOMAIN]
         del model.opset_import[:]
         model.opset_import.extend(kept)
 
 
-def value_dependencies(model: onnx.ModelProto, values: list[str]) -> dict[str, set[str]]:
-    """For each value, the graph inputs it depends on (a reverse walk of the graph)."""
+def value_dependencies(
+    model: onnx.ModelProto, values: list[str], sources: set[str] | None = None
+) -> dict[str, set[str]]:
+    """For each value, the ``sources`` it depends on (default: the graph inputs), by a reverse walk of the graph."""
     producer = {out: node for node in model.graph.node for out in node.output if out}
-    inputs = {i.name for i in model.graph.input}
+    inputs = {i.name for i in model.graph.input} if sources is None else set(sources)
     memo: dict[str, frozenset[str]] = {}
     for value in values:
         stack, order = [value], []
@@ -289,8 +354,13 @@ def export_graph(
     graph_passes: list[GraphPass] = (),
     config: Any = None,
     keep_raw: bool = False,
+    tap_names: list[str] | None = None,
 ) -> ExportedGraph:
-    """Export ``module`` for the call described by ``schema`` and apply the core's post-export processing."""
+    """Export ``module`` for the call described by ``schema`` and apply the core's post-export processing.
+
+    ``tap_names`` is filled while exporting a subscribed model (see :func:`ortcore.hooks._subscribers.tapping`):
+    the name of each tap the exporter writes, by number.
+    """
     import time
 
     start = time.perf_counter()
@@ -330,6 +400,7 @@ def export_graph(
                 node.output[i] = renames[name]
     _add_second_outputs(model)
     batch_norms = _add_batch_norm_outputs(model, module) if training else []
+    taps = _expose_taps(model, tap_names) if tap_names else []
     context = PassContext(module=module, training=training, config=config)
     for graph_pass in graph_passes:
         graph_pass.run(model, context)
@@ -343,6 +414,7 @@ def export_graph(
         batch_norms=batch_norms,
         raw_model=raw_model,
         export_seconds=time.perf_counter() - start,
+        taps=taps,
     )
     unknown = [n for n in graph.input_names if n not in state_names and n not in user_names]
     if unknown:

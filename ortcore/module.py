@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -18,6 +19,7 @@ from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
 from .exporter import Exporter
 from .graph import ExportedGraph, export_graph, fingerprint, module_signature, update_batch_norm
+from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of, tapping
 from .inspectors import ForwardInputs, phase_callbacks
 from .options import DebugOptions, FallbackPolicy
 from .plugins import Hooks, PluginHost, get_host
@@ -122,10 +124,11 @@ class _ORTFunction(torch.autograd.Function):
     """Runs one training step's forward in ORT and, when autograd asks, the matching backward."""
 
     @staticmethod
-    def forward(ctx, session: TrainingSession, runtime: _Runtime, *feeds: torch.Tensor):
+    def forward(ctx, session: TrainingSession, runtime: _Runtime, recording: Any, *feeds: torch.Tensor):
         outputs, state = session.run_forward(feeds)
         ctx.session = session
         ctx.runtime = runtime
+        ctx.recording = recording  # (subscribers' step state, tap names) when activations are recorded
         ctx.step = runtime.step
         ctx.feeds = feeds  # references only: a second backward (retain_graph=True) recomputes the forward
         ctx.state = state
@@ -149,11 +152,16 @@ class _ORTFunction(torch.autograd.Function):
             # ORT's state serves one backward; for another (retain_graph=True) the forward is recomputed.
             logger.info("second backward through one forward (retain_graph=True): recomputing the forward in ORT")
             _, state = session.run_forward(ctx.feeds)
-        grads = session.run_backward(grad_outputs, ctx.meta, state)
+        tap_grads: list[tuple[int, torch.Tensor]] | None = [] if ctx.recording is not None else None
+        grads = session.run_backward(grad_outputs, ctx.meta, state, tap_gradients=tap_grads)
         del state
+        if tap_grads:
+            step_state, names = ctx.recording
+            for k, grad in tap_grads:
+                deliver_backward(step_state, names[k], grad)
         for call in phases["post_backward"]:
             call(ctx.step)
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
 
 _WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "training"})
@@ -262,18 +270,23 @@ class ORTModule(torch.nn.Module):
         # One walk of the model's state per step, shared by the key and the feeds.
         params = dict(self._original_module.named_parameters())
         buffers = dict(self._original_module.named_buffers())
+        # Activation subscribers (ortcore.hooks) on the wrapped model: a training step they record runs a graph
+        # with taps.
+        subscription = subscription_of(self._original_module) if self._original_module.training else None
+        taps = subscription is not None and subscription.next_step_active()
         try:
             schema, tensors = flatten_inputs(rt.signature, args, kwargs)
-            key = self._graph_key(schema, tensors, params, buffers)
+            key = self._graph_key(schema, tensors, params, buffers, taps)
             graph, session = rt.state.resolve(
                 key,
-                export=lambda: self._export(schema, tensors, key),
+                export=lambda: self._export(schema, tensors, key, subscription),
                 build=lambda g: self._build(g, key),
             )
         except tuple(_FALLBACK_FLAG) as e:
-            return self._fall_back(e, args, kwargs)
+            return self._fall_back(e, args, kwargs)  # the model's own forward runs, and its hooks record the step
         rt.fallback_reason = None
-        return self._execute(graph, session, tensors, params, buffers, (args, kwargs))
+        step_state = subscription.start_step("ortcore") if subscription is not None else None
+        return self._execute(graph, session, tensors, params, buffers, (args, kwargs), step_state)
 
     def _execute(
         self,
@@ -283,6 +296,7 @@ class ORTModule(torch.nn.Module):
         params: dict,
         buffers: dict,
         call: tuple,
+        step_state: Any = None,
     ) -> Any:
         by_name = dict(zip(graph.user_input_names, tensors))
         by_name.update(params)
@@ -296,8 +310,10 @@ class ORTModule(torch.nn.Module):
             inputs = ForwardInputs(call[0], call[1], dict(zip(graph.user_input_names, tensors)), session)
             for inspect_call in rt.phases["pre_forward"]:
                 inspect_call(rt.step, inputs)
+        names = [tap.name for tap in graph.taps]
+        recording = (step_state, names) if step_state is not None and graph.taps else None
         if session.request.build_gradient:
-            outputs = _ORTFunction.apply(session, rt, *feeds)
+            outputs = _ORTFunction.apply(session, rt, recording, *feeds)
         else:
             outputs = session.run_inference(feeds)
         for inspect_call in rt.phases["post_forward"]:
@@ -307,6 +323,9 @@ class ORTModule(torch.nn.Module):
         n = graph.n_user_outputs
         for stats, x in zip(graph.batch_norms, outputs[n:]):
             update_batch_norm(stats, x)
+        if recording is not None:
+            for name, i in zip(names, graph.tap_outputs):
+                deliver_forward(step_state, name, outputs[i])
         return graph.output_schema.restore(outputs[:n])
 
     def _device(self, tensors: list[torch.Tensor], params: dict) -> torch.device:
@@ -320,7 +339,9 @@ class ORTModule(torch.nn.Module):
             raise UnsupportedDeviceError(f"device {device} is not supported; allowed: cpu, cuda")
         return device
 
-    def _graph_key(self, schema: InputSchema, tensors: list[torch.Tensor], params: dict, buffers: dict) -> GraphKey:
+    def _graph_key(
+        self, schema: InputSchema, tensors: list[torch.Tensor], params: dict, buffers: dict, taps: bool = False
+    ) -> GraphKey:
         rt = self._ortcore
         trainable = tuple(n for n, p in params.items() if p.requires_grad)
         inputs_rg = tuple(n for n, t in zip(schema.names, tensors) if t.requires_grad)
@@ -338,9 +359,12 @@ class ORTModule(torch.nn.Module):
             trainable=trainable,
             input_requires_grad=inputs_rg,
             device=str(self._device(tensors, params)),
+            taps=taps,
         )
 
-    def _export(self, schema: InputSchema, tensors: list[torch.Tensor], key: GraphKey) -> ExportedGraph:
+    def _export(
+        self, schema: InputSchema, tensors: list[torch.Tensor], key: GraphKey, subscription: Any = None
+    ) -> ExportedGraph:
         rt = self._ortcore
         opts = rt.options
         passes = rt.hooks.graph_passes()
@@ -357,18 +381,20 @@ class ORTModule(torch.nn.Module):
         cached = rt.hooks.load_export(self._original_module, fp)
         if cached is not None:
             return cached
-        graph = export_graph(
-            self._original_module,
-            schema,
-            tensors,
-            exporter=self._ortcore.exporter,
-            opset=opts.opset,
-            log_level=opts.log_level,
-            deepcopy=opts.deepcopy_before_export,
-            graph_passes=passes,
-            config=rt.config,
-            keep_raw=opts.save_onnx,
-        )
+        with tapping(subscription) if key.taps else contextlib.nullcontext() as tapper:
+            graph = export_graph(
+                self._original_module,
+                schema,
+                tensors,
+                exporter=self._ortcore.exporter,
+                opset=opts.opset,
+                log_level=opts.log_level,
+                deepcopy=opts.deepcopy_before_export,
+                graph_passes=passes,
+                config=rt.config,
+                keep_raw=opts.save_onnx,
+                tap_names=tapper.names if tapper is not None else None,
+            )
         rt.hooks.export_done(self._original_module, fp, graph)
         if opts.save_onnx:
             mode = "training" if graph.training else "eval"
@@ -398,6 +424,7 @@ class ORTModule(torch.nn.Module):
                 transformer_config=transformer_config,
                 configure_session=hooks.session_options,
                 configure_providers=hooks.provider_options,
+                tap_values=[tap.value for tap in graph.taps],
             )
         )
         hooks.session_created(session)

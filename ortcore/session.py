@@ -100,6 +100,7 @@ class BuildRequest:
     transformer_config: object = None  # a C.TrainingGraphTransformerConfiguration, filled by plugins
     configure_session: Callable[[onnxruntime.SessionOptions, torch.device], None] | None = None
     configure_providers: Callable[[torch.device, list], None] | None = None
+    tap_values: list[str] = attrs.Factory(list)  # values whose gradients subscribers want (one per tap, in order)
 
 
 class TrainingSession:
@@ -159,7 +160,39 @@ class TrainingSession:
             self.output_feeds = [
                 frozenset(position[n] for n in reach.get(o.name, ()) if n in position) for o in r.model.graph.output
             ]
+            self._fetch_tap_gradients(r)
         self._create_session()
+
+    def _fetch_tap_gradients(self, r: BuildRequest) -> None:
+        """Make the gradient of each tapped value (``<value>_grad``) an extra output of the backward graph.
+
+        ``tap_gradients[k]`` is where tap k's gradient comes from: ``("fetch", i)`` for a backward output,
+        ``("output", i)`` for a model output (its gradient is the one torch passes in), None where there is none
+        (the value depends on nothing trained). ``tap_outputs[k]`` are the model outputs the value reaches: torch
+        calls a tensor's gradient hook only when one of those received a gradient, and so does ortcore.
+        """
+        self.tap_gradients: list[tuple[str, int] | None] = [None] * len(r.tap_values)
+        self.tap_outputs: list[frozenset[int]] = [frozenset()] * len(r.tap_values)
+        if not r.tap_values:
+            return
+        outputs = [o.name for o in r.model.graph.output]
+        produced = {o for node in self.model.graph.node for o in node.output if o}
+        fetch_index = {name: i for i, name in enumerate(self.fetch_names)}
+        for k, value in enumerate(r.tap_values):
+            grad = f"{value}_grad"
+            if value in outputs:
+                self.tap_gradients[k] = ("output", outputs.index(value))
+                continue
+            if grad not in fetch_index and grad in produced:
+                fetch_index[grad] = len(self.fetch_names)
+                self.fetch_names.append(grad)
+                self.model.graph.output.append(onnx.helper.make_empty_tensor_value_info(grad))
+            if grad in fetch_index:
+                self.tap_gradients[k] = ("fetch", fetch_index[grad])
+        reach = value_dependencies(r.model, outputs, sources=set(r.tap_values))
+        for k, value in enumerate(r.tap_values):
+            self.tap_outputs[k] = frozenset(i for i, name in enumerate(outputs) if value in reach[name])
+        self._model_bytes = self.model.SerializeToString()
 
     def _create_session(self) -> None:
         r = self.request
@@ -224,8 +257,14 @@ class TrainingSession:
         return from_ort(outputs), state
 
     def run_backward(
-        self, grad_outputs: Sequence[torch.Tensor | None], outputs_meta: Sequence[tuple], state
+        self,
+        grad_outputs: Sequence[torch.Tensor | None],
+        outputs_meta: Sequence[tuple],
+        state,
+        tap_gradients: list[tuple[int, torch.Tensor]] | None = None,
     ) -> list[torch.Tensor]:
+        """The gradient of each feed (None where torch would give none). With ``tap_gradients``, also append
+        ``(tap index, gradient)`` for each tap that received a gradient, last tap first (the backward's order)."""
         inputs = C.OrtValueVector()
         for i, grad in enumerate(grad_outputs):
             if i in self.non_differentiable:
@@ -239,7 +278,13 @@ class TrainingSession:
         self._agent.run_backward(inputs, outputs, state)
         grads = from_ort(outputs)
         reached: set[int] = set()
-        for i, grad in enumerate(grad_outputs):
-            if grad is not None:
-                reached |= self.output_feeds[i]
+        got_grad = {i for i, grad in enumerate(grad_outputs) if grad is not None}
+        for i in got_grad:
+            reached |= self.output_feeds[i]
+        if tap_gradients is not None:
+            for k in reversed(range(len(self.tap_gradients))):
+                source = self.tap_gradients[k]
+                if source is not None and self.tap_outputs[k] & got_grad:
+                    kind, i = source
+                    tap_gradients.append((k, grads[i] if kind == "fetch" else grad_outputs[i]))
         return [grads[j] if j is not None and i in reached else None for i, j in enumerate(self.grad_index)]

@@ -21,7 +21,17 @@ from .errors import GraphBuildError
 
 logger = logging.getLogger("ortcore")
 
-EXPORT_FIELDS = ("structure", "constants", "inputs", "state_dtypes", "training", "module_modes", "opset", "exporter")
+EXPORT_FIELDS = (
+    "structure",
+    "constants",
+    "inputs",
+    "state_dtypes",
+    "training",
+    "module_modes",
+    "opset",
+    "exporter",
+    "taps",
+)
 BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
 
 
@@ -41,6 +51,7 @@ class GraphKey:
     trainable: tuple  # names of parameters that require grad
     input_requires_grad: tuple  # names of tensor inputs that require grad
     device: str
+    taps: bool = False  # activation subscribers record this step: export with taps (ortcore.hooks)
 
     @property
     def export_key(self) -> tuple:
@@ -88,6 +99,8 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
         reasons.append("train->eval" if old.training else "eval->train")
     elif old.module_modes != new.module_modes:
         reasons.append("train/eval mode of a submodule changed")
+    if old.taps != new.taps:
+        reasons.append("activation subscribers " + ("started recording" if new.taps else "stopped recording"))
     for field in ("opset", "exporter", "device"):
         if getattr(old, field) != getattr(new, field):
             reasons.append(f"{field} {getattr(old, field)}->{getattr(new, field)}")

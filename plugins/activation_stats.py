@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
+from ortcore.hooks import SubscriberBase
 from ortcore.hookspecs import hookimpl
 
 FORMAT = 1
@@ -178,16 +178,22 @@ class StatisticsSubscriber(SubscriberBase):
         if self._model is not None and self._model is not model:
             raise ValueError("a StatisticsSubscriber records one model: the records of two would collide")
         self._model = model
+        self._write_meta()
+
+    def _write_meta(self) -> None:
         meta = {
             "format": FORMAT,
-            "source": "torch",
+            "source": self.engine,
             "rank": self.rank,
             "world_size": self.world_size,
-            "model": type(model).__name__,
+            "model": type(self._model).__name__,
         }
         _write_json(os.path.join(self.output_dir, "meta.json"), meta)
+        self._meta_source = self.engine
 
     def on_step_start(self, step: int) -> None:
+        if self.engine != self._meta_source:  # the model was wrapped in ORTModule (or unwrapped) after subscribing
+            self._write_meta()
         os.makedirs(self._step_dir(step), exist_ok=True)
 
     def on_forward(self, step: int, order: int, name: str, tensor: torch.Tensor) -> None:
@@ -213,14 +219,3 @@ SUBSCRIBER_CLASSES: dict[str, type] = {"StatisticsSubscriber": StatisticsSubscri
 @hookimpl
 def ortcore_subscriber_classes() -> dict[str, type]:
     return SUBSCRIBER_CLASSES
-
-
-@hookimpl
-def ortcore_runtime_inspectors(module: torch.nn.Module) -> None:
-    # Wrapping a subscribed model would silently record nothing: its forward then runs in ONNX Runtime.
-    if GlobalSubscriberManager.is_subscribed(module):
-        raise NotImplementedError(
-            "this model has activation subscribers, but collecting activations inside ONNX Runtime is not "
-            "implemented yet; unsubscribe it (GlobalSubscriberManager.unsubscribe) before wrapping it in ORTModule"
-        )
-    return None

@@ -8,9 +8,10 @@ through the plugin host, see :func:`subscriber_classes`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,7 +37,13 @@ class SubscriberBase:
     Args:
         start_step: the first step whose activations are delivered (default: 0).
         end_step: the step at which delivery stops, exclusive (default: never).
+
+    Attributes:
+        engine: what computed the current step's tensors, set before ``on_step_start``: ``"torch"`` for a plain
+            model, ``"ortcore"`` when an :class:`ortcore.ORTModule` ran the step in ONNX Runtime.
     """
+
+    engine: str = "torch"
 
     def __init__(self, start_step: int | None = None, end_step: int | None = None):
         if start_step is not None and end_step is not None and end_step <= start_step:
@@ -78,6 +85,65 @@ def _tracing() -> bool:
     return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
+TAP_DOMAIN = "com.ortcore"
+TAP = "Tap"
+
+
+class _Tap(torch.autograd.Function):
+    """An identity that the exporter writes as a ``com.ortcore::Tap`` node carrying the activation's number.
+
+    Used only while an :class:`ortcore.ORTModule` exports a subscribed model: the core turns each tap into an extra
+    graph output (and fetches its gradient from the backward graph), so statistics come from ORT's own tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, order: int) -> torch.Tensor:
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+    @staticmethod
+    def symbolic(g, tensor, order: int):
+        out = g.op(f"{TAP_DOMAIN}::{TAP}", tensor, order_i=order)
+        out.setType(tensor.type())
+        return out
+
+
+class Tapper:
+    """Names the activations of one export of a subscribed model, in execution order (see :func:`tapping`)."""
+
+    def __init__(self, subscription: _Subscription):
+        self.subscription = subscription
+        self.names: list[str] = []
+
+    def tap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        self.names.append(name)
+        return _Tap.apply(tensor, len(self.names) - 1)
+
+    def tap_output(self, path: str, output: Any) -> Any:
+        """``output`` with each tensor leaf tapped under ``path`` + its pytree path (as :func:`_tensor_leaves`
+        names it); unchanged if its type cannot be rebuilt."""
+        try:
+            pairs, spec = pytree.tree_flatten_with_path(output)
+            leaves = [(pytree.keystr(key), leaf) for key, leaf in pairs]
+        except (ValueError, TypeError, NotImplementedError):
+            flat, spec = pytree.tree_flatten(output)
+            leaves = [(f"[{i}]", leaf) for i, leaf in enumerate(flat)]
+        tapped = [self.tap(path + key, v) if isinstance(v, torch.Tensor) else v for key, v in leaves]
+        try:
+            return pytree.tree_unflatten(tapped, spec)
+        except Exception:  # a container type that cannot be rebuilt: its activations are not collected
+            logger.debug("cannot rebuild the output of %s (%s); not collected", path, type(output).__name__)
+            del self.names[len(self.names) - sum(isinstance(v, torch.Tensor) for _, v in leaves) :]
+            return output
+
+
+def _tapper() -> Tapper | None:
+    return getattr(_local, "tapper", None)
+
+
 class _StepState:
     """One step of one subscribed model: its number, the subscribers taking part, and the next ``order``."""
 
@@ -113,13 +179,23 @@ class _Subscription:
         if self.depth > 1 or _tracing():
             return
         if module.training:
-            self.end_step()
-            self.step += 1
-            active = [s for s in self.subscribers if s.is_active(self.step)]
-            self.current = _StepState(self.step, active) if active else None
-            for subscriber in active:
-                subscriber.on_step_start(self.step)
+            self.start_step()
         _running().append(self)
+
+    def next_step_active(self) -> bool:
+        """Whether a training step started now would be recorded by any subscriber."""
+        return any(s.is_active(self.step + 1) for s in self.subscribers)
+
+    def start_step(self, engine: str = "torch") -> _StepState | None:
+        """Finish the open step and start the next; returns the state to record into (None: nobody wants it)."""
+        self.end_step()
+        self.step += 1
+        active = [s for s in self.subscribers if s.is_active(self.step)]
+        self.current = _StepState(self.step, active) if active else None
+        for subscriber in active:
+            subscriber.engine = engine
+            subscriber.on_step_start(self.step)
+        return self.current
 
     def _root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.depth -= 1
@@ -142,7 +218,10 @@ class _Subscription:
 
     # -- activations ------------------------------------------------------------------------------------------------
     def _output_hook(self, path: str):
-        def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+            tapper = _tapper()
+            if tapper is not None and tapper.subscription is self:
+                return tapper.tap_output(path, output)
             state = self.recording()
             if state is not None:
                 for leaf_path, tensor in _tensor_leaves(output):
@@ -152,19 +231,9 @@ class _Subscription:
 
     def record(self, state: _StepState, name: str, tensor: torch.Tensor) -> None:
         """Deliver a forward activation now and its gradient when autograd computes it."""
-        order = state.next_order()
-        with torch.no_grad():
-            for subscriber in state.subscribers:
-                subscriber.on_forward(state.step, order, name, tensor.detach())
+        deliver_forward(state, name, tensor)
         if tensor.requires_grad and torch.is_grad_enabled():
-
-            def on_grad(grad: torch.Tensor) -> None:
-                grad_order = state.next_order()
-                with torch.no_grad():
-                    for subscriber in state.subscribers:
-                        subscriber.on_backward(state.step, grad_order, name, grad.detach())
-
-            tensor.register_hook(on_grad)
+            tensor.register_hook(lambda grad: deliver_backward(state, name, grad))
 
     def remove(self) -> None:
         self.end_step()
@@ -173,7 +242,41 @@ class _Subscription:
         self.handles.clear()
 
 
+def deliver_forward(state: _StepState, name: str, tensor: torch.Tensor) -> None:
+    """Hand a forward activation of ``state``'s step to its subscribers, numbered in execution order."""
+    order = state.next_order()
+    with torch.no_grad():
+        for subscriber in state.subscribers:
+            subscriber.on_forward(state.step, order, name, tensor.detach())
+
+
+def deliver_backward(state: _StepState, name: str, grad: torch.Tensor) -> None:
+    """Hand the gradient of the activation ``name`` to the subscribers of ``state``'s step."""
+    order = state.next_order()
+    with torch.no_grad():
+        for subscriber in state.subscribers:
+            subscriber.on_backward(state.step, order, name, grad.detach())
+
+
 _local = threading.local()
+
+
+@contextlib.contextmanager
+def tapping(subscription: _Subscription) -> Iterator[Tapper]:
+    """While an ORTModule exports ``subscription``'s model: every submodule output and every
+    :func:`inspect_activation` becomes a tap in the graph. The tapper names them in execution order."""
+    previous = _tapper()
+    _local.tapper = tapper = Tapper(subscription)
+    try:
+        yield tapper
+    finally:
+        _local.tapper = previous
+
+
+def subscription_of(model: torch.nn.Module) -> _Subscription | None:
+    """The subscription of ``model`` (the model an ORTModule wraps), if it is subscribed."""
+    found = GlobalSubscriberManager._subscriptions.get(id(model))
+    return found if found is not None and found.model is model else None
 
 
 def _running() -> list[_Subscription]:
@@ -184,14 +287,18 @@ def _running() -> list[_Subscription]:
     return stack
 
 
-def _is_ortmodule(model: torch.nn.Module) -> bool:
+def _unwrapped(model: Any) -> Any:
+    """The model an :class:`ortcore.ORTModule` wraps (subscriptions belong to it), else ``model`` itself."""
     from ..module import ORTModule  # imported here: the hooks package must stay importable without ORT
 
-    return isinstance(model, ORTModule)
+    return model.module if isinstance(model, ORTModule) else model
 
 
 class GlobalSubscriberManager:
-    """Attach subscribers to a plain PyTorch model (process-wide; the seed's entry point).
+    """Attach subscribers to a model, plain PyTorch or :class:`ortcore.ORTModule` (process-wide; the seed's entry
+    point). An ORTModule's subscription belongs to the model it wraps, so subscribing before or after wrapping is
+    the same. On an ORTModule, the activations are ONNX Runtime's own tensors: the model is exported with taps that
+    become extra outputs of the forward graph, and their gradients are fetched from the backward graph.
 
     Example::
 
@@ -205,16 +312,8 @@ class GlobalSubscriberManager:
     def subscribe(cls, model: torch.nn.Module, subscribers: Iterable[SubscriberBase], *, host: Any = None) -> None:
         """Deliver ``model``'s activations to ``subscribers`` (and to those plugins contribute through the
         ``ortcore_activation_subscribers`` hook). Subscribing a model again adds subscribers to it.
-
-        Raises NotImplementedError for an :class:`ortcore.ORTModule`: its activations are ONNX Runtime's tensors,
-        which are not collected yet.
         """
-        if _is_ortmodule(model):
-            raise NotImplementedError(
-                "subscribing an ORTModule is not implemented yet: its forward runs in ONNX Runtime, and collecting "
-                "activations from ORT's own tensors is the next step of this feature. Collect the PyTorch baseline "
-                "by subscribing the unwrapped model (without ORTModule) instead."
-            )
+        model = _unwrapped(model)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"subscribe() takes a torch.nn.Module, not {type(model).__name__}")
         subscribers = list(subscribers)
@@ -236,14 +335,14 @@ class GlobalSubscriberManager:
 
     @classmethod
     def is_subscribed(cls, model: torch.nn.Module) -> bool:
-        found = cls._subscriptions.get(id(model))
-        return found is not None and found.model is model
+        return subscription_of(_unwrapped(model)) is not None
 
     @classmethod
     def unsubscribe(cls, model: torch.nn.Module) -> None:
         """End the open step (``on_step_end``) and remove every hook from ``model``."""
-        found = cls._subscriptions.get(id(model))
-        if found is not None and found.model is model:
+        model = _unwrapped(model)
+        found = subscription_of(model)
+        if found is not None:
             del cls._subscriptions[id(model)]
             found.remove()
 
@@ -254,6 +353,9 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
     Records only while a subscribed model's training step is running on this thread; otherwise does nothing.
     Keep names unique: records are named by ``name`` and their execution order.
     """
+    tapper = _tapper()
+    if tapper is not None and isinstance(tensor, torch.Tensor):
+        return tapper.tap(name, tensor)
     stack = _running()
     if stack and isinstance(tensor, torch.Tensor):
         subscription = stack[-1]

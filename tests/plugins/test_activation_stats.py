@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import ortcore_plugins.activation_stats as plugin
-from ortcore import ORTModule
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginError, set_host
+from ortcore.plugins import set_host
 from ortcore.testing import make_host
 
 
@@ -205,13 +204,6 @@ def test_existing_output_dir_without_override_errors_and_deletes_nothing(hooks_a
     assert not (out / "step_0").exists() and (out / "notes.txt").exists()
 
 
-def test_subscribing_an_ortmodule_raises_not_implemented(hooks_api, tmp_path):
-    from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
-
-    with pytest.raises(NotImplementedError, match="next step"):
-        GlobalSubscriberManager.subscribe(ORTModule(Net()), [StatisticsSubscriber(tmp_path / "out")])
-
-
 def test_unknown_subscriber_class_names_installed_ones(hooks_api):
     import ortcore.hooks
 
@@ -282,12 +274,3 @@ def test_subscriber_callbacks_and_plugin_contributed_subscribers(tmp_path):
         ("start", 1), ("forward", 1, 0, "Linear"), ("backward", 1, 1, "Linear"), ("end", 1),
     ]  # fmt: skip
     assert contributed.events == mine.events[4:]
-
-
-def test_wrapping_a_subscribed_model_raises_not_implemented(hooks_api, tmp_path):
-    from ortcore.hooks import GlobalSubscriberManager
-
-    model = Net()
-    GlobalSubscriberManager.subscribe(model, [Recorder()])
-    with pytest.raises(PluginError, match="NotImplementedError.*not implemented yet"):
-        ORTModule(model)

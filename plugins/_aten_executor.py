@@ -359,3 +359,47 @@ def stats() -> ExecutorStats:
     """A snapshot of the process-wide counters."""
     with _lock:
         return attrs.evolve(_stats)
+
+
+# -- raising failures from the session runs that hit them --------------------------------------------------------------
+
+_CHECKED = "__ortcore_aten_checked__"
+
+
+def raising_failures(run: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """Wrap a session's run method: an ATen failure during the run is raised as :class:`ATenExecutorError`."""
+    import functools
+
+    @functools.wraps(run)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        take_pending_error()  # a failure of an earlier, unrelated run must not be blamed on this one
+        try:
+            result = run(*args, **kwargs)
+        except Exception as e:
+            failure = take_pending_error()
+            if failure is None:
+                raise
+            if failure.interrupted:
+                raise KeyboardInterrupt from e
+            raise ATenExecutorError(f"{failure.describe()} (during the ORT {what}; ORT said: {e})") from e
+        failure = take_pending_error()
+        if failure is not None:
+            if failure.interrupted:
+                raise KeyboardInterrupt
+            raise ATenExecutorError(f"{failure.describe()} (during the ORT {what})")
+        return result
+
+    setattr(checked, _CHECKED, True)
+    return checked
+
+
+def check_session_runs(session: Any) -> None:
+    """Make ``session``'s forward, backward and inference runs raise the executor's failures (once per session).
+
+    Plugins that put ATen nodes in a graph call this from ``ortcore_session_created``; a session already wrapped (by
+    this function or by the same marker) is left as it is.
+    """
+    for name, what in (("run_forward", "forward"), ("run_backward", "backward"), ("run_inference", "inference")):
+        run = getattr(session, name, None)
+        if run is not None and not getattr(run, _CHECKED, False):
+            setattr(session, name, raising_failures(run, what))

@@ -11,9 +11,10 @@ with one ``org.pytorch.aten::ATen`` node running PyTorch's fused CPU kernel
 (:mod:`ortcore_plugins._aten_executor`) runs them; this plugin installs it itself.
 
 ORT 1.19.2 keeps only the first output of each node of a gradient definition, while the backward kernel computes the
-gradients of q, k and v together. So in a training graph q, k and v are flattened and packed into one tensor (a
-``Concat`` whose gradient ORT splits again), the forward node reads the packed tensor, and its gradient is one node
-returning the packed gradient. Inference graphs call the aten kernel on q, k and v directly.
+gradients of q, k and v together. So q, k and v are flattened and packed into one tensor (a ``Concat``, whose gradient
+ORT splits again), the forward node (``ortcore_attention::sdpa_packed``) reads the packed tensor, and its gradient is
+one node (``ortcore_attention::sdpa_packed_backward``) returning the packed gradient. Graphs exported in eval mode get
+the same nodes: ortcore builds a gradient graph from them too when grad is enabled.
 
 Off by default, as upstream::
 
@@ -58,11 +59,10 @@ NAME = "efficient_attention"
 ENV = "ORTMODULE_USE_EFFICIENT_ATTENTION"
 PASS_NAME = "efficient_attention.fuse"
 ATEN_DOMAIN = "org.pytorch.aten"
-# The torch.library namespace of the packed forward/backward ops of training graphs.
+# The torch.library namespace of the packed forward and backward ops.
 NAMESPACE = "ortcore_attention"
 FORWARD_OP = f"{NAMESPACE}::sdpa_packed"
 BACKWARD_OP = f"{NAMESPACE}::sdpa_packed_backward"
-INFERENCE_OP = "_scaled_dot_product_flash_attention_for_cpu"
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
@@ -367,8 +367,9 @@ def match_attention(index: _Index, softmax: onnx.NodeProto) -> AttentionMatch:
         ratio = index.scalar(user.input[1]) if len(user.input) > 1 and user.input[1] else 0.5
         training = len(user.input) > 2 and user.input[2] and index.scalar(user.input[2])
         if training is None or (training and ratio != 0.0):
+            what = "with a ratio that is not a constant" if ratio is None else str(ratio)
             raise _NoMatch(
-                f"attention dropout {ratio} is active: the fused CPU kernel has no dropout (set the attention "
+                f"attention dropout {what} is active: the fused CPU kernel has no dropout (set the attention "
                 "dropout to 0, or train in eval mode)"
             )
         if len(user.output) > 1 and user.output[1] and index.consumers.get(user.output[1]):
@@ -457,7 +458,7 @@ def _constant(name: str, value: Any, dtype: Any) -> onnx.NodeProto:
 
 
 def _replacement(
-    index: _Index, m: AttentionMatch, name: str, training: bool
+    index: _Index, m: AttentionMatch, name: str
 ) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto]]:
     """The nodes computing ``m.output`` with the fused kernel, and the value types ORT cannot infer for them."""
     new: list[onnx.NodeProto] = []
@@ -465,29 +466,21 @@ def _replacement(
     scale = _constant(f"{name}/scale", m.scale, np.float64)
     new.append(scale)
     lse = f"{name}/logsumexp"
-    if training:
-        minus_one = _constant(f"{name}/minus_one", [-1], np.int64)
-        new.append(minus_one)
-        parts, shapes = [], []
-        for what, value in (("q", m.q), ("k", k), ("v", m.v)):
-            shape, flat = f"{name}/{what}_shape", f"{name}/{what}_flat"
-            new.append(helper.make_node("Shape", [value], [shape], name=shape))
-            new.append(helper.make_node("Reshape", [value, minus_one.output[0]], [flat], name=flat))
-            shapes.append(shape)
-            parts.append(flat)
-        qkv = f"{name}/qkv"
-        new.append(helper.make_node("Concat", parts, [qkv], name=qkv, axis=0))
-        inputs = [qkv, *shapes, m.mask or "", scale.output[0]]
-        operator = FORWARD_OP
-    else:
-        dropout = _constant(f"{name}/dropout_p", 0.0, np.float64)
-        causal = _constant(f"{name}/is_causal", False, np.bool_)
-        new += [dropout, causal]
-        inputs = [m.q, k, m.v, dropout.output[0], causal.output[0], m.mask or "", scale.output[0]]
-        operator = INFERENCE_OP
+    minus_one = _constant(f"{name}/minus_one", [-1], np.int64)
+    new.append(minus_one)
+    parts, shapes = [], []
+    for what, value in (("q", m.q), ("k", k), ("v", m.v)):
+        shape, flat = f"{name}/{what}_shape", f"{name}/{what}_flat"
+        new.append(helper.make_node("Shape", [value], [shape], name=shape))
+        new.append(helper.make_node("Reshape", [value, minus_one.output[0]], [flat], name=flat))
+        shapes.append(shape)
+        parts.append(flat)
+    qkv = f"{name}/qkv"
+    new.append(helper.make_node("Concat", parts, [qkv], name=qkv, axis=0))
+    inputs = [qkv, *shapes, m.mask or "", scale.output[0]]
     new.append(
         helper.make_node(
-            "ATen", inputs, [m.output, lse], name=name, domain=ATEN_DOMAIN, operator=operator, overload_name=""
+            "ATen", inputs, [m.output, lse], name=name, domain=ATEN_DOMAIN, operator=FORWARD_OP, overload_name=""
         )
     )
     elem = index.elem_type(m.q) or TensorProto.FLOAT
@@ -521,7 +514,6 @@ def _remove_dead(graph: onnx.GraphProto, candidates: set[str]) -> None:
 def fuse_attention(model: onnx.ModelProto, context: PassContext | None = None) -> AttentionReport:
     """Replace every attention of ``model`` that the fused kernel can run; returns what was done and skipped."""
     global _last_report
-    training = True if context is None else bool(context.training)
     index = _Index(model)
     module = getattr(context, "module", None)
     parameters: set[str] = set()
@@ -546,15 +538,23 @@ def fuse_attention(model: onnx.ModelProto, context: PassContext | None = None) -
             report.skipped.append(f"{softmax.name or softmax.output[0]}: {e}")
             continue
         name = f"{softmax.name or softmax.output[0]}/ortcore_sdpa"
-        new, new_infos = _replacement(index, m, name, training)
+        new, new_infos = _replacement(index, m, name)
         # The fused node goes where the last node of the chain was: everything it reads is computed before.
         replacements[id(m.nodes[-1])] = new
         removed.update(id(n) for n in m.nodes)
         infos += new_infos
         report.replaced += 1
     _last_report = report
-    for reason in report.skipped:
-        logger.info("attention left unfused: %s", reason)
+    if report.skipped:
+        # One warning per export (a model's layers usually share the reason), every softmax's reason at INFO.
+        logger.warning(
+            "efficient_attention: %d of %d softmax(es) left to ORT's kernels, e.g. %s",
+            len(report.skipped),
+            len(report.skipped) + report.replaced,
+            report.skipped[0],
+        )
+        for reason in report.skipped:
+            logger.info("attention left unfused: %s", reason)
     if not report.replaced:
         return report
     graph = model.graph

@@ -69,8 +69,8 @@ class TapPoint:
     """An activation of a subscribed model: its name, the graph value holding it, and the extra output exposing it."""
 
     name: str
-    value: str  # the value flowing on in the graph; its gradient is "<value>_grad" in the backward graph
-    output: str  # the graph output exposing it: an extra ``ortcore.tap::<n>``, or a model output
+    value: str  # the tapped value, which flows on in the graph
+    output: str  # the graph output exposing it: an extra ``ortcore.tap::<n>``, or a model output (an Identity)
 
 
 @attrs.define(eq=False)
@@ -213,8 +213,8 @@ def _expose_taps(model: onnx.ModelProto, names: list[str]) -> list[TapPoint]:
 
     A tap is removed and its consumers read the tapped value directly, so the graph ORT runs computes what it
     would without taps; each tapped value is exposed through an Identity as ``ortcore.tap::<n>``. A tap whose
-    output is a model output stays, as an Identity, and that output serves as the tap's: ORT gives a model
-    output consumed inside the graph a gradient that is not the model's, so nothing may consume it.
+    output is a model output stays, as an Identity, and that output serves as the tap's (nothing else may read a
+    model output: ORT would then give it a gradient other than the model's).
     """
     graph = model.graph
     outputs = {o.name for o in graph.output}
@@ -233,7 +233,7 @@ def _expose_taps(model: onnx.ModelProto, names: list[str]) -> list[TapPoint]:
             _to_identity(node)
             del node.attribute[:]
             kept.append(node)
-            found.append((order, node.output[0], node.output[0]))
+            found.append((order, node.input[0], node.output[0]))
         else:
             rewired[node.output[0]] = node.input[0]
             found.append((order, node.input[0], None))

@@ -424,7 +424,7 @@ class ORTModule(torch.nn.Module):
                 transformer_config=transformer_config,
                 configure_session=hooks.session_options,
                 configure_providers=hooks.provider_options,
-                tap_values=[tap.value for tap in graph.taps],
+                taps=[(tap.value, tap.output) for tap in graph.taps],
             )
         )
         hooks.session_created(session)

@@ -100,7 +100,7 @@ class BuildRequest:
     transformer_config: object = None  # a C.TrainingGraphTransformerConfiguration, filled by plugins
     configure_session: Callable[[onnxruntime.SessionOptions, torch.device], None] | None = None
     configure_providers: Callable[[torch.device, list], None] | None = None
-    tap_values: list[str] = attrs.Factory(list)  # values whose gradients subscribers want (one per tap, in order)
+    taps: list[tuple[str, str]] = attrs.Factory(list)  # (value, graph output exposing it) per tapped activation
 
 
 class TrainingSession:
@@ -164,34 +164,40 @@ class TrainingSession:
         self._create_session()
 
     def _fetch_tap_gradients(self, r: BuildRequest) -> None:
-        """Make the gradient of each tapped value (``<value>_grad``) an extra output of the backward graph.
+        """Make the gradient of each tapped value an extra output of the backward graph.
 
-        ``tap_gradients[k]`` is where tap k's gradient comes from: ``("fetch", i)`` for a backward output,
-        ``("output", i)`` for a model output (its gradient is the one torch passes in), None where there is none
-        (the value depends on nothing trained). ``tap_outputs[k]`` are the model outputs the value reaches: torch
+        ORT's optimizations rename values (a zero-rate Dropout goes, its output becomes its input's), so the
+        tapped value is found again in the built graph: the input of the Identity that exposes it. Its gradient
+        is ``<value>_grad``. ``tap_gradients[k]`` is the fetch index of tap k's gradient (None: ORT computes none,
+        as the value depends on nothing trained), ``tap_outputs[k]`` the model outputs the value reaches: torch
         calls a tensor's gradient hook only when one of those received a gradient, and so does ortcore.
         """
-        self.tap_gradients: list[tuple[str, int] | None] = [None] * len(r.tap_values)
-        self.tap_outputs: list[frozenset[int]] = [frozenset()] * len(r.tap_values)
-        if not r.tap_values:
+        self.tap_gradients: list[int | None] = [None] * len(r.taps)
+        self.tap_outputs: list[frozenset[int]] = [frozenset()] * len(r.taps)
+        if not r.taps:
             return
-        outputs = [o.name for o in r.model.graph.output]
-        produced = {o for node in self.model.graph.node for o in node.output if o}
+        producer = {o: node for node in self.model.graph.node for o in node.output if o}
         fetch_index = {name: i for i, name in enumerate(self.fetch_names)}
-        for k, value in enumerate(r.tap_values):
-            grad = f"{value}_grad"
-            if value in outputs:
-                self.tap_gradients[k] = ("output", outputs.index(value))
-                continue
-            if grad not in fetch_index and grad in produced:
+        missing = []
+        for k, (_, output) in enumerate(r.taps):
+            value, node = None, producer.get(output)
+            while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+                value = node.input[0]
+                node = producer.get(value)
+            grad = f"{value}_grad" if value is not None else None
+            if grad not in fetch_index and grad in producer:
                 fetch_index[grad] = len(self.fetch_names)
                 self.fetch_names.append(grad)
                 self.model.graph.output.append(onnx.helper.make_empty_tensor_value_info(grad))
-            if grad in fetch_index:
-                self.tap_gradients[k] = ("fetch", fetch_index[grad])
-        reach = value_dependencies(r.model, outputs, sources=set(r.tap_values))
-        for k, value in enumerate(r.tap_values):
+            self.tap_gradients[k] = fetch_index.get(grad)
+            if self.tap_gradients[k] is None:
+                missing.append(output)
+        outputs = [o.name for o in r.model.graph.output]
+        reach = value_dependencies(r.model, outputs, sources={value for value, _ in r.taps})
+        for k, (value, _) in enumerate(r.taps):
             self.tap_outputs[k] = frozenset(i for i, name in enumerate(outputs) if value in reach[name])
+        if missing:
+            logger.debug("no gradient in the backward graph for %d tapped values: %s", len(missing), missing)
         self._model_bytes = self.model.SerializeToString()
 
     def _create_session(self) -> None:
@@ -283,8 +289,6 @@ class TrainingSession:
             reached |= self.output_feeds[i]
         if tap_gradients is not None:
             for k in reversed(range(len(self.tap_gradients))):
-                source = self.tap_gradients[k]
-                if source is not None and self.tap_outputs[k] & got_grad:
-                    kind, i = source
-                    tap_gradients.append((k, grads[i] if kind == "fetch" else grad_outputs[i]))
+                if self.tap_gradients[k] is not None and self.tap_outputs[k] & got_grad:
+                    tap_gradients.append((k, grads[self.tap_gradients[k]]))
         return [grads[j] if j is not None and i in reached else None for i, j in enumerate(self.grad_index)]

@@ -1,0 +1,5 @@
+import sys
+
+from .plot import main
+
+sys.exit(main())

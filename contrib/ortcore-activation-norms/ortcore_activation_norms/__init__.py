@@ -37,14 +37,14 @@ __version__ = "0.1.0"
 NAME = "activation_norms"
 
 
-def _parse_int(minimum: int, what: str = "an integer"):
+def _parse_int(minimum: int):
     def parse(value: object, source: str) -> int:
         try:
             number = int(str(value).strip()) if not isinstance(value, bool | float) else None
         except ValueError:
             number = None
         if number is None or number < minimum:
-            raise OptionError(f"{source}={value!r} is not allowed; allowed: {what} >= {minimum}")
+            raise OptionError(f"{source}={value!r} is not allowed; allowed: an integer >= {minimum}")
         return number
 
     return parse
@@ -78,6 +78,7 @@ class NormsOptions:
         "ORTCORE_ACTIVATION_NORMS_OUTPUT_PATH",
     )
     start_step: int | None = option(None, _parse_int(0), "first step recorded", "ORTCORE_ACTIVATION_NORMS_START_STEP")
+    # attrs.field rather than option(): the one field with a validator (it needs start_step).
     end_step: int | None = attrs.field(
         default=None,
         validator=_check_steps,

@@ -95,10 +95,10 @@ def read_norms(path: str | os.PathLike) -> list[Row]:
     return rows
 
 
-def label(kind: str, name: str, call: int, kinds: Iterable[str]) -> str:
-    """``name`` (its n-th call in a step as ``name#n``), with `` (backward)`` when both kinds are plotted."""
+def label(kind: str, name: str, call: int, with_kind: bool) -> str:
+    """``name`` (its n-th call in a step as ``name#n``), followed by `` (forward)``/`` (backward)`` if asked."""
     text = name if call == 0 else f"{name}#{call}"
-    return f"{text} ({kind})" if len(set(kinds)) > 1 else text
+    return f"{text} ({kind})" if with_kind else text
 
 
 def l2_series(
@@ -172,7 +172,7 @@ def plot_l2(
             values,
             linestyle="--" if row_kind == "backward" else "-",
             marker="." if len(points) < 50 else None,
-            label=label(row_kind, name, call, [k for k, _, _ in series]),
+            label=label(row_kind, name, call, with_kind=kind == "all"),
         )
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("step")

@@ -4,8 +4,8 @@ The CSV (columns :data:`COLUMNS`) is started with its header when the subscriber
 in memory and appended when the step is over, in **one** ``write`` call on a file opened with ``O_APPEND``: a
 process that dies (an exception, ``kill -9``, the OOM killer) leaves whole rows of whole steps behind, never half
 a row. A short write (a full disk) is undone by truncating the file to its previous length before the error is
-raised. A step is over when the next step starts, at ``GlobalSubscriberManager.unsubscribe``, at :meth:`close`,
-or at interpreter exit, whichever comes first.
+raised. A step is over when the next step starts, at ``GlobalSubscriberManager.unsubscribe``, at
+:meth:`NormSubscriber.flush`, or at interpreter exit, whichever comes first.
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def tensor_norms(tensor: torch.Tensor) -> tuple[float, float, float]:
     numel = t.numel()
     if numel == 0:
         return 0.0, math.nan, math.nan
-    l2 = torch.linalg.vector_norm(t).item()
-    max_abs = t.abs().max().item()
+    l2, max_abs = torch.stack([torch.linalg.vector_norm(t), t.abs().max()]).tolist()  # one device sync, not two
     return l2, l2 / math.sqrt(numel), max_abs
 
 
@@ -145,9 +144,10 @@ class NormSubscriber(SubscriberBase):
         return super().is_active(step) and (step - (self.start_step or 0)) % self.every == 0
 
     def on_subscribe(self, model: torch.nn.Module) -> None:
-        if self._model is not None and self._model() is not model:
+        previous = self._model() if self._model is not None else None
+        if previous is not None and previous is not model:
             raise ValueError(
-                f"a NormSubscriber records one model; {self.path!r} already has {type(self._model()).__name__}'s rows"
+                f"a NormSubscriber records one model; {self.path!r} already has {type(previous).__name__}'s rows"
             )
         other = _writer_of(self.path)
         if other is not None and other is not model:
@@ -181,10 +181,6 @@ class NormSubscriber(SubscriberBase):
         self._rows.clear()
         _pending.discard(self)
         append_whole(self.path, text.getvalue().encode())
-
-    def close(self) -> None:
-        """Write what is pending now; later activations, if any, are still recorded."""
-        self.flush()
 
 
 def append_whole(path: str, data: bytes) -> None:

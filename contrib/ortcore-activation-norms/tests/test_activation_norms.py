@@ -305,6 +305,14 @@ def test_two_subscribed_models_cannot_share_a_file(ortcore_host, tmp_path):
     NormSubscriber(tmp_path / "n.csv", overwrite=True)  # free again
 
 
+def test_one_subscriber_records_one_model(ortcore_host, tmp_path):
+    host = ortcore_host(PLUGINS)
+    subscriber = NormSubscriber(tmp_path / "n.csv")
+    GlobalSubscriberManager.subscribe(torch.nn.Linear(2, 2), [subscriber], host=host)
+    with pytest.raises(ValueError, match="records one model; .* already has Linear's rows"):
+        GlobalSubscriberManager.subscribe(torch.nn.Tanh(), [subscriber], host=host)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import onnx
@@ -170,6 +171,135 @@ def _cumsum(g, input, dim, dtype=None):
 STOP_GRADIENT_DOMAIN = "com.ortcore"
 STOP_GRADIENT = "StopGradient"
 
+# -- custom autograd Functions ----------------------------------------------------------------------------------------
+# A Function with its own ``symbolic`` staticmethod is exported by it (torch calls it before any prim::PythonOp
+# symbolic). Every other Function reaches the prim::PythonOp symbolic below, which asks a handler per Function class.
+
+AUTOGRAD_FUNCTION_PLUGIN = "autograd_function"
+INLINE = "inline"  # a handler's answer: trace through the Function's forward, as if it were ordinary code
+
+
+def custom_autograd_disabled(env: Mapping[str, str]) -> bool:
+    """``ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0`` or the older ``ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1``."""
+    return env.get("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "").strip().lower() in ("0", "false", "no", "off") or env.get(
+        "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", ""
+    ).strip().lower() in ("1", "true", "yes", "on")
+
+
+def function_name(function: type) -> str:
+    """The fully qualified name of a Function class, as ``ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS`` lists them."""
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+def inline_autograd_function(g, node) -> list:
+    """Export the body the tracer recorded for one Function call (its forward) in place of the call."""
+    from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+    blocks = list(node.blocks())
+    if not blocks:
+        raise UnsupportedModelError(
+            f"the exporter recorded no body for autograd Function {node.kind()}; cannot inline it"
+        )
+    body = blocks[0]
+    env = g.env
+    for inner, outer in zip(body.inputs(), node.inputs()):
+        env[inner] = env[outer]
+    env = torch._C._jit_pass_onnx_block(body, g.block, GLOBALS.operator_export_type, env, g.values_in_env, True)
+    return [env[output] for output in body.outputs()]
+
+
+class _TracingContext:
+    """The ``ctx`` of a Function traced through: records what forward asks for, which only backward would read."""
+
+    def __init__(self, args: tuple):
+        self.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        self.saved_tensors: tuple = ()
+        self.materialize_grads = True
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+    def save_for_forward(self, *tensors) -> None:
+        pass
+
+    def mark_dirty(self, *tensors) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = value
+
+
+def _trace_through(function: type, args: tuple, kwargs: dict) -> Any:
+    from torch.autograd.function import _SingleLevelFunction
+
+    if function.setup_context is not _SingleLevelFunction.setup_context:  # forward(*args) + setup_context style
+        return function.forward(*args, **kwargs)
+    return function.forward(_TracingContext(args), *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _tracing_through(handler_for: Callable[[type], Any] | None):
+    """While tracing, call the forward of each Function whose handler answers :data:`INLINE` as ordinary code, so
+    that the tracer records its ops (the body torch records for a Function call is wrong for some Functions, e.g.
+    with non-differentiable outputs)."""
+    if handler_for is None:
+        yield
+        return
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if torch.jit.is_tracing() and getattr(cls, "symbolic", None) is None:
+            handler = _handler(handler_for, cls)
+            if handler == INLINE:
+                return _trace_through(cls, args, kwargs)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def _handler(handler_for: Callable[[type], Any], function: type) -> Any:
+    """The handler of ``function``: :data:`INLINE` or an object with ``export``; its optional ``check()`` may refuse
+    the Function (raising); no handler is an error naming the plugin to enable."""
+    handler = handler_for(function)
+    if handler is None:
+        raise UnsupportedModelError(
+            f"the model calls the custom autograd Function {function_name(function)} and no plugin runs it: "
+            f"enable the {AUTOGRAD_FUNCTION_PLUGIN!r} plugin (remove it from [plugins] disable or "
+            "ORTCORE_DISABLE_PLUGINS), or set ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 to trace through it"
+        )
+    if handler != INLINE and hasattr(handler, "check"):
+        handler.check()
+    return handler
+
+
+def python_op_symbolic(handler_for: Callable[[type], Any]):
+    """The ``prim::PythonOp`` symbolic: ``handler_for(function_class)`` answers :data:`INLINE`, None (no plugin runs
+    it: an :class:`UnsupportedModelError` naming the plugin to enable) or a handler whose ``export(g, node, args)``
+    returns the node's outputs."""
+
+    def python_op(g, *args, **_attributes):
+        node = g.original_node
+        function = getattr(node.pyobj(), "__self__", None)
+        if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+            raise UnsupportedModelError(
+                f"cannot export Python call {node.pyname()!r}: it is not a torch.autograd.Function"
+            )
+        handler = _handler(handler_for, function)
+        if handler == INLINE:
+            return inline_autograd_function(g, node)
+        return handler.export(g, node, args)
+
+    python_op.handler_for = handler_for  # the exporter traces through the Functions it answers INLINE for
+    return python_op
+
+
 _SYMBOLICS = {
     "::batch_norm": _batch_norm,
     "::detach": _detach,
@@ -234,13 +364,24 @@ def _captured_fds():
 class TorchScriptExporter:
     """The TorchScript exporter (``dynamo=False``) with the symbolics ORT's training engine needs.
 
-    ``symbolics`` adds or replaces symbolics (plugins contribute them through ``ortcore_export_symbolics``).
+    ``symbolics`` adds or replaces symbolics (plugins contribute them through ``ortcore_export_symbolics``; the
+    ``autograd_function`` plugin contributes ``prim::PythonOp``). Without a plugin for it, a custom autograd Function
+    is traced through when ``inline_autograd_functions`` (``ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0``) and refused
+    otherwise, naming the plugin to enable.
     """
 
     name = "torchscript"
 
-    def __init__(self, symbolics: dict[str, Any] | None = None):
-        self.symbolics = {**_SYMBOLICS, **(symbolics or {})}
+    def __init__(self, symbolics: dict[str, Any] | None = None, *, inline_autograd_functions: bool = False):
+        self.inline_autograd_functions = inline_autograd_functions
+        default = python_op_symbolic(self._no_function_handler)
+        self.symbolics = {**_SYMBOLICS, "prim::PythonOp": default, **(symbolics or {})}
+
+    def _no_function_handler(self, function: type) -> str | None:
+        return INLINE if self.inline_autograd_functions else None
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"inline_autograd_functions": self.inline_autograd_functions}
 
     def export(
         self,
@@ -263,8 +404,9 @@ class TorchScriptExporter:
             warnings.simplefilter("ignore")
         if log_level > LogLevel.DEVINFO:
             quiet.enter_context(_captured_fds())
+        handler_for = getattr(self.symbolics.get("prim::PythonOp"), "handler_for", None)
         try:
-            with quiet:
+            with quiet, _tracing_through(handler_for):
                 torch.onnx.export(
                     module,
                     args,
@@ -281,8 +423,8 @@ class TorchScriptExporter:
                     dynamic_axes=dynamic_axes,
                     verbose=log_level == LogLevel.VERBOSE,
                 )
-        except UnsupportedDataError:
-            raise
+        except (UnsupportedDataError, UnsupportedModelError):
+            raise  # already names what is wrong (a symbolic raised it)
         except Exception as e:  # the exporter raises many types; all mean "this model did not export"
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             match = _UNSUPPORTED_OP.search(str(e))
@@ -297,5 +439,5 @@ class CoreDefaults:
     """The core's default answers, registered as the plugin ``core`` and marked trylast so any plugin pre-empts them."""
 
     @hookimpl(trylast=True)
-    def ortcore_exporter(self) -> Exporter:
-        return TorchScriptExporter()
+    def ortcore_exporter(self, config) -> Exporter:
+        return TorchScriptExporter(inline_autograd_functions=custom_autograd_disabled(config.env))

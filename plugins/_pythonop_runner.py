@@ -1,0 +1,179 @@
+"""The runners ONNX Runtime calls for ``com.microsoft::PythonOp`` / ``PythonOpGrad`` nodes, without a compiler.
+
+ORT 1.19 (``register_forward_runner`` / ``register_backward_runner``) takes the address of a C++ function::
+
+    std::vector<PyObject*> runner(const char* func_name, void* callback,
+                                  const std::vector<int64_t>& requires_grad_flags,
+                                  const std::vector<int64_t>& tensor_type_flags, bool is_training_mode,
+                                  const std::vector<int64_t>& inplace_map, const char* kernel_invoke_id,
+                                  bool safe_run_mode_enabled, const std::vector<PyObject*>& args);
+
+On x86-64 Linux (the System V ABI) a ``std::vector`` result is returned through a hidden first pointer argument
+to caller-owned storage, and that pointer comes back in the return register. A ``ctypes`` callback taking that
+pointer first and returning it is therefore the function ORT expects: it reads each ``const std::vector&`` as its
+three pointers (begin, end, capacity) and writes the result vector the same way, its buffer allocated with the
+process's ``operator new`` so that ORT's ``std::vector`` destructor frees it. Other architectures pass that pointer
+differently, and :func:`install` refuses them with an error saying so.
+
+Ownership, as ORT's ``TorchProxy`` defines it: every argument is a reference ORT releases after the call (tensors as
+``"dltensor"`` capsules, ``None`` for a missing gradient, non-tensor arguments as objects); every returned object is
+a new reference ORT releases after reading it. Forward returns ``[ctx, *outputs]``: with ``safe_run_mode`` set ORT
+requires the context's reference count to be at least 2 and keeps one reference until the matching ``PythonOpGrad``
+has run; each output capsule must have a reference count of exactly 1. Exceptions cannot cross into C++: a failing
+call is logged with its traceback, kept for :func:`take_error`, and answered with an empty vector, which ORT turns
+into an error of the ORT run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.dlpack
+
+logger = logging.getLogger("ortcore.autograd_function")
+
+_POINTER = ctypes.sizeof(ctypes.c_void_p)
+_RUNNER = ctypes.CFUNCTYPE(
+    ctypes.c_void_p,  # returns the hidden result pointer, as the ABI demands
+    ctypes.c_void_p,  # hidden pointer to the std::vector<PyObject*> to construct
+    ctypes.c_char_p,  # func_name
+    ctypes.c_void_p,  # callback (the registered apply/backward; unused: the function registry is ours)
+    ctypes.c_void_p,  # const std::vector<int64_t>& requires_grad_flags
+    ctypes.c_void_p,  # const std::vector<int64_t>& tensor_type_flags
+    ctypes.c_bool,  # is_training_mode
+    ctypes.c_void_p,  # const std::vector<int64_t>& inplace_map
+    ctypes.c_char_p,  # kernel_invoke_id
+    ctypes.c_bool,  # safe_run_mode_enabled
+    ctypes.c_void_p,  # const std::vector<PyObject*>& args
+)
+
+_lock = threading.Lock()
+_installed: tuple[Any, Any] | None = None
+_operator_new: Any = None
+_errors = threading.local()
+_incref = ctypes.pythonapi.Py_IncRef
+_incref.argtypes = [ctypes.py_object]
+_incref.restype = None
+
+
+class RunnerUnavailableError(RuntimeError):
+    """The PythonOp runners cannot be installed on this platform."""
+
+
+def _vector(address: int) -> tuple[int, int]:
+    """(begin, element count in bytes) of the ``std::vector`` at ``address``."""
+    begin, end = (ctypes.c_void_p * 2).from_address(address)
+    begin, end = begin or 0, end or 0
+    return begin, end - begin
+
+
+def _int64s(address: int) -> list[int]:
+    begin, size = _vector(address)
+    return list((ctypes.c_int64 * (size // 8)).from_address(begin)) if size else []
+
+
+def _objects(address: int) -> list[Any]:
+    begin, size = _vector(address)
+    pointers = (ctypes.c_void_p * (size // _POINTER)).from_address(begin) if size else []
+    return [ctypes.cast(p, ctypes.py_object).value if p else None for p in pointers]
+
+
+def _write_result(result: int, objects: list[Any]) -> None:
+    """Construct ``std::vector<PyObject*>`` at ``result`` holding a new reference to each object."""
+    slots = (ctypes.c_void_p * 3).from_address(result)
+    if not objects:
+        slots[0] = slots[1] = slots[2] = None
+        return
+    size = len(objects) * _POINTER
+    buffer = _operator_new(size)
+    if not buffer:
+        raise MemoryError("operator new returned NULL")
+    array = (ctypes.c_void_p * len(objects)).from_address(buffer)
+    for i, obj in enumerate(objects):
+        _incref(obj)
+        array[i] = id(obj)
+    slots[0], slots[1], slots[2] = buffer, buffer + size, buffer + size
+
+
+def _make_runner(name: str, run: Callable[..., list[Any]]):
+    def runner(result, func_name, _callback, requires_grad, tensor_flags, training, inplace, _invoke_id, safe, args):
+        objects: list[Any] = []
+        try:
+            objects = run(
+                func_name.decode(),
+                _int64s(requires_grad),
+                _int64s(tensor_flags),
+                bool(training),
+                _int64s(inplace),
+                bool(safe),
+                _objects(args),
+            )
+        except BaseException as e:  # nothing may cross into C++; ORT fails the run on the empty result
+            _errors.last = e
+            logger.error(
+                "%s of autograd Function %s failed:\n%s",
+                name,
+                func_name.decode(errors="replace"),
+                "".join(traceback.format_exception(e)).rstrip(),
+            )
+            objects = []
+        try:
+            _write_result(result, objects)
+        except BaseException as e:
+            _errors.last = e
+            logger.error("could not hand the %s results to ONNX Runtime: %s", name, e)
+            _write_result(result, [])
+        return result
+
+    return _RUNNER(runner)
+
+
+def take_error() -> BaseException | None:
+    """The exception of the last failed runner call on this thread (then forgotten), or None."""
+    error = getattr(_errors, "last", None)
+    _errors.last = None
+    return error
+
+
+def install(forward: Callable[..., list[Any]], backward: Callable[..., list[Any]]) -> None:
+    """Register ``forward`` and ``backward`` as ORT's PythonOp runners (once per process; later calls are no-ops).
+
+    Each is called as ``run(func_name, requires_grad_flags, tensor_flags, is_training_mode, inplace_map,
+    safe_run_mode, args)`` and returns the list of objects ORT expects.
+    """
+    global _installed, _operator_new
+    with _lock:
+        if _installed is not None:
+            return
+        if platform.machine().lower() != "x86_64" or not sys.platform.startswith("linux"):
+            raise RunnerUnavailableError(
+                "running custom autograd Functions as PythonOp needs x86-64 Linux (the std::vector result ABI the "
+                f"runners rely on); this is {platform.machine()!r} on {sys.platform!r}. Set "
+                "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 to trace through custom autograd Functions instead."
+            )
+        from onnxruntime.capi import _pybind_state as C
+
+        new = ctypes.CDLL(None)._Znwm  # the process's operator new, which ORT's std::vector frees with delete
+        new.argtypes, new.restype = [ctypes.c_size_t], ctypes.c_void_p
+        _operator_new = new
+        runners = (_make_runner("forward", forward), _make_runner("backward", backward))
+        C.register_forward_runner(ctypes.cast(runners[0], ctypes.c_void_p).value)
+        C.register_backward_runner(ctypes.cast(runners[1], ctypes.c_void_p).value)
+        _installed = runners  # the callbacks must outlive every session
+
+
+def to_capsule(tensor: torch.Tensor) -> Any:
+    """A ``"dltensor"`` capsule of a contiguous tensor, which ORT takes over."""
+    return torch.utils.dlpack.to_dlpack(tensor.detach().contiguous())
+
+
+def from_capsule(capsule: Any) -> torch.Tensor:
+    return torch.utils.dlpack.from_dlpack(capsule)

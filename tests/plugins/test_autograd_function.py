@@ -1,0 +1,419 @@
+"""autograd_function: custom torch.autograd.Functions run as PythonOp inside ORT, compared with PyTorch itself.
+
+Tolerances are the parity suite's (fp32: rtol 1e-4, atol 1e-5 for outputs and gradients; loss curves rtol 1e-4).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+import torch
+import torch.utils.checkpoint
+from models import (
+    RTOL,
+    assert_close,
+    assert_grads_match,
+    assert_losses_match,
+    assert_outputs_match,
+    assert_ran_in_ort,
+    check_step_and_training,
+    make_batches,
+    ort_and_torch,
+)
+from torch import nn
+from torch.autograd import Function
+
+import ortcore_plugins.autograd_function as plugin
+from ortcore import DebugOptions, FallbackPolicy, LogLevel, ORTModule
+from ortcore.errors import OptionError, UnsupportedModelError
+from ortcore.plugins import PluginError
+
+PLUGINS = {"autograd_function": plugin}
+FUNCTION_NAMES = (
+    f"{__name__}.ScaledProduct",
+    f"{__name__}.InplaceScale",
+    f"{__name__}.SignMask",
+    f"{__name__}.ClampedExp",
+)
+
+
+# -- the Functions --------------------------------------------------------------------------------------------------
+class ScaledProduct(Function):
+    """Two outputs, tensors and non-tensor arguments (float, int tuple, bool, str), save_for_backward,
+    needs_input_grad."""
+
+    @staticmethod
+    def forward(ctx, x, w, scale: float, dims: tuple, square: bool, tag: str):
+        ctx.save_for_backward(x, w)
+        ctx.scale, ctx.dim, ctx.square = scale, dims[0], square
+        assert tag == "product"
+        return x * w * scale, (x * x if square else x).sum(dims)
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_s):
+        x, w = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_y * w * ctx.scale + (2 * x if ctx.square else 1) * grad_s.unsqueeze(ctx.dim)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_y * x * ctx.scale).sum(0)
+        return grad_x, grad_w, None, None, None, None
+
+
+class InplaceScale(Function):
+    """An in-place op on its input (mark_dirty)."""
+
+    @staticmethod
+    def forward(ctx, x, alpha: float):
+        ctx.alpha = alpha
+        x.mul_(alpha)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.alpha, None
+
+
+class SignMask(Function):
+    """Three outputs, two of them marked non-differentiable (a float mask and int64 indices)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = (x > 0).to(x.dtype)
+        index = x.argmax(-1)
+        ctx.mark_non_differentiable(mask, index)
+        ctx.save_for_backward(mask)
+        return x * mask, mask, index
+
+    @staticmethod
+    def backward(ctx, grad, _grad_mask, _grad_index):
+        (mask,) = ctx.saved_tensors
+        return grad * mask
+
+
+class ClampedExp(Function):
+    """Saves its own output for backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clamp(max=3.0).exp()
+        ctx.save_for_backward(y, x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, x = ctx.saved_tensors
+        return grad * y * (x < 3.0).to(grad.dtype)
+
+
+class Relu6(Function):
+    """A Function with its own symbolic: exported through it, never as PythonOp."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(0.0, 6.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * ((x > 0) & (x < 6)).to(grad.dtype)
+
+    @staticmethod
+    def symbolic(g, x):
+        zero = g.op("Constant", value_t=torch.tensor(0.0))
+        six = g.op("Constant", value_t=torch.tensor(6.0))
+        return g.op("Clip", x, zero, six)
+
+
+class FunctionNet(nn.Module):
+    def __init__(self, n_in: int = 12, hidden: int = 16, n_out: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(n_in, hidden)
+        self.w = nn.Parameter(torch.randn(hidden) * 0.5)
+        self.out = nn.Linear(hidden, n_out)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h, s = ScaledProduct.apply(h, self.w, 0.5, (1,), True, "product")
+        h = InplaceScale.apply(h, 1.5)
+        h, mask, index = SignMask.apply(h)
+        h = ClampedExp.apply(h * 0.2)
+        return self.out(Relu6.apply(h)) + 0.01 * s.unsqueeze(-1) + 0.0 * mask.sum(-1, keepdim=True), index
+
+
+def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(16, 12, generator=gen), torch.randn(16, 4, generator=gen)
+
+
+def step(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    x, y = data
+    out, index = model(x)
+    return (out, index), ((out - y) ** 2).mean()
+
+
+def saved_op_types(path: Path) -> Counter:
+    files = sorted(glob.glob(str(path / "*pre_grad_training.onnx")))
+    assert files, f"no graph saved in {path}"
+    return Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in onnx.load(files[-1]).graph.node)
+
+
+def python_op_names(path: Path) -> list[str]:
+    files = sorted(glob.glob(str(path / "*pre_grad_training.onnx")))
+    names = []
+    for node in onnx.load(files[-1]).graph.node:
+        if node.op_type == "PythonOp":
+            names += [a.s.decode() for a in node.attribute if a.name == "func_name"]
+    return names
+
+
+def debug(tmp_path: Path) -> DebugOptions:
+    return DebugOptions(log_level=LogLevel.WARNING, save_onnx=True, onnx_prefix="af", save_path=str(tmp_path))
+
+
+# -- PythonOp -------------------------------------------------------------------------------------------------------
+def test_functions_run_as_python_op_with_torch_gradients(ortcore_host, tmp_path):
+    host = ortcore_host(PLUGINS)
+    ort, ref = ort_and_torch(FunctionNet(), host=host, debug_options=debug(tmp_path))
+    x = torch.randn(16, 12, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    (out, index), (out_ref, index_ref) = ort(x), ref(x_ref)
+    assert_outputs_match((out, index), (out_ref, index_ref))
+    loss, loss_ref = out.square().mean(), out_ref.square().mean()
+    assert_losses_match(loss, loss_ref)
+    loss.backward()
+    loss_ref.backward()
+    assert_grads_match(ort, ref)
+    assert_close(x.grad, x_ref.grad, "grad of the input", "grads")
+    assert_ran_in_ort(ort, exports=1)
+    assert sorted(python_op_names(tmp_path)) == sorted(FUNCTION_NAMES)
+    ops = saved_op_types(tmp_path)
+    assert ops["com.microsoft::PythonOp"] == 4 and ops["Clip"] == 1  # Relu6 keeps its own symbolic
+
+
+def test_adamw_loss_curve_matches_torch(ortcore_host):
+    host = ortcore_host(PLUGINS)
+    ort, ref = ort_and_torch(FunctionNet(), host=host)
+    curve, curve_ref = check_step_and_training(ort, ref, make_batches(batch, 13), step, steps=12)
+    assert curve[-1] < curve[0]  # it trains
+    assert_ran_in_ort(ort, exports=1)
+
+
+def test_needs_input_grad_follows_what_ort_differentiates(ortcore_host):
+    seen = []
+
+    class Record(Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            if ctx.needs_input_grad is not None:  # None while the exporter traces
+                seen.append(tuple(ctx.needs_input_grad))
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            assert ctx.needs_input_grad[0] == x.requires_grad
+            return (grad * w if ctx.needs_input_grad[0] else None), (grad * x).sum(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return Record.apply(x, self.w).sum()
+
+    ort, ref = ort_and_torch(Model(), host=ortcore_host(PLUGINS))
+    x = torch.randn(2, 3)
+    ort(x).backward()
+    ref(x).backward()
+    assert seen[-2:] == [(False, True), (False, True)]  # ORT's call and torch's
+    x_grad = x.clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    ort(x_grad).backward()
+    ref(x_ref).backward()
+    assert seen[-2:] == [(True, True), (True, True)]
+    assert_close(x_grad.grad, x_ref.grad, "grad of the input", "grads")
+    assert_grads_match(ort, ref)
+
+
+def test_inference_runs_keep_no_context(ortcore_host):
+    ort, ref = ort_and_torch(FunctionNet(), host=ortcore_host(PLUGINS))
+    x = torch.randn(5, 12)
+    with torch.no_grad():
+        assert_outputs_match(ort(x), ref(x))
+    ort.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert_outputs_match(ort(x), ref(x))
+    assert plugin._recent == []  # no context was made for ORT to hold
+    assert_ran_in_ort(ort)
+
+
+def test_error_in_backward_fails_the_step_and_is_logged(ortcore_host, caplog):
+    class Broken(Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("broken backward")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Broken.apply(self.l(x)).sum()
+
+    ort = ORTModule(Model(), host=ortcore_host(PLUGINS), fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
+    loss = ort(torch.randn(2, 3))
+    with (
+        caplog.at_level(logging.ERROR, logger="ortcore.autograd_function"),
+        pytest.raises(RuntimeError, match="PythonOpGrad"),
+    ):
+        loss.backward()
+    assert "broken backward" in caplog.text and "Broken" in caplog.text
+
+
+# -- switches -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "env",
+    [{"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "0"}, {"ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT": "1"}],
+    ids=["enable=0", "legacy-disable=1"],
+)
+def test_disabled_custom_autograd_traces_through(ortcore_host, tmp_path, env):
+    host = ortcore_host(PLUGINS, env=env)
+    ort, ref = ort_and_torch(FunctionNet(), host=host, debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
+    ops = saved_op_types(tmp_path)
+    assert ops["com.microsoft::PythonOp"] == 0 and ops["Exp"] == 1 and ops["Clip"] == 2  # clamp and Relu6
+
+
+def test_disabled_in_ortcore_toml_traces_through(ortcore_host, tmp_path):
+    host = ortcore_host(PLUGINS, table={"plugins": {"autograd_function": {"enable_custom_autograd": False}}})
+    ort, ref = ort_and_torch(FunctionNet(), host=host, debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(batch, 3), step, steps=2)
+    assert saved_op_types(tmp_path)["com.microsoft::PythonOp"] == 0
+
+
+def test_skipped_functions_are_traced_through(ortcore_host, tmp_path):
+    skipped = f"{FUNCTION_NAMES[0]}, {FUNCTION_NAMES[3]}"
+    host = ortcore_host(PLUGINS, env={"ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": skipped})
+    ort, ref = ort_and_torch(FunctionNet(), host=host, debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
+    assert sorted(python_op_names(tmp_path)) == sorted([FUNCTION_NAMES[1], FUNCTION_NAMES[2]])
+
+
+@pytest.mark.parametrize(
+    ("env", "table", "needle"),
+    [
+        ({"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "maybe"}, {}, "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD='maybe'"),
+        ({"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "2"}, {}, "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT='2'"),
+        ({"ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": "Gelu"}, {}, "'Gelu' is not a fully qualified class name"),
+        ({}, {"plugins": {"autograd_function": {"skiped_functions": []}}}, "did you mean 'skipped_functions'"),
+        (
+            {"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "1", "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT": "1"},
+            {},
+            "contradict",
+        ),
+    ],
+)
+def test_bad_options_name_the_value_and_what_is_allowed(ortcore_host, env, table, needle):
+    with pytest.raises((OptionError, PluginError)) as info:
+        ortcore_host(PLUGINS, env=env, table=table)
+    assert needle.lower() in str(info.value).lower()
+
+
+# -- activation checkpointing ---------------------------------------------------------------------------------------
+class CheckpointNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, torch.relu(self.inp(x)), use_reentrant=True)
+        return self.out(h)
+
+
+def checkpoint_step(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    out = model(data[0])
+    return out, ((out - data[1]) ** 2).mean()
+
+
+def test_reentrant_checkpoint_is_refused_naming_the_switch(ortcore_host):
+    ort = ORTModule(CheckpointNet(), host=ortcore_host(PLUGINS), fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
+    with pytest.raises(UnsupportedModelError, match="ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=1"):
+        ort(torch.randn(4, 12))
+
+
+def test_reentrant_checkpoint_allowed_matches_torch(ortcore_host, tmp_path):
+    host = ortcore_host(PLUGINS, env={"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "1"})
+    ort, ref = ort_and_torch(CheckpointNet(), host=host, debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(batch, 6), checkpoint_step, steps=5)
+    ops = saved_op_types(tmp_path)
+    assert ops["com.microsoft::PythonOp"] == 0 and ops["Tanh"] == 1  # the checkpointed layers run in ORT
+
+
+# -- without the plugin ---------------------------------------------------------------------------------------------
+def test_without_the_plugin_a_function_is_an_error_naming_it(ortcore_host):
+    ort = ORTModule(FunctionNet(), host=ortcore_host({}), fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
+    with pytest.raises(UnsupportedModelError, match="enable the 'autograd_function' plugin") as info:
+        ort(torch.randn(4, 12))
+    assert "ScaledProduct" in str(info.value)
+
+
+def test_without_the_plugin_the_default_policy_falls_back_naming_it(ortcore_host):
+    ort, ref = ort_and_torch(FunctionNet(), host=ortcore_host({}), fallback_policy=FallbackPolicy.default())
+    x = torch.randn(4, 12)
+    assert_outputs_match(ort(x), ref(x))
+    assert "autograd_function" in (ort.fallback_reason or "")
+
+
+def test_without_the_plugin_disabled_custom_autograd_traces_through(ortcore_host, tmp_path):
+    host = ortcore_host({}, env={"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "0"})
+    ort, ref = ort_and_torch(FunctionNet(), host=host, debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(batch, 3), step, steps=2)
+    assert saved_op_types(tmp_path)["com.microsoft::PythonOp"] == 0
+
+
+# -- a Hugging Face model -------------------------------------------------------------------------------------------
+def tiny_bloom(seed: int = 0) -> nn.Module:
+    """``BloomForCausalLM`` (its MLP's GELU is the custom Function ``GeLUFunction``): hidden 64, 2 layers."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(seed)
+    config = BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=2, hidden_dropout=0.0, attention_dropout=0.0)
+    return BloomForCausalLM(config).train()
+
+
+def bloom_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 128, (3, 12), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def bloom_step(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    out = model(**data, use_cache=False)
+    return out.logits, out.loss
+
+
+def test_hugging_face_bloom_trains_with_parity(ortcore_host, tmp_path):
+    host = ortcore_host(PLUGINS)
+    ort, ref = ort_and_torch(tiny_bloom(), host=host, debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(bloom_batch, 6), bloom_step, steps=5)
+    names = python_op_names(tmp_path)
+    assert names and all(n == "transformers.models.bloom.modeling_bloom.GeLUFunction" for n in names)
+    assert len(names) == 2  # one per layer
+    assert RTOL == 1e-4

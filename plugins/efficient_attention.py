@@ -47,9 +47,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ortcore.config import Config, option
+from ortcore.errors import OptionError
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
 
 from . import _aten_executor as executor
 
@@ -66,13 +66,27 @@ BACKWARD_OP = f"{NAMESPACE}::sdpa_packed_backward"
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
+def parse_switch(value: object, source: str) -> bool:
+    """``0``/``1`` (a TOML boolean too). Only these: ``import onnxruntime`` reads the variable with ``int()``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip() in ("0", "1"):
+        return value.strip() == "1"
+    raise OptionError(
+        f"{source}={value!r} is not a switch; allowed: 0 or 1 (true/false in ortcore.toml). onnxruntime reads "
+        f"{ENV} with int() when it is imported, so no other spelling works in the environment"
+    )
+
+
 @attrs.frozen
 class EfficientAttentionOptions:
     """Options of the ``efficient_attention`` plugin (``[plugins.efficient_attention]`` in ortcore.toml)."""
 
     enable: bool = option(
         False,
-        parse_bool,
+        parse_switch,
         "replace the attention pattern with PyTorch's fused CPU attention kernel (forward and backward)",
         env=ENV,
     )
@@ -522,6 +536,12 @@ def fuse_attention(model: onnx.ModelProto, context: PassContext | None = None) -
         parameters = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     report = AttentionReport()
+    device = next((p.device for p in module.parameters()), None) if module is not None else None
+    if device is not None and device.type != "cpu":
+        report.skipped.append(f"the model is on {device}: the fused kernel is PyTorch's CPU kernel")
+        logger.warning("efficient_attention: %s; attention left to ORT's kernels", report.skipped[0])
+        _last_report = report
+        return report
     replacements: dict[int, list[onnx.NodeProto]] = {}
     removed: set[int] = set()
     infos: list[onnx.ValueInfoProto] = []
@@ -613,8 +633,9 @@ def ortcore_session_created(config: Config, session: Any) -> None:
 
 # -- benchmark -----------------------------------------------------------------------------------------------------
 
-BENCH_CONFIG = {"n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 8000, "batch": 4, "seq": 512, "steps": 6}
+BENCH_CONFIG = {"n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 8000, "batch": 4, "seq": 512, "steps": 5}
 BENCH_SETTINGS = ("torch", "off", "on")
+MODULE = "ortcore_plugins.efficient_attention"
 
 
 def _peak_rss() -> int:
@@ -640,7 +661,9 @@ def _bench_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str,
     "off" or "on" (with aten_fallback's default routing, as installed ortcore runs)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    # Imported by name: run as ``python -m``, this file is also ``__main__``, a second copy of the module.
     import ortcore_plugins.aten_fallback as aten_fallback
+    import ortcore_plugins.efficient_attention as plugin
     from ortcore import ORTModule
     from ortcore.testing import make_host
 
@@ -662,7 +685,7 @@ def _bench_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str,
     replaced = None
     if setting != "torch":
         table = {"plugins": {NAME: {"enable": setting == "on"}}}
-        host = make_host({"aten_fallback": aten_fallback, NAME: sys.modules[__name__]}, table=table)
+        host = make_host({"aten_fallback": aten_fallback, NAME: plugin}, table=table)
         model = ORTModule(model, host=host, fallback_policy="FALLBACK_DISABLE")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
@@ -679,7 +702,7 @@ def _bench_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str,
     step()  # export, build and the first step
     first = time.perf_counter() - first
     if setting != "torch":
-        report = last_report()
+        report = plugin.last_report()
         replaced = report.replaced if report is not None and setting == "on" else 0
     first_peak = _peak_rss()
     step()  # warm-up
@@ -706,7 +729,7 @@ def bench_efficient_attention(
     settings: Sequence[str] = BENCH_SETTINGS,
     attn: Sequence[str] = ("eager",),
     spec: Mapping[str, int] | None = None,
-    rounds: int = 2,
+    rounds: int = 3,
 ) -> list[dict[str, Any]]:
     """Step time and peak RSS of GPT-2 training in PyTorch and in ortcore with this plugin off and on.
 
@@ -725,7 +748,7 @@ def bench_efficient_attention(
     for implementation in attn:
         for round_ in range(rounds):
             for setting in settings if round_ % 2 == 0 else list(reversed(settings)):
-                cmd = [sys.executable, "-m", __name__, "--bench-worker", setting, implementation, json.dumps(spec)]
+                cmd = [sys.executable, "-m", MODULE, "--bench-worker", setting, implementation, json.dumps(spec)]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 if done.returncode != 0 or not lines:
@@ -770,7 +793,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--bench", action="store_true", help="GPT-2 step time and peak memory with and without")
     parser.add_argument("--settings", default=",".join(BENCH_SETTINGS), help="comma list of torch, off, on")
     parser.add_argument("--attn", default="eager", help="comma list of Hugging Face attention implementations")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each setting (alternating order)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each setting (alternating order)")
     for key, value in BENCH_CONFIG.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--bench-worker", nargs=3, metavar=("SETTING", "ATTN", "SPEC"), help=argparse.SUPPRESS)
@@ -786,11 +809,14 @@ def _main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--rounds {args.rounds}: must be at least 1")
     spec = {key: getattr(args, key) for key in BENCH_CONFIG}
     print("GPT-2 " + ", ".join(f"{k}={v}" for k, v in spec.items()) + f", rounds={args.rounds}", flush=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results = bench_efficient_attention(args.settings.split(","), args.attn.split(","), spec, args.rounds)
     from ortcore_plugins.runtime_inspector import format_table
 
     header = ("attn", "setting", "replaced", "step ms", "vs off", "peak RSS MiB", "vs off", "1st step s", "loss")
     print(format_table(header, summarize(results)))
+    after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"  step ms: median over rounds of each process's median step; 1-minute load average {load:.1f} before, {after:.1f} after")
     if not all(r["peak_is_steady_state"] for r in results):
         print("  (the peak could not be reset here: 'peak RSS' includes export and the first step)")
 

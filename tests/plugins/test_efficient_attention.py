@@ -279,7 +279,7 @@ def test_off_by_default_leaves_the_graph_alone(tmp_path: Path) -> None:
     assert ops["Softmax"] == LAYERS and not any(op.startswith("ATen") for op in ops), ops
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("0", False), ("off", False)])
+@pytest.mark.parametrize("value, expected", [("1", True), (" 1 ", True), ("0", False)])
 def test_environment_variable_switches_the_plugin(value: str, expected: bool) -> None:
     host = make_host(enable=None, env={plugin.ENV: value})
     assert host.config.plugin_options(plugin.NAME).enable is expected
@@ -293,13 +293,20 @@ def test_environment_wins_over_the_file() -> None:
     assert not plugin.enabled(host.config)
 
 
-def test_bad_value_names_the_variable_and_the_allowed_values() -> None:
-    with pytest.raises(OptionError, match=rf"{plugin.ENV}='maybe'.*allowed: 1/0, true/false"):
-        make_host(enable=None, env={plugin.ENV: "maybe"})
+@pytest.mark.parametrize("value", ["maybe", "true", "on", "2"])
+def test_bad_value_names_the_variable_and_the_allowed_values(value: str) -> None:
+    # Only 0 and 1: onnxruntime's own import parses this variable with int() ("true" fails there).
+    with pytest.raises(OptionError, match=rf"{plugin.ENV}='{value}' is not a switch; allowed: 0 or 1"):
+        make_host(enable=None, env={plugin.ENV: value})
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, False), (1, True), (0, False)])
+def test_file_values(value: Any, expected: bool) -> None:
+    assert make_host(enable=value).config.plugin_options(plugin.NAME).enable is expected
 
 
 def test_bad_file_value_names_the_key() -> None:
-    with pytest.raises(OptionError, match=r"enable.*'sometimes'"):
+    with pytest.raises(OptionError, match=r"enable.*'sometimes' is not a switch"):
         make_host(enable="sometimes")  # type: ignore[arg-type]
 
 

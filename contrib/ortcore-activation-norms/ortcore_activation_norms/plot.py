@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import fnmatch
+import io
 import math
 import os
 import sys
@@ -65,8 +66,19 @@ def read_norms(path: str | os.PathLike) -> list[Row]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise NormsFileError(f"{path}: no such file; expected the CSV a NormSubscriber wrote")
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise NormsFileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); expected a CSV file") from None
+    if text and not text.endswith("\n"):
+        # The subscriber ends every write with a line break: this row's writer was cut off (a machine crash).
+        raise NormsFileError(
+            f"{path} line {text.count(chr(10)) + 1}: incomplete last row (no line break after it); expected whole "
+            "rows: delete that line to read the others"
+        )
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    try:
         header = next(reader, None)
         if header is None:
             raise NormsFileError(f"{path}: the file is empty; expected the header {', '.join(COLUMNS)}")
@@ -92,6 +104,8 @@ def read_norms(path: str | os.PathLike) -> list[Row]:
                     _float(max_abs, "max_abs", where),
                 )
             )
+    except csv.Error as e:
+        raise NormsFileError(f"{path} line {reader.line_num}: {e}; expected a CSV file") from None
     return rows
 
 

@@ -45,6 +45,17 @@ def test_read_norms_round_trips_the_subscriber_rows(norms_csv):
     assert first.l2 == pytest.approx(6**0.5, rel=1e-12) and first.rms == 1.0 and first.max_abs == 1.0
 
 
+def test_names_with_commas_quotes_and_line_breaks_round_trip(tmp_path):
+    import torch
+
+    name = 'odd, "quoted"\nname'
+    subscriber = NormSubscriber(tmp_path / "odd.csv")
+    subscriber.on_forward(0, 0, name, torch.ones(4))
+    subscriber.flush()
+    (row,) = read_norms(tmp_path / "odd.csv")
+    assert (row.name, row.numel, row.l2, row.rms, row.max_abs) == (name, 4, 2.0, 1.0, 1.0)
+
+
 def test_series_per_activation_and_call(norms_csv):
     series = l2_series(read_norms(norms_csv), ["block*"], "forward")
     assert sorted(series) == [("forward", "block", 0), ("forward", "block", 1)]
@@ -100,6 +111,8 @@ def test_module_entry_point(norms_csv, tmp_path):
         ),
         (HEADER + "x,0,forward,a,3,1.0,1.0,1.0\n", r"line 2: step='x' is not allowed; allowed: an integer >= 0"),
         (HEADER + "0,0,forward,a,3,big,1.0,1.0\n", r"line 2: l2='big' is not allowed; allowed: a number"),
+        (HEADER + "0,0,forward,a,3,1.0,1.0,1.0\n0,1,backward,a,3,1.0,1.0,0.12", r"line 3: incomplete last row"),
+        (HEADER + '0,0,forward,"a,3,1.0,1.0,1.0\n', r"line 2: unexpected end of data; expected a CSV file"),
     ],
 )
 def test_bad_csv_is_an_error_naming_the_value_and_what_is_allowed(tmp_path, capsys, content, message):

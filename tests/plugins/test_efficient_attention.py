@@ -8,6 +8,9 @@ no Softmax left); then a hand-written attention, the cases the pass must leave a
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -324,3 +327,36 @@ def test_packed_kernels_match_torch_autograd() -> None:
     torch.testing.assert_close(out, expected.detach())
     packed = torch.ops.ortcore_attention.sdpa_packed_backward(grad, qkv, *shapes, mask, 0.3, out, lse)
     torch.testing.assert_close(packed, torch.cat([t.grad.reshape(-1) for t in (q, k, v)]))
+
+
+def test_works_in_a_fresh_process_without_aten_fallback() -> None:
+    # The executor slot is process-wide and aten_fallback's tests may have filled it in this process already: a
+    # fresh process with only this plugin shows it installs the executor itself.
+    script = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import ortcore_plugins._aten_executor as executor
+import ortcore_plugins.efficient_attention as plugin
+from models import check_step_and_training, gpt2_batch, make_batches, ort_and_torch, tiny_gpt2
+from ortcore.config import Config
+from ortcore.plugins import PluginHost
+
+assert not executor.installed()
+host = PluginHost(Config.from_table({"plugins": {"efficient_attention": {"enable": True}}}, env={}),
+                  autoload=False, plugins={"efficient_attention": plugin})
+ort, ref = ort_and_torch(tiny_gpt2(attn_implementation="eager"), host=host)
+def step(model, batch):
+    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["input_ids"])
+    return out, out.loss
+check_step_and_training(ort, ref, make_batches(gpt2_batch, 3), step, 2)
+assert executor.installed() and plugin.last_report().replaced == 2, plugin.last_report()
+print("ok", executor.stats().calls)
+"""
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ORTMODULE_", "ORTCORE_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", script, tests_dir], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]
+    assert int(done.stdout.split()[1]) > 0  # the ATen nodes really ran in the executor

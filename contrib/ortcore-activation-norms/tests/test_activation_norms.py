@@ -58,11 +58,18 @@ class Net(torch.nn.Module):
         return self.head(self.norm(out + extra["skip"]))
 
 
-@pytest.fixture(autouse=True)
-def _no_subscription_left():
-    yield
-    for subscription in list(GlobalSubscriberManager._subscriptions.values()):
-        GlobalSubscriberManager.unsubscribe(subscription.model)
+@pytest.fixture
+def subscribe():
+    """``GlobalSubscriberManager.subscribe``, with every model unsubscribed after the test (even a failed one)."""
+    models = []
+
+    def subscribe(model, subscribers, host):
+        models.append(model)
+        GlobalSubscriberManager.subscribe(model, subscribers, host=host)
+
+    yield subscribe
+    for model in models:
+        GlobalSubscriberManager.unsubscribe(model)
 
 
 def read_rows(path):
@@ -127,12 +134,12 @@ def train(model, steps, seed=1):
         optimizer.step()
 
 
-def test_norms_equal_torch_vector_norm_of_every_output_and_gradient(ortcore_host, tmp_path):
+def test_norms_equal_torch_vector_norm_of_every_output_and_gradient(subscribe, ortcore_host, tmp_path):
     host = ortcore_host(PLUGINS)
     model = Net()
     log = {"step": 0, "tensors": {}}
     capture(model, log)
-    GlobalSubscriberManager.subscribe(model, [NormSubscriber(tmp_path / "norms.csv")], host=host)
+    subscribe(model, [NormSubscriber(tmp_path / "norms.csv")], host=host)
     generator = torch.Generator().manual_seed(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
@@ -184,18 +191,18 @@ def test_tensor_norms_of_special_tensors():
 
 
 @pytest.mark.parametrize("subscribed", ["before_wrapping", "after_wrapping"])
-def test_ortmodule_rows_match_pytorch_run(ortcore_host, tmp_path, subscribed):
+def test_ortmodule_rows_match_pytorch_run(subscribe, ortcore_host, tmp_path, subscribed):
     host = ortcore_host(PLUGINS)
     reference = Net()
     model = copy.deepcopy(reference)
-    GlobalSubscriberManager.subscribe(reference, [NormSubscriber(tmp_path / "torch.csv", every=2)], host=host)
+    subscribe(reference, [NormSubscriber(tmp_path / "torch.csv", every=2)], host=host)
     ort_subscriber = NormSubscriber(tmp_path / "ort.csv", every=2)
     if subscribed == "before_wrapping":
-        GlobalSubscriberManager.subscribe(model, [ort_subscriber], host=host)
+        subscribe(model, [ort_subscriber], host=host)
         model = ORTModule(model, host=host)
     else:
         model = ORTModule(model, host=host)
-        GlobalSubscriberManager.subscribe(model, [ort_subscriber], host=host)
+        subscribe(model, [ort_subscriber], host=host)
     train(reference, 5)
     train(model, 5)
     GlobalSubscriberManager.unsubscribe(reference)
@@ -212,12 +219,10 @@ def test_ortmodule_rows_match_pytorch_run(ortcore_host, tmp_path, subscribed):
             assert actual[key][column] == pytest.approx(row[column], rel=ORT_RTOL), (key, column)
 
 
-def test_start_end_and_every_choose_the_recorded_steps(ortcore_host, tmp_path):
+def test_start_end_and_every_choose_the_recorded_steps(subscribe, ortcore_host, tmp_path):
     host = ortcore_host(PLUGINS)
     model = Net()
-    GlobalSubscriberManager.subscribe(
-        model, [NormSubscriber(tmp_path / "norms.csv", start_step=2, end_step=9, every=3)], host=host
-    )
+    subscribe(model, [NormSubscriber(tmp_path / "norms.csv", start_step=2, end_step=9, every=3)], host=host)
     train(model, 11)
     model.eval()
     model(torch.randn(2, 4))  # an eval forward is not a step
@@ -227,14 +232,14 @@ def test_start_end_and_every_choose_the_recorded_steps(ortcore_host, tmp_path):
     assert Counter(r["step"] for r in rows) == {2: 2 * len(NAMES), 5: 2 * len(NAMES), 8: 2 * len(NAMES)}
 
 
-def test_each_step_is_appended_in_one_write_when_the_next_starts(ortcore_host, tmp_path, monkeypatch):
+def test_each_step_is_appended_in_one_write_when_the_next_starts(subscribe, ortcore_host, tmp_path, monkeypatch):
     host = ortcore_host(PLUGINS)
     writes = []
     real_write = os.write
     monkeypatch.setattr(subscriber_module.os, "write", lambda fd, data: writes.append(data) or real_write(fd, data))
     model = Net()
     path = tmp_path / "norms.csv"
-    GlobalSubscriberManager.subscribe(model, [NormSubscriber(path)], host=host)
+    subscribe(model, [NormSubscriber(path)], host=host)
     train(model, 1)
     assert read_rows(path) == [] and writes == []  # step 0 may still get gradients: kept until it is over
     train(model, 1)  # step 1 starts: step 0 is written
@@ -295,22 +300,22 @@ def test_existing_file_needs_overwrite_and_is_kept_without_it(tmp_path):
     assert path.read_text() == ",".join(COLUMNS) + "\n"
 
 
-def test_two_subscribed_models_cannot_share_a_file(ortcore_host, tmp_path):
+def test_two_subscribed_models_cannot_share_a_file(subscribe, ortcore_host, tmp_path):
     host = ortcore_host(PLUGINS)
     first = torch.nn.Linear(2, 2)
-    GlobalSubscriberManager.subscribe(first, [NormSubscriber(tmp_path / "n.csv")], host=host)
+    subscribe(first, [NormSubscriber(tmp_path / "n.csv")], host=host)
     with pytest.raises(ValueError, match="being written for a subscribed model .Linear."):
         NormSubscriber(tmp_path / "n.csv", overwrite=True)
     GlobalSubscriberManager.unsubscribe(first)
     NormSubscriber(tmp_path / "n.csv", overwrite=True)  # free again
 
 
-def test_one_subscriber_records_one_model(ortcore_host, tmp_path):
+def test_one_subscriber_records_one_model(subscribe, ortcore_host, tmp_path):
     host = ortcore_host(PLUGINS)
     subscriber = NormSubscriber(tmp_path / "n.csv")
-    GlobalSubscriberManager.subscribe(torch.nn.Linear(2, 2), [subscriber], host=host)
+    subscribe(torch.nn.Linear(2, 2), [subscriber], host=host)
     with pytest.raises(ValueError, match="records one model; .* already has Linear's rows"):
-        GlobalSubscriberManager.subscribe(torch.nn.Tanh(), [subscriber], host=host)
+        subscribe(torch.nn.Tanh(), [subscriber], host=host)
 
 
 @pytest.mark.parametrize(
@@ -357,11 +362,11 @@ def enabled_table(path, **options):
     return {"plugins": {"activation_norms": {"enabled": True, "output_path": str(path), **options}}}
 
 
-def test_config_gives_every_subscribed_model_a_norm_subscriber(ortcore_host, tmp_path):
+def test_config_gives_every_subscribed_model_a_norm_subscriber(subscribe, ortcore_host, tmp_path):
     host = ortcore_host(PLUGINS, table=enabled_table(tmp_path / "norms_{rank}.csv", every=2, end_step=4))
     model = ORTModule(Net(), host=host)
-    GlobalSubscriberManager.subscribe(model, [], host=host)
-    GlobalSubscriberManager.subscribe(model, [], host=host)  # subscribing again adds no second writer
+    subscribe(model, [], host=host)
+    subscribe(model, [], host=host)  # subscribing again adds no second writer
     train(model, 5)
     GlobalSubscriberManager.unsubscribe(model)
     rows = read_rows(tmp_path / "norms_0.csv")
@@ -369,24 +374,24 @@ def test_config_gives_every_subscribed_model_a_norm_subscriber(ortcore_host, tmp
     assert keyed(rows).keys() == {(s, k, n, 0) for s in (0, 2) for k in ("forward", "backward") for n in NAMES}
 
 
-def test_config_off_by_default_and_when_disabled(ortcore_host, tmp_path, monkeypatch):
+def test_config_off_by_default_and_when_disabled(subscribe, ortcore_host, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for table in ({}, {"plugins": {"activation_norms": {"enabled": False, "output_path": "norms.csv"}}}):
         host = ortcore_host(PLUGINS, table=table)
         model = Net()
-        GlobalSubscriberManager.subscribe(model, [], host=host)
+        subscribe(model, [], host=host)
         train(model, 2)
         GlobalSubscriberManager.unsubscribe(model)
     assert os.listdir(tmp_path) == []
 
 
-def test_config_from_environment(ortcore_host, tmp_path):
+def test_config_from_environment(subscribe, ortcore_host, tmp_path):
     env = {"ORTCORE_ACTIVATION_NORMS_ENABLED": "1", "ORTCORE_ACTIVATION_NORMS_OUTPUT_PATH": str(tmp_path / "env.csv")}
     host = ortcore_host(PLUGINS, env=env)
     options = host.config.plugin_options("activation_norms")
     assert options.enabled and options.output_path == str(tmp_path / "env.csv") and options.every == 1
     model = torch.nn.Linear(2, 2)
-    GlobalSubscriberManager.subscribe(model, [], host=host)
+    subscribe(model, [], host=host)
     model(torch.ones(1, 2)).sum().backward()
     GlobalSubscriberManager.unsubscribe(model)
     assert [(r["kind"], r["name"]) for r in read_rows(tmp_path / "env.csv")] == [
@@ -412,9 +417,9 @@ def test_bad_option_values_name_the_value_and_what_is_allowed(ortcore_host, opti
         ortcore_host(PLUGINS, table={"plugins": {"activation_norms": options}})
 
 
-def test_config_file_exists_error_names_the_option(ortcore_host, tmp_path):
+def test_config_file_exists_error_names_the_option(subscribe, ortcore_host, tmp_path):
     (tmp_path / "norms.csv").write_text("old\n")
     host = ortcore_host(PLUGINS, table=enabled_table(tmp_path / "norms.csv"))
     with pytest.raises(PluginError, match=r"activation_norms.*overwrite = true in \[plugins\.activation_norms\]"):
-        GlobalSubscriberManager.subscribe(torch.nn.Linear(2, 2), [], host=host)
+        subscribe(torch.nn.Linear(2, 2), [], host=host)
     assert (tmp_path / "norms.csv").read_text() == "old\n"

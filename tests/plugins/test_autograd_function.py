@@ -31,8 +31,9 @@ from torch.autograd import Function
 
 import ortcore_plugins.autograd_function as plugin
 from ortcore import DebugOptions, FallbackPolicy, LogLevel, ORTModule
+from ortcore.config import Config
 from ortcore.errors import OptionError, UnsupportedModelError
-from ortcore.plugins import PluginError
+from ortcore.plugins import PluginError, PluginHost
 
 PLUGINS = {"autograd_function": plugin}
 FUNCTION_NAMES = (
@@ -417,3 +418,30 @@ def test_hugging_face_bloom_trains_with_parity(ortcore_host, tmp_path):
     assert names and all(n == "transformers.models.bloom.modeling_bloom.GeLUFunction" for n in names)
     assert len(names) == 2  # one per layer
     assert RTOL == 1e-4
+
+
+# -- through the entry points ---------------------------------------------------------------------------------------
+def autoloaded_host(table: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> PluginHost:
+    return PluginHost(Config.from_table(table or {}, env=env or {}))
+
+
+def test_with_every_installed_plugin_functions_match_torch():
+    host = autoloaded_host()
+    assert host.records["autograd_function"].enabled
+    ort, ref = ort_and_torch(FunctionNet(), host=host)
+    check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
+    host.close()
+
+
+@pytest.mark.parametrize(
+    ("table", "env"),
+    [({}, {"ORTCORE_DISABLE_PLUGINS": "autograd_function"}), ({"plugins": {"disable": ["autograd_function"]}}, {})],
+    ids=["ORTCORE_DISABLE_PLUGINS", "ortcore.toml"],
+)
+def test_switched_off_plugin_is_named_in_the_error(table, env):
+    host = autoloaded_host(table, env)
+    assert host.records["autograd_function"].status == "disabled"
+    ort = ORTModule(FunctionNet(), host=host, fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
+    with pytest.raises(UnsupportedModelError, match="enable the 'autograd_function' plugin"):
+        ort(torch.randn(4, 12))
+    host.close()

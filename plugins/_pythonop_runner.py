@@ -171,8 +171,10 @@ def install(forward: Callable[..., list[Any]], backward: Callable[..., list[Any]
 
 
 def to_capsule(tensor: torch.Tensor) -> Any:
-    """A ``"dltensor"`` capsule of a contiguous tensor, which ORT takes over."""
-    return torch.utils.dlpack.to_dlpack(tensor.detach().contiguous())
+    """A ``"dltensor"`` capsule of a contiguous tensor, which ORT takes over (booleans as uint8: ORT's DLPack import
+    has no boolean code)."""
+    tensor = tensor.detach().contiguous()
+    return torch.utils.dlpack.to_dlpack(tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor)
 
 
 def from_capsule(capsule: Any) -> torch.Tensor:

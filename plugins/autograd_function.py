@@ -46,6 +46,7 @@ NAME = "autograd_function"
 PYTHON_OP_DOMAIN = "com.microsoft"
 PYTHON_OP = "PythonOp"
 SHAPES_PASS = "autograd_function.output_shapes"
+BOOL = onnx.TensorProto.BOOL
 # Reentrant activation checkpointing: its forward runs the checkpointed layers in PyTorch, out of ORT's sight.
 CHECKPOINT_FUNCTIONS = ("torch.utils.checkpoint.CheckpointFunction", "deepspeed.checkpointing.CheckpointFunction")
 _QUALIFIED_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_<>][\w<>]*)*$")
@@ -134,21 +135,25 @@ class _Registry:
 
     def __init__(self):
         self.functions: dict[str, type] = {}
-        self.keys: dict[type, str] = {}
+        self.keys: dict[tuple[type, tuple[int, ...]], str] = {}
+        self.bool_inputs: dict[str, frozenset[int]] = {}
         self.constants: list[Any] = []
         self.lock = threading.Lock()
 
-    def key(self, function: type) -> str:
+    def key(self, function: type, bool_inputs: tuple[int, ...] = ()) -> str:
+        """The node name of ``function`` called with boolean tensors at argument positions ``bool_inputs``
+        (DLPack hands ORT's booleans over as uint8: the runner casts them back)."""
         with self.lock:
-            if function in self.keys:
-                return self.keys[function]
+            if (function, bool_inputs) in self.keys:
+                return self.keys[(function, bool_inputs)]
             base = function_name(function)
             key = base
             for n in itertools.count(2):  # two local classes may share a qualified name
                 if key not in self.functions:
                     break
                 key = f"{base}#{n}"
-            self.functions[key], self.keys[function] = function, key
+            self.functions[key], self.keys[(function, bool_inputs)] = function, key
+            self.bool_inputs[key] = frozenset(bool_inputs)
         from onnxruntime.capi import _pybind_state as C
 
         C.register_torch_autograd_function(key, function)
@@ -207,8 +212,11 @@ class PythonOpHandler:
 
     def export(self, g, node, args):
         _install_runners()
-        key = registry.key(self.function)
         convention = node.cconv()
+        bool_inputs = tuple(
+            i for i, (arg, kind) in enumerate(zip(args, convention)) if kind == "d" and _onnx_dtype(arg) == BOOL
+        )
+        key = registry.key(self.function, bool_inputs)
         if len(convention) != len(args):
             raise UnsupportedModelError(f"{key}: {len(args)} arguments but calling convention {convention!r}")
         tensors, types, ranks = [], [], []
@@ -245,7 +253,10 @@ class PythonOpHandler:
             "input_convention_s": convention,
             "input_tensor_types_i": types,
             "input_tensor_ranks_i": ranks,
-            "output_tensor_types_i": [_onnx_dtype(o) for o in outputs],
+            # Boolean outputs leave the node as uint8 (ORT's DLPack import has no boolean) and are cast back.
+            "output_tensor_types_i": [
+                onnx.TensorProto.UINT8 if _onnx_dtype(o) == BOOL else _onnx_dtype(o) for o in outputs
+            ],
             "output_tensor_ranks_i": [o.type().dim() or 0 for o in outputs],
             "training_mode_i": 1,  # inference sessions get 0 (see ortcore_session_created)
             "safe_run_mode_i": 1,  # the runner keeps a second reference to each context
@@ -256,9 +267,14 @@ class PythonOpHandler:
             attributes[name + suffix] = values
         results = g.op(f"{PYTHON_OP_DOMAIN}::{PYTHON_OP}", *tensors, outputs=len(outputs) + 1, **attributes)
         results[0].setType(torch._C.TensorType.get().with_dtype(torch.int64))
+        values = []
         for result, output in zip(results[1:], outputs):
+            if _onnx_dtype(output) == BOOL:
+                result.setType(output.type().with_dtype(torch.uint8))
+                result = g.op("Cast", result, to_i=BOOL)
             result.setType(output.type())
-        return results[1:] if len(outputs) > 1 else results[1]
+            values.append(result)
+        return values if len(values) > 1 else values[0]
 
 
 def handler_for(config: Config, function: type) -> Any:
@@ -292,14 +308,17 @@ _recent: list[_Context] = []
 def _forward(func_name: str, requires_grad: list, tensor_flags: list, training: bool, _inplace, _safe, args: list):
     _recent.clear()
     function = registry.functions[func_name]
+    bool_inputs = registry.bool_inputs[func_name]
     leaves: list[torch.Tensor | None] = []
     call_args = []
-    for arg, is_tensor, wants_grad in zip(args, tensor_flags, requires_grad):
+    for position, (arg, is_tensor, wants_grad) in enumerate(zip(args, tensor_flags, requires_grad)):
         if not is_tensor or arg is None:
             call_args.append(arg)
             leaves.append(None)
             continue
         tensor = runner.from_capsule(arg)
+        if position in bool_inputs:
+            tensor = tensor.view(torch.bool)
         leaf = tensor.detach().requires_grad_(bool(wants_grad) and training and tensor.is_floating_point())
         # A copy per call: the Function may modify it in place (mark_dirty) or save it, and ORT owns the original.
         with torch.set_grad_enabled(leaf.requires_grad):

@@ -445,3 +445,87 @@ def test_switched_off_plugin_is_named_in_the_error(table, env):
     with pytest.raises(UnsupportedModelError, match="enable the 'autograd_function' plugin"):
         ort(torch.randn(4, 12))
     host.close()
+
+
+# -- more Function styles and training patterns ---------------------------------------------------------------------
+class SetupContextMul(Function):
+    """The forward-without-ctx style: ``setup_context`` saves what backward needs; an optional (None) argument."""
+
+    @staticmethod
+    def forward(x, w, bias):
+        out = x * w
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, _bias = inputs
+        ctx.save_for_backward(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0), None
+
+
+class SetupContextNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 8)
+        self.w = nn.Parameter(torch.randn(8))
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(SetupContextMul.apply(self.inp(x), self.w, None))), self.w.sum().detach()
+
+
+@pytest.mark.parametrize("env", [{}, {"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "0"}], ids=["python-op", "traced-through"])
+def test_setup_context_style_function_matches_torch(ortcore_host, tmp_path, env):
+    ort, ref = ort_and_torch(SetupContextNet(), host=ortcore_host(PLUGINS, env=env), debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
+    assert saved_op_types(tmp_path)["com.microsoft::PythonOp"] == (0 if env else 1)
+
+
+def test_gradient_accumulation_and_eval_mode_with_grad_match_torch(ortcore_host):
+    ort, ref = ort_and_torch(FunctionNet(), host=ortcore_host(PLUGINS))
+    batches = make_batches(batch, 2)
+    for model in (ort, ref):  # two forwards before either backward: each call keeps its own context
+        losses = [step(model, b)[1] for b in batches]
+        sum(losses).backward()
+    assert_grads_match(ort, ref)
+    for model in (ort, ref):
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        step(model, batches[0])[1].backward()
+    assert_grads_match(ort, ref)
+    assert plugin._recent == []  # the last backward released what the last forward kept
+
+
+class KeepWhere(Function):
+    """A boolean tensor argument and a boolean output (ORT's DLPack has no boolean: they travel as uint8)."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        assert mask.dtype == torch.bool
+        ctx.save_for_backward(mask)
+        return x.masked_fill(~mask, 0.0), mask & (x > 0.5)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_mask):
+        (mask,) = ctx.saved_tensors
+        return grad.masked_fill(~mask, 0.0), None
+
+
+class BoolNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        kept, strong = KeepWhere.apply(h, x[:, :4] > 0)
+        return torch.where(strong, 2.0 * kept, kept), strong.sum(-1)
+
+
+def test_boolean_tensors_in_and_out_match_torch(ortcore_host):
+    ort, ref = ort_and_torch(BoolNet(), host=ortcore_host(PLUGINS))
+    check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)

@@ -380,6 +380,12 @@ class TorchScriptExporter:
     def _no_function_handler(self, function: type) -> str | None:
         return INLINE if self.inline_autograd_functions else None
 
+    def use_function_handlers(self, ask: Callable[[type], Any]) -> None:
+        """Export every custom autograd Function as ``ask(function_class)`` answers (the
+        ``ortcore_autograd_function_handler`` hook); no answer means the default: traced through when
+        ``inline_autograd_functions``, refused otherwise."""
+        self.symbolics["prim::PythonOp"] = python_op_symbolic(lambda f: ask(f) or self._no_function_handler(f))
+
     def fingerprint(self) -> dict[str, Any]:
         return {"inline_autograd_functions": self.inline_autograd_functions}
 

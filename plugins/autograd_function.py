@@ -300,13 +300,20 @@ class _Context:
         self.function, self.leaves, self.outputs = function, leaves, outputs
 
 
-# ORT checks a context's reference count right after the forward runner returns (safe run mode wants >= 2): the last
-# contexts are held here until the next runner call.
-_recent: list[_Context] = []
+# ORT checks a context's reference count right after the forward runner returns (safe run mode wants >= 2): the
+# thread's last context is held here until its next runner call.
+_held = threading.local()
+
+
+def held_contexts() -> list[_Context]:
+    """The contexts this thread holds for ORT's reference-count check (at most the last forward's)."""
+    if not hasattr(_held, "contexts"):
+        _held.contexts = []
+    return _held.contexts
 
 
 def _forward(func_name: str, requires_grad: list, tensor_flags: list, training: bool, _inplace, _safe, args: list):
-    _recent.clear()
+    held_contexts().clear()
     function = registry.functions[func_name]
     bool_inputs = registry.bool_inputs[func_name]
     leaves: list[torch.Tensor | None] = []
@@ -338,12 +345,12 @@ def _forward(func_name: str, requires_grad: list, tensor_flags: list, training: 
     if not training:
         return [None, *capsules]
     context = _Context(function, leaves, outputs)
-    _recent.append(context)
+    held_contexts().append(context)
     return [context, *capsules]
 
 
 def _backward(func_name: str, _requires_grad, tensor_flags: list, _training, _inplace, _safe, args: list):
-    _recent.clear()
+    held_contexts().clear()
     context = args[0]
     if not isinstance(context, _Context):
         raise RuntimeError(f"PythonOpGrad of {func_name} received no forward context (got {type(context).__name__})")

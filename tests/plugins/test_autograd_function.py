@@ -33,6 +33,9 @@ import ortcore_plugins.autograd_function as plugin
 from ortcore import DebugOptions, FallbackPolicy, LogLevel, ORTModule
 from ortcore.config import Config
 from ortcore.errors import OptionError, UnsupportedModelError
+from ortcore.exporter import TorchScriptExporter
+from ortcore.graph_passes import GraphPass
+from ortcore.hookspecs import hookimpl
 from ortcore.plugins import PluginError, PluginHost
 
 PLUGINS = {"autograd_function": plugin}
@@ -255,7 +258,7 @@ def test_inference_runs_keep_no_context(ortcore_host):
     ref.eval()
     with torch.no_grad():
         assert_outputs_match(ort(x), ref(x))
-    assert plugin._recent == []  # no context was made for ORT to hold
+    assert plugin.held_contexts() == []  # no context was made for ORT to hold
     assert_ran_in_ort(ort)
 
 
@@ -497,7 +500,7 @@ def test_gradient_accumulation_and_eval_mode_with_grad_match_torch(ortcore_host)
         model.eval()
         step(model, batches[0])[1].backward()
     assert_grads_match(ort, ref)
-    assert plugin._recent == []  # the last backward released what the last forward kept
+    assert plugin.held_contexts() == []  # the last backward released what the last forward kept
 
 
 class KeepWhere(Function):
@@ -529,3 +532,24 @@ class BoolNet(nn.Module):
 def test_boolean_tensors_in_and_out_match_torch(ortcore_host):
     ort, ref = ort_and_torch(BoolNet(), host=ortcore_host(PLUGINS))
     check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
+
+
+class OnlyScaledProduct:
+    """Another plugin's answer to the handler hook: ScaledProduct as PythonOp, no answer for the others."""
+
+    @hookimpl
+    def ortcore_autograd_function_handler(self, function: type) -> Any:
+        return plugin.PythonOpHandler(function) if function is ScaledProduct else None
+
+    @hookimpl
+    def ortcore_graph_passes(self) -> list:
+        return [GraphPass(plugin.SHAPES_PASS, run=plugin.relate_output_shapes)]  # PythonOp outputs need it
+
+
+def test_exporter_asks_the_handler_hook_per_function_class(ortcore_host, tmp_path):
+    host = ortcore_host({"only_scaled_product": OnlyScaledProduct()})
+    exporter = TorchScriptExporter(inline_autograd_functions=True)  # no answer: traced through
+    exporter.use_function_handlers(host.hooks.autograd_function_handler)
+    ort, ref = ort_and_torch(FunctionNet(), host=host, exporter=exporter, debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
+    assert python_op_names(tmp_path) == [FUNCTION_NAMES[0]]

@@ -398,8 +398,8 @@ def match_attention(index: _Index, softmax: onnx.NodeProto) -> AttentionMatch:
     if index.rank(v) != 4:
         raise _NoMatch("v is not 4-D")
     for name in (q, k_t, v):
-        if index.elem_type(name) not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16):
-            raise _NoMatch("q, k and v are not float, float16 or bfloat16")
+        if index.elem_type(name) not in FLOAT_TYPES:
+            raise _NoMatch("q, k and v are not float, double, float16 or bfloat16")
     return AttentionMatch(q, k_t, v, mask, scale, user.output[0], nodes)
 
 
@@ -499,7 +499,12 @@ def _replacement(
     )
     elem = index.elem_type(m.q) or TensorProto.FLOAT
     # ORT cannot infer an ATen node's output types: declare them (the output keeps what inference knew of it).
-    infos = [helper.make_tensor_value_info(lse, TensorProto.FLOAT, None)]
+    # logsumexp is float32 for float32, float16 and bfloat16 inputs, float64 for float64 ones.
+    infos = [
+        helper.make_tensor_value_info(
+            lse, TensorProto.DOUBLE if elem == TensorProto.DOUBLE else TensorProto.FLOAT, None
+        )
+    ]
     if m.output not in index.declared:
         info = helper.make_tensor_value_info(m.output, elem, [None] * 4)
         if m.output in index.types:
@@ -633,8 +638,9 @@ def ortcore_session_created(config: Config, session: Any) -> None:
 
 # -- benchmark -----------------------------------------------------------------------------------------------------
 
-BENCH_CONFIG = {"n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 8000, "batch": 4, "seq": 512, "steps": 5}
+BENCH_CONFIG = {"n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 8000, "batch": 4, "seq": 512, "steps": 8}
 BENCH_SETTINGS = ("torch", "off", "on")
+SETTING_LABELS = {"torch": "PyTorch eager", "off": "ortcore, plugin off", "on": "ortcore, plugin on"}
 MODULE = "ortcore_plugins.efficient_attention"
 
 
@@ -656,9 +662,9 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _bench_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str, Any]:
-    """One measurement in a fresh process: GPT-2 training steps in PyTorch ("torch") or ortcore with the plugin
-    "off" or "on" (with aten_fallback's default routing, as installed ortcore runs)."""
+def _bench_model(setting: str, attn: str, spec: Mapping[str, int]) -> tuple[torch.nn.Module, Callable[[], float]]:
+    """GPT-2 from a config, in PyTorch ("torch") or in ortcore with this plugin "off" or "on" (with aten_fallback's
+    default routing, as an installed ortcore runs), and one AdamW training step on a fixed batch."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # Imported by name: run as ``python -m``, this file is also ``__main__``, a second copy of the module.
@@ -682,14 +688,12 @@ def _bench_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str,
         attn_implementation=attn,
     )
     model = GPT2LMHeadModel(config).train()
-    replaced = None
     if setting != "torch":
         table = {"plugins": {NAME: {"enable": setting == "on"}}}
         host = make_host({"aten_fallback": aten_fallback, NAME: plugin}, table=table)
         model = ORTModule(model, host=host, fallback_policy="FALLBACK_DISABLE")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, spec["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)
+    ids = torch.randint(0, spec["vocab_size"], (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(1))
 
     def step() -> float:
         loss = model(input_ids=ids, labels=ids).loss
@@ -698,89 +702,117 @@ def _bench_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str,
         optimizer.zero_grad(set_to_none=True)
         return float(loss)
 
-    first = time.perf_counter()
+    return model, step
+
+
+def _replaced(setting: str) -> int | None:
+    import ortcore_plugins.efficient_attention as plugin
+
+    if setting == "torch":
+        return None
+    report = plugin.last_report()
+    return report.replaced if report is not None else 0
+
+
+def _memory_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str, Any]:
+    """Peak RSS of one setting, alone in a fresh process: up to the end of the first step, and of the steps after."""
+    _, step = _bench_model(setting, attn, spec)
+    start = time.perf_counter()
     step()  # export, build and the first step
-    first = time.perf_counter() - first
-    if setting != "torch":
-        report = plugin.last_report()
-        replaced = report.replaced if report is not None and setting == "on" else 0
+    first = time.perf_counter() - start
+    replaced = _replaced(setting)
     first_peak = _peak_rss()
-    step()  # warm-up
+    step()
     reset = _reset_peak_rss()
-    times, losses = [], []
-    for _ in range(spec["steps"]):
-        start = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - start)
+    for _ in range(3):
+        loss = step()
     return {
         "setting": setting,
         "attn": attn,
         "replaced": replaced,
-        "loss": losses[-1],
+        "loss": loss,
         "first_step_s": round(first, 2),
-        "step_s": round(float(np.median(times)), 4),
         "first_peak_rss_mib": round(first_peak / 2**20, 1),
         "peak_rss_mib": round(_peak_rss() / 2**20, 1),
         "peak_is_steady_state": reset,
     }
 
 
+def _time_worker(settings: Sequence[str], attn: str, spec: Mapping[str, int]) -> dict[str, list[float]]:
+    """Step times of every setting in one process, interleaved: one step of each in turn, the order reversed every
+    round, so that a busy spell of a shared machine falls on all of them alike."""
+    steps = {setting: _bench_model(setting, attn, spec)[1] for setting in settings}
+    for step in steps.values():
+        step()  # export, build and the first step
+        step()
+    times: dict[str, list[float]] = {setting: [] for setting in settings}
+    for round_ in range(spec["steps"]):
+        for setting in settings if round_ % 2 == 0 else list(reversed(settings)):
+            start = time.perf_counter()
+            steps[setting]()
+            times[setting].append(time.perf_counter() - start)
+    return times
+
+
+def _run_worker(*args: str) -> Any:
+    env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
+    env.pop(ENV, None)  # the settings choose; a switch in the caller's environment must not
+    done = subprocess.run(
+        [sys.executable, "-m", MODULE, "--bench-worker", *args], capture_output=True, text=True, check=False, env=env
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("{", "["))]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark worker {args[:3]} failed:\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
 def bench_efficient_attention(
-    settings: Sequence[str] = BENCH_SETTINGS,
-    attn: Sequence[str] = ("eager",),
-    spec: Mapping[str, int] | None = None,
-    rounds: int = 3,
+    settings: Sequence[str] = BENCH_SETTINGS, attn: Sequence[str] = ("eager",), spec: Mapping[str, int] | None = None
 ) -> list[dict[str, Any]]:
     """Step time and peak RSS of GPT-2 training in PyTorch and in ortcore with this plugin off and on.
 
-    Every measurement runs in its own process (a peak RSS cannot be shared), with the same model, data and seed and
-    ``GOMP_SPINCOUNT=10000`` (see docs/plugins/aten_fallback.md); the settings run ``rounds`` times, in reversed
-    order every other round, so that a slower spell of a shared machine does not fall on one setting only. Returns
-    one dict per (attention implementation, setting, round).
+    Per attention implementation: step times come from one process running the settings interleaved (see
+    :func:`_time_worker`); peak RSS from one fresh process per setting (a peak cannot be shared). Workers run with
+    ``GOMP_SPINCOUNT=10000`` (see docs/plugins/aten_fallback.md). Returns one dict per (implementation, setting)
+    with the memory worker's results and ``times`` (seconds per step).
     """
     spec = {**BENCH_CONFIG, **(spec or {})}
     unknown = [s for s in settings if s not in BENCH_SETTINGS]
     if unknown:
         raise ValueError(f"unknown benchmark setting(s) {unknown}; allowed: {', '.join(BENCH_SETTINGS)}")
-    env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
-    env.pop(ENV, None)
     results = []
     for implementation in attn:
-        for round_ in range(rounds):
-            for setting in settings if round_ % 2 == 0 else list(reversed(settings)):
-                cmd = [sys.executable, "-m", MODULE, "--bench-worker", setting, implementation, json.dumps(spec)]
-                done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-                if done.returncode != 0 or not lines:
-                    raise RuntimeError(f"benchmark setting {setting} ({implementation}) failed:\n{done.stderr[-4000:]}")
-                results.append({**json.loads(lines[-1]), "round": round_})
+        times = _run_worker("time", ",".join(settings), implementation, json.dumps(spec))
+        for setting in settings:
+            memory = _run_worker("memory", setting, implementation, json.dumps(spec))
+            results.append({**memory, "times": times[setting]})
     return results
 
 
 def summarize(results: Sequence[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
-    """One row per (attention implementation, setting): median step time, largest peak, ratios to plugin-off."""
+    """One row per (implementation, setting): median and fastest step, peak RSS, and their ratios to plugin off."""
+    off = {r["attn"]: r for r in results if r["setting"] == "off"}
     rows = []
-    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for r in results:
-        groups.setdefault((r["attn"], r["setting"]), []).append(r)
-    for (attn, setting), runs in groups.items():
-        off = groups.get((attn, "off"), [])
-        step = float(np.median([r["step_s"] for r in runs]))
-        peak = max(r["peak_rss_mib"] for r in runs)
-        off_step = float(np.median([r["step_s"] for r in off])) if off else None
-        off_peak = max(r["peak_rss_mib"] for r in off) if off else None
-        label = {"torch": "PyTorch eager", "off": "ortcore, plugin off", "on": "ortcore, plugin on"}[setting]
+        base = off.get(r["attn"])
+        median, fastest = float(np.median(r["times"])), min(r["times"])
+
+        def ratio(value: float, reference: float | None) -> str:
+            return f"{value / reference:.2f}" if reference else "-"
+
         rows.append(
             (
-                attn,
-                label,
-                "-" if runs[0]["replaced"] is None else runs[0]["replaced"],
-                f"{step * 1000:.0f}",
-                f"{step / off_step:.2f}" if off_step else "-",
-                f"{peak:.0f}",
-                f"{peak / off_peak:.2f}" if off_peak else "-",
-                f"{max(r['first_step_s'] for r in runs):.1f}",
-                f"{runs[-1]['loss']:.5f}",
+                r["attn"],
+                SETTING_LABELS[r["setting"]],
+                "-" if r["replaced"] is None else r["replaced"],
+                f"{median * 1000:.0f}",
+                ratio(median, float(np.median(base["times"])) if base else None),
+                f"{fastest * 1000:.0f}",
+                ratio(fastest, min(base["times"]) if base else None),
+                f"{r['peak_rss_mib']:.0f}",
+                ratio(r["peak_rss_mib"], base["peak_rss_mib"] if base else None),
+                f"{r['first_step_s']:.1f}",
+                f"{r['loss']:.5f}",
             )
         )
     return rows
@@ -792,31 +824,47 @@ def _main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--bench", action="store_true", help="GPT-2 step time and peak memory with and without")
     parser.add_argument("--settings", default=",".join(BENCH_SETTINGS), help="comma list of torch, off, on")
-    parser.add_argument("--attn", default="eager", help="comma list of Hugging Face attention implementations")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each setting (alternating order)")
+    parser.add_argument("--attn", default="eager,sdpa", help="comma list of Hugging Face attention implementations")
     for key, value in BENCH_CONFIG.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
-    parser.add_argument("--bench-worker", nargs=3, metavar=("SETTING", "ATTN", "SPEC"), help=argparse.SUPPRESS)
+    parser.add_argument("--bench-worker", nargs=4, metavar=("KIND", "SETTING", "ATTN", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.bench_worker:
-        setting, attn, spec = args.bench_worker
-        print(json.dumps(_bench_worker(setting, attn, json.loads(spec))), flush=True)
+        kind, setting, attn, spec = args.bench_worker
+        if kind == "time":
+            result: Any = _time_worker(setting.split(","), attn, json.loads(spec))
+        else:
+            result = _memory_worker(setting, attn, json.loads(spec))
+        print(json.dumps(result), flush=True)
         return
     if not args.bench:
         parser.print_help()
         return
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: must be at least 1")
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be at least 1")
     spec = {key: getattr(args, key) for key in BENCH_CONFIG}
-    print("GPT-2 " + ", ".join(f"{k}={v}" for k, v in spec.items()) + f", rounds={args.rounds}", flush=True)
+    print("GPT-2 " + ", ".join(f"{k}={v}" for k, v in spec.items()), flush=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    results = bench_efficient_attention(args.settings.split(","), args.attn.split(","), spec, args.rounds)
+    results = bench_efficient_attention(args.settings.split(","), args.attn.split(","), spec)
     from ortcore_plugins.runtime_inspector import format_table
 
-    header = ("attn", "setting", "replaced", "step ms", "vs off", "peak RSS MiB", "vs off", "1st step s", "loss")
+    header = (
+        "attn",
+        "setting",
+        "replaced",
+        "median step ms",
+        "vs off",
+        "fastest step ms",
+        "vs off",
+        "peak RSS MiB",
+        "vs off",
+        "1st step s",
+        "loss",
+    )
     print(format_table(header, summarize(results)))
     after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"  step ms: median over rounds of each process's median step; 1-minute load average {load:.1f} before, {after:.1f} after")
+    print(f"  {spec['steps']} steps per setting, interleaved in one process; peak RSS of the steps after the first,")
+    print(f"  one process per setting. 1-minute load average: {load:.1f} before, {after:.1f} after.")
     if not all(r["peak_is_steady_state"] for r in results):
         print("  (the peak could not be reset here: 'peak RSS' includes export and the first step)")
 

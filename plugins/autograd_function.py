@@ -137,7 +137,7 @@ class _Registry:
         self.functions: dict[str, type] = {}
         self.keys: dict[tuple[type, tuple[int, ...]], str] = {}
         self.bool_inputs: dict[str, frozenset[int]] = {}
-        self.constants: list[Any] = []
+        self.constants: dict[int, Any] = {}
         self.lock = threading.Lock()
 
     def key(self, function: type, bool_inputs: tuple[int, ...] = ()) -> str:
@@ -161,7 +161,7 @@ class _Registry:
 
     def keep(self, value: Any) -> int:
         with self.lock:
-            self.constants.append(value)  # the graph refers to it by address for as long as the process lives
+            self.constants[id(value)] = value  # the graph refers to it by address for as long as the process lives
         return id(value)
 
 

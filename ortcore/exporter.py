@@ -253,7 +253,7 @@ def _tracing_through(handler_for: Callable[[type], Any] | None):
     def apply(cls, *args, **kwargs):
         if torch.jit.is_tracing() and getattr(cls, "symbolic", None) is None:
             handler = _handler(handler_for, cls)
-            if handler == INLINE:
+            if handler == INLINE or getattr(handler, "traces_through", lambda _args: False)(args):
                 return _trace_through(cls, args, kwargs)
         return original.__func__(cls, *args, **kwargs)
 
@@ -265,8 +265,9 @@ def _tracing_through(handler_for: Callable[[type], Any] | None):
 
 
 def _handler(handler_for: Callable[[type], Any], function: type) -> Any:
-    """The handler of ``function``: :data:`INLINE` or an object with ``export``; its optional ``check()`` may refuse
-    the Function (raising); no handler is an error naming the plugin to enable."""
+    """The handler of ``function``: :data:`INLINE` or an object with ``export(g, node, args)``; its optional
+    ``check()`` may refuse the Function (raising) and its optional ``traces_through(args)`` may ask to trace through
+    one call; no handler is an error naming the plugin to enable."""
     handler = handler_for(function)
     if handler is None:
         raise UnsupportedModelError(

@@ -210,6 +210,18 @@ class PythonOpHandler:
     def __init__(self, function: type):
         self.function = function
 
+    def traces_through(self, args: tuple) -> bool:
+        """A call that receives a module is traced through: its parameters must get their gradients in the model
+        itself, and the Function would only see the exported copy's (Reformer's reversible layers, say)."""
+        modules = [a for a in args if isinstance(a, torch.nn.Module) and any(True for _ in a.parameters())]
+        if modules:
+            logger.info(
+                "%s receives %s with parameters: traced through",
+                function_name(self.function),
+                type(modules[0]).__name__,
+            )
+        return bool(modules)
+
     def export(self, g, node, args):
         _install_runners()
         convention = node.cconv()

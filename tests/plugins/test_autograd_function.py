@@ -553,3 +553,42 @@ def test_exporter_asks_the_handler_hook_per_function_class(ortcore_host, tmp_pat
     ort, ref = ort_and_torch(FunctionNet(), host=host, exporter=exporter, debug_options=debug(tmp_path))
     check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
     assert python_op_names(tmp_path) == [FUNCTION_NAMES[0]]
+
+
+class RunBlock(Function):
+    """Receives a module and recomputes it in backward, accumulating into its parameters itself (as reversible or
+    checkpointing Functions do)."""
+
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.block = block
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            torch.autograd.backward(ctx.block(x), grad)
+        return x.grad, None
+
+
+class BlockNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(RunBlock.apply(self.inp(x), self.block)), x.sum().detach()
+
+
+def test_function_receiving_a_module_is_traced_through(ortcore_host, tmp_path, caplog):
+    ort, ref = ort_and_torch(BlockNet(), host=ortcore_host(PLUGINS), debug_options=debug(tmp_path))
+    with caplog.at_level(logging.INFO, logger="ortcore.autograd_function"):
+        check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
+    assert saved_op_types(tmp_path)["com.microsoft::PythonOp"] == 0  # the block's parameters are the model's
+    assert "RunBlock receives Sequential with parameters: traced through" in caplog.text

@@ -168,6 +168,11 @@ def ortcore_subscriber_classes() -> dict[str, type] | None:
 def ortcore_autograd_function_handler(config: Config, function: type) -> Any | None:
     """Who runs this ``torch.autograd.Function`` subclass inside the graph? Return a handler (exports it and runs
     its forward/backward) or None. Stops at the first non-None result.
+
+    A handler is ``ortcore.exporter.INLINE`` (trace through the Function's forward) or an object with
+    ``export(g, node, args)`` returning the node's outputs, and optionally ``check()`` (raise to refuse the Function)
+    and ``traces_through(args) -> bool`` (trace one call through). Called while exporting, for each Function call;
+    Functions with their own ``symbolic`` never reach it.
     """
 
 

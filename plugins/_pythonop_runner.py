@@ -20,8 +20,7 @@ Ownership, as ORT's ``TorchProxy`` defines it: every argument is a reference ORT
 a new reference ORT releases after reading it. Forward returns ``[ctx, *outputs]``: with ``safe_run_mode`` set ORT
 requires the context's reference count to be at least 2 and keeps one reference until the matching ``PythonOpGrad``
 has run; each output capsule must have a reference count of exactly 1. Exceptions cannot cross into C++: a failing
-call is logged with its traceback, kept for :func:`take_error`, and answered with an empty vector, which ORT turns
-into an error of the ORT run.
+call is logged with its traceback and answered with an empty vector, which ORT turns into an error of the ORT run.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ _RUNNER = ctypes.CFUNCTYPE(
 _lock = threading.Lock()
 _installed: tuple[Any, Any] | None = None
 _operator_new: Any = None
-_errors = threading.local()
 _incref = ctypes.pythonapi.Py_IncRef
 _incref.argtypes = [ctypes.py_object]
 _incref.restype = None
@@ -117,7 +115,6 @@ def _make_runner(name: str, run: Callable[..., list[Any]]):
                 _objects(args),
             )
         except BaseException as e:  # nothing may cross into C++; ORT fails the run on the empty result
-            _errors.last = e
             logger.error(
                 "%s of autograd Function %s failed:\n%s",
                 name,
@@ -128,19 +125,11 @@ def _make_runner(name: str, run: Callable[..., list[Any]]):
         try:
             _write_result(result, objects)
         except BaseException as e:
-            _errors.last = e
             logger.error("could not hand the %s results to ONNX Runtime: %s", name, e)
             _write_result(result, [])
         return result
 
     return _RUNNER(runner)
-
-
-def take_error() -> BaseException | None:
-    """The exception of the last failed runner call on this thread (then forgotten), or None."""
-    error = getattr(_errors, "last", None)
-    _errors.last = None
-    return error
 
 
 def install(forward: Callable[..., list[Any]], backward: Callable[..., list[Any]]) -> None:

@@ -592,3 +592,44 @@ def test_function_receiving_a_module_is_traced_through(ortcore_host, tmp_path, c
         check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
     assert saved_op_types(tmp_path)["com.microsoft::PythonOp"] == 0  # the block's parameters are the model's
     assert "RunBlock receives Sequential with parameters: traced through" in caplog.text
+
+
+def test_error_in_forward_fails_the_step_and_is_logged(ortcore_host, caplog):
+    class FailsInOrt(Function):
+        @staticmethod
+        def forward(ctx, x):
+            if not torch.jit.is_tracing():  # the export traces it once; the failure is ORT's call
+                raise ValueError("broken forward")
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return FailsInOrt.apply(self.l(x)).sum()
+
+    ort = ORTModule(Model(), host=ortcore_host(PLUGINS), fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
+    with (
+        caplog.at_level(logging.ERROR, logger="ortcore.autograd_function"),
+        pytest.raises(RuntimeError, match="PythonOp"),
+    ):
+        ort(torch.randn(2, 3))
+    assert "broken forward" in caplog.text and "FailsInOrt" in caplog.text
+
+
+def test_runners_need_x86_64_linux_and_say_so(ortcore_host, monkeypatch):
+    import ortcore_plugins._pythonop_runner as runner
+
+    monkeypatch.setattr(runner, "_installed", None)
+    monkeypatch.setattr(runner.platform, "machine", lambda: "aarch64")
+    ort = ORTModule(FunctionNet(), host=ortcore_host(PLUGINS), fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
+    with pytest.raises(
+        UnsupportedModelError, match="needs x86-64 Linux.*'aarch64'.*ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0"
+    ):
+        ort(torch.randn(4, 12))

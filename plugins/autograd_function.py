@@ -476,6 +476,17 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
     }
 
 
+@hookimpl(wrapper=True)
+def ortcore_load_export(config: Config, module: Any, fingerprint: str):
+    """A graph with PythonOp nodes is never taken from an export cache: its nodes name Functions registered, and
+    objects passed by address, in the process that exported it."""
+    graph = yield
+    if graph is not None and _has_python_op(graph.model):
+        logger.info("a cached graph of %s runs custom autograd Functions: exported again", type(module).__name__)
+        return None
+    return graph
+
+
 @hookimpl
 def ortcore_session_created(config: Config, session: Any) -> None:
     """An inference session never runs PythonOpGrad: its PythonOps run without autograd and keep no context."""

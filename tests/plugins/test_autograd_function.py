@@ -5,6 +5,7 @@ Tolerances are the parity suite's (fp32: rtol 1e-4, atol 1e-5 for outputs and gr
 
 from __future__ import annotations
 
+import copy
 import glob
 import logging
 from collections import Counter
@@ -633,3 +634,24 @@ def test_runners_need_x86_64_linux_and_say_so(ortcore_host, monkeypatch):
         UnsupportedModelError, match="needs x86-64 Linux.*'aarch64'.*ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0"
     ):
         ort(torch.randn(4, 12))
+
+
+def test_export_cache_never_serves_a_graph_with_python_ops(ortcore_host, tmp_path, caplog):
+    import ortcore_plugins.export_cache as export_cache
+
+    env = {"ORTMODULE_CACHE_DIR": str(tmp_path / "cache")}
+    host = ortcore_host({"export_cache": export_cache, **PLUGINS}, env=env)
+    x = torch.randn(4, 12)
+    caplog.set_level(logging.INFO, logger="ortcore.autograd_function")
+    caplog.set_level(logging.INFO, logger="ortcore.export_cache")
+    first, ref = ort_and_torch(FunctionNet(), host=host)
+    first(x)
+    second = ORTModule(copy.deepcopy(ref), host=host, fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
+    assert_outputs_match(second(x), ref(x))
+    assert caplog.text.count("runs custom autograd Functions: exported again") == 1
+    plain = nn.Linear(12, 4)  # a graph without PythonOp is still served from the cache
+    ORTModule(copy.deepcopy(plain), host=host)(x)
+    hits = caplog.text.count("export cache hit")
+    ORTModule(copy.deepcopy(plain), host=host)(x)
+    assert caplog.text.count("export cache hit") == hits + 1
+    assert caplog.text.count("runs custom autograd Functions: exported again") == 1

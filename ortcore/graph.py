@@ -25,7 +25,6 @@ import torch
 from .errors import UnsupportedDataError, UnsupportedModelError
 from .exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN, Exporter
 from .graph_passes import GraphPass, PassContext
-from .hooks._subscribers import TAP, TAP_DOMAIN
 from .options import LogLevel
 from .schema import InputSchema, OutputSchema, flatten_outputs
 
@@ -39,18 +38,21 @@ GRAPH_FORMAT = 1  # bump when ExportedGraph.to_bytes changes
 class _FlatModule(torch.nn.Module):
     """The model seen as ``tensors -> tensors``, which is what exporters trace."""
 
-    def __init__(self, module: torch.nn.Module, schema: InputSchema):
+    def __init__(self, module: torch.nn.Module, schema: InputSchema, tapper: Any = None):
         super().__init__()
         self.module = module
         self.schema = schema
+        self.tapper = tapper  # collects a subscribed model's activations (ortcore.hooks), which become outputs too
         self.output_schema: OutputSchema | None = None
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.tapper is not None:
+            self.tapper.reset()
         args, kwargs = self.schema.rebuild(tensors)
         self.output_schema, flat = flatten_outputs(self.module(*args, **kwargs))
         if not flat:
             raise UnsupportedDataError(f"{type(self.module).__name__}.forward returned no tensor; nothing to train")
-        return tuple(flat)
+        return tuple(flat) + (tuple(self.tapper.tensors) if self.tapper is not None else ())
 
 
 @attrs.define(eq=False)
@@ -70,7 +72,7 @@ class TapPoint:
 
     name: str
     value: str  # the tapped value, which flows on in the graph
-    output: str  # the graph output exposing it: an extra ``ortcore.tap::<n>``, or a model output (an Identity)
+    output: str  # the extra graph output ``ortcore.tap::<n>`` exposing it
 
 
 @attrs.define(eq=False)
@@ -208,46 +210,66 @@ def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> 
     return found
 
 
-def _expose_taps(model: onnx.ModelProto, names: list[str]) -> list[TapPoint]:
-    """Turn the exporter's ``com.ortcore::Tap`` nodes into extra graph outputs.
+def _expose_taps(model: onnx.ModelProto, n_user: int, names: list[str]) -> list[TapPoint]:
+    """Give the activations the exporter wrote as outputs after the model's own their place in the graph.
 
-    A tap is removed and its consumers read the tapped value directly, so the graph ORT runs computes what it
-    would without taps; each tapped value is exposed through an Identity as ``ortcore.tap::<n>``. A tap whose
-    output is a model output stays, as an Identity, and that output serves as the tap's (nothing else may read a
-    model output: ORT would then give it a gradient other than the model's).
+    Each becomes ``Identity(value) -> ortcore.tap::<n>``, where ``value`` is the activation's value with the
+    exporter's Identities looked through. Model outputs get an Identity of their own, so that every value a tap
+    reads is an inner value: ORT gives a graph output that is also read inside the graph a gradient that is only
+    the outside part, while the inner value's ``<value>_grad`` is the whole gradient, as torch's tensor hook sees.
     """
     graph = model.graph
-    outputs = {o.name for o in graph.output}
-    rewired: dict[str, str] = {}
-    found: list[tuple[int, str, str | None]] = []  # (number, value, the model output that exposes it already)
-    kept = []
-    for node in graph.node:  # topological order: a tap's input is already rewired when the tap is seen
-        for i, name in enumerate(node.input):
-            if name in rewired:
-                node.input[i] = rewired[name]
-        if not (node.domain == TAP_DOMAIN and node.op_type == TAP):
-            kept.append(node)
-            continue
-        order = next(a.i for a in node.attribute if a.name == "order")
-        if node.output[0] in outputs:
-            _to_identity(node)
-            del node.attribute[:]
-            kept.append(node)
-            found.append((order, node.input[0], node.output[0]))
-        else:
-            rewired[node.output[0]] = node.input[0]
-            found.append((order, node.input[0], None))
-    del graph.node[:]
-    graph.node.extend(kept)
+    producer = {o: node for node in graph.node for o in node.output if o}
+
+    def underlying(value: str) -> str:
+        node = producer.get(value)
+        while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+            value = node.input[0]
+            node = producer.get(value)
+        return value
+
+    extras = list(graph.output[n_user : n_user + len(names)])
+    tapped = [underlying(o.name) for o in extras]
+    # The exporter's types of those values: ORT cannot infer some ops' (ATen's) from their inputs.
+    typed = {i.name for i in graph.value_info} | {i.name for i in graph.input}
+    for info, value in zip(extras, tapped):
+        if info.type.HasField("tensor_type") and info.name == value and value not in typed:
+            graph.value_info.append(info)
+            typed.add(value)
+    types = {o.name: o.type for o in (*extras, *graph.value_info, *graph.input)}
+    user = [o.name for o in graph.output[:n_user]]
+    kept = list(graph.output[:n_user]) + list(graph.output[n_user + len(names) :])
+    del graph.output[:]
+    graph.output.extend(kept)
+    inner: dict[str, str] = {}  # model output -> the inner value it now copies
+    for name in user:
+        node = producer.get(name)
+        if node is None:
+            continue  # a graph input passed through: nothing computes it
+        value = f"{name}::value"
+        node.output[list(node.output).index(name)] = value
+        user_info = next(o for o in graph.output if o.name == name)
+        if user_info.type.HasField("tensor_type"):
+            info = graph.value_info.add()
+            info.CopyFrom(user_info)
+            info.name = value
+            types[value] = user_info.type
+        for consumer in graph.node:
+            for i, x in enumerate(consumer.input):
+                if x == name:
+                    consumer.input[i] = value
+        graph.node.append(onnx.helper.make_node("Identity", [value], [name], name=f"{name}::output"))
+        inner[name] = value
     taps = []
-    for order, value, output in sorted(found):
-        if output is None:
-            output = f"{TAP_OUTPUT_PREFIX}{order}"
-            graph.node.append(onnx.helper.make_node("Identity", [value], [output], name=output))
-            graph.output.append(onnx.helper.make_empty_tensor_value_info(output))
-        taps.append(TapPoint(names[order], value, output))
-    if found:
-        _drop_unused_domain(model)
+    for k, (name, value) in enumerate(zip(names, tapped)):
+        value = inner.get(value, value)
+        output = f"{TAP_OUTPUT_PREFIX}{k}"
+        graph.node.append(onnx.helper.make_node("Identity", [value], [output], name=output))
+        info = graph.output.add()
+        info.name = output
+        if value in types:
+            info.type.CopyFrom(types[value])
+        taps.append(TapPoint(name, value, output))
     return taps
 
 
@@ -260,7 +282,7 @@ def _to_identity(node: onnx.NodeProto) -> None:
 
 
 def _drop_unused_domain(model: onnx.ModelProto) -> None:
-    if not any(n.domain == STOP_GRADIENT_DOMAIN for n in model.graph.node):  # the domain of taps too
+    if not any(n.domain == STOP_GRADIENT_DOMAIN for n in model.graph.node):
         kept = [o for o in model.opset_import if o.domain != STOP_GRADIENT_DOMAIN]
         del model.opset_import[:]
         model.opset_import.extend(kept)
@@ -354,12 +376,12 @@ def export_graph(
     graph_passes: list[GraphPass] = (),
     config: Any = None,
     keep_raw: bool = False,
-    tap_names: list[str] | None = None,
+    tapper: Any = None,
 ) -> ExportedGraph:
     """Export ``module`` for the call described by ``schema`` and apply the core's post-export processing.
 
-    ``tap_names`` is filled while exporting a subscribed model (see :func:`ortcore.hooks._subscribers.tapping`):
-    the name of each tap the exporter writes, by number.
+    ``tapper`` (a :class:`ortcore.hooks._subscribers.Tapper`) collects a subscribed model's activations while
+    tracing; they become extra outputs (:attr:`ExportedGraph.taps`).
     """
     import time
 
@@ -369,7 +391,7 @@ def export_graph(
     user_names = [n if n not in state_names else f"input.{n}" for n in schema.names]
     with _preserved_state(module):
         target = copy.deepcopy(module) if deepcopy else module
-        flat = _FlatModule(target, schema)
+        flat = _FlatModule(target, schema, tapper)
         flat.training = training  # not .train(): submodules keep their own modes (a frozen batch norm, say)
         example = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
         try:
@@ -399,8 +421,9 @@ def export_graph(
             if name in renames:
                 node.output[i] = renames[name]
     _add_second_outputs(model)
+    n_user = len(output_schema.names)
+    taps = _expose_taps(model, n_user, list(tapper.names)) if tapper is not None and tapper.names else []
     batch_norms = _add_batch_norm_outputs(model, module) if training else []
-    taps = _expose_taps(model, tap_names) if tap_names else []
     context = PassContext(module=module, training=training, config=config)
     for graph_pass in graph_passes:
         graph_pass.run(model, context)

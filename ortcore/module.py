@@ -393,7 +393,7 @@ class ORTModule(torch.nn.Module):
                 graph_passes=passes,
                 config=rt.config,
                 keep_raw=opts.save_onnx,
-                tap_names=tapper.names if tapper is not None else None,
+                tapper=tapper,
             )
         rt.hooks.export_done(self._original_module, fp, graph)
         if opts.save_onnx:

@@ -167,8 +167,8 @@ class TrainingSession:
         """Make the gradient of each tapped value an extra output of the backward graph.
 
         ORT's optimizations rename values (a zero-rate Dropout goes, its output becomes its input's), so the
-        tapped value is found again in the built graph: the input of the Identity that exposes it. Its gradient
-        is ``<value>_grad``. ``tap_gradients[k]`` is the fetch index of tap k's gradient (None: ORT computes none,
+        tapped value is found again in the built graph: the input of the Identity that exposes it (Identities
+        looked through). Its gradient is ``<value>_grad``. ``tap_gradients[k]`` is the fetch index of tap k's gradient (None: ORT computes none,
         as the value depends on nothing trained), ``tap_outputs[k]`` the model outputs the value reaches: torch
         calls a tensor's gradient hook only when one of those received a gradient, and so does ortcore.
         """

@@ -13,6 +13,7 @@ Layout (format 1, see docs/plugins/activation_stats.md): ``<output_dir>/meta.jso
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -24,6 +25,8 @@ import torch
 
 from ortcore.hooks import SubscriberBase
 from ortcore.hookspecs import hookimpl
+
+logger = logging.getLogger("ortcore.activation_stats")
 
 FORMAT = 1
 SAMPLES = 8
@@ -63,12 +66,68 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         raise
 
 
-def tensor_statistics(tensor: torch.Tensor, bucket_size: int = 1024**3, run_on_cpu: bool = False) -> dict[str, Any]:
-    """Statistics of ``tensor``, in float64 over chunks of ``bucket_size`` elements.
+def _sums(x: torch.Tensor) -> torch.Tensor:
+    """min, max, sum, sum of squares, sum of absolute values and zero count of a 1-D floating tensor, in float64.
+
+    Compiled, this is one pass over the tensor (the reductions fuse into one loop, accumulating in float64 without
+    a float64 copy); eager, six.
+    """
+    wide = x.to(torch.float64)
+    return torch.stack(
+        [
+            x.amin().to(torch.float64),
+            x.amax().to(torch.float64),
+            wide.sum(),
+            (wide * wide).sum(),
+            wide.abs().sum(),
+            (x == 0).sum().to(torch.float64),
+        ]
+    )
+
+
+class _Reducer:
+    """:func:`_sums`, compiled once per process where a C++ compiler exists, else (or if compiling fails) eager."""
+
+    def __init__(self) -> None:
+        self._compiled: Any = None
+        self.fused = False  # whether the compiled kernel is in use
+        self._tried = False
+
+    def _compile(self) -> None:
+        self._tried = True
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            logger.info("activation_stats: no C++ compiler (CXX or c++) found; statistics are computed eagerly")
+            return
+        try:
+            compiled = torch.compile(_sums, dynamic=True)
+            probe = torch.tensor([0.0, -2.0, 3.0])
+            if compiled(probe).tolist() != [-2.0, 3.0, 1.0, 13.0, 5.0, 1.0]:
+                raise RuntimeError("the compiled statistics kernel computed wrong values")
+        except Exception as e:  # noqa: BLE001 - any compile failure leaves the eager path, which is correct
+            logger.warning("activation_stats: compiling the statistics kernel failed (%s); computing eagerly", e)
+            return
+        self._compiled, self.fused = compiled, True
+
+    def __call__(self, chunk: torch.Tensor, fused: bool) -> list[float]:
+        if fused and not self._tried:
+            self._compile()
+        if fused and self._compiled is not None and chunk.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return self._compiled(chunk).tolist()
+        return _sums(chunk).tolist()
+
+
+_reducer = _Reducer()
+
+
+def tensor_statistics(
+    tensor: torch.Tensor, bucket_size: int = 1024**3, run_on_cpu: bool = False, fused: bool = True
+) -> dict[str, Any]:
+    """Statistics of ``tensor``, accumulated in float64 over chunks of ``bucket_size`` elements.
 
     min/max/mean/std/abs_mean are over finite values (``None`` if there are none; std needs two, and uses
     torch's default correction of 1); NaN and Inf are counted separately. Non-floating tensors get counts and
-    min/max only.
+    min/max only. A chunk whose min and max are finite holds no NaN or Inf; such chunks (nearly all) take one
+    fused pass when ``fused`` (see :class:`_Reducer`).
     """
     if bucket_size < 1:
         raise ValueError(f"bucket_size={bucket_size} must be >= 1")
@@ -77,40 +136,40 @@ def tensor_statistics(tensor: torch.Tensor, bucket_size: int = 1024**3, run_on_c
         flat = flat.cpu()
     numel = flat.numel()
     floating = flat.is_floating_point()
-    count, mean, m2, abs_sum = 0, 0.0, 0.0, 0.0
+    count, total, total_sq, abs_sum = 0, 0.0, 0.0, 0.0
     zeros = nans = infs = 0
     low: float | None = None
     high: float | None = None
     for start in range(0, numel, bucket_size):
         chunk = flat[start : start + bucket_size]
-        zeros += int((chunk == 0).sum())
-        if floating:
-            chunk = chunk.to(torch.float64)
-            nan_mask, inf_mask = torch.isnan(chunk), torch.isinf(chunk)
-            nans += int(nan_mask.sum())
-            infs += int(inf_mask.sum())
-            chunk = chunk[~(nan_mask | inf_mask)]
-        elif chunk.is_complex():
-            continue
-        elif chunk.dtype == torch.bool:
-            chunk = chunk.to(torch.int64)
-        n = chunk.numel()
-        if n == 0:
-            continue
-        chunk_low, chunk_high = chunk.min().item(), chunk.max().item()
+        if not floating:
+            zeros += chunk.numel() - int(torch.count_nonzero(chunk))
+            if chunk.is_complex():
+                continue
+            chunk_low, chunk_high = (v.item() for v in torch.aminmax(chunk.to(torch.int64)))
+        else:
+            chunk_low, chunk_high, chunk_sum, chunk_sq, chunk_abs, chunk_zeros = _reducer(chunk, fused)
+            zeros += int(chunk_zeros)
+            if not (math.isfinite(chunk_low) and math.isfinite(chunk_high)):
+                nan_mask, inf_mask = torch.isnan(chunk), torch.isinf(chunk)
+                nans += int(nan_mask.sum())
+                infs += int(inf_mask.sum())
+                chunk = chunk[~(nan_mask | inf_mask)]
+                if chunk.numel() == 0:
+                    continue
+                chunk_low, chunk_high, chunk_sum, chunk_sq, chunk_abs, _ = _sums(chunk).tolist()
+            total += chunk_sum
+            total_sq += chunk_sq
+            abs_sum += chunk_abs
+            count += chunk.numel()
         low = chunk_low if low is None else min(low, chunk_low)
         high = chunk_high if high is None else max(high, chunk_high)
-        if not floating:
-            continue
-        # Chan et al.'s parallel update: mean and sum of squared deviations merged chunk by chunk.
-        chunk_mean = chunk.mean().item()
-        chunk_m2 = (chunk - chunk_mean).square().sum().item()
-        total = count + n
-        delta = chunk_mean - mean
-        mean += delta * n / total
-        m2 += chunk_m2 + delta * delta * count * n / total
-        abs_sum += chunk.abs().sum().item()
-        count = total
+    mean = std = abs_mean = None
+    if floating and count:
+        mean = total / count
+        abs_mean = abs_sum / count
+        if count > 1:
+            std = math.sqrt(max(total_sq - total * mean, 0.0) / (count - 1))
     if numel:
         indices = torch.linspace(0, numel - 1, min(SAMPLES, numel)).round().long()
         samples = [_json_number(v) if floating else v for v in flat[indices.to(flat.device)].tolist()]
@@ -122,9 +181,9 @@ def tensor_statistics(tensor: torch.Tensor, bucket_size: int = 1024**3, run_on_c
         "numel": numel,
         "min": low,
         "max": high,
-        "mean": mean if floating and count else None,
-        "std": math.sqrt(m2 / (count - 1)) if floating and count > 1 else None,
-        "abs_mean": abs_sum / count if floating and count else None,
+        "mean": mean,
+        "std": std,
+        "abs_mean": abs_mean,
         "zeros": zeros,
         "nans": nans,
         "infs": infs,
@@ -219,3 +278,11 @@ SUBSCRIBER_CLASSES: dict[str, type] = {"StatisticsSubscriber": StatisticsSubscri
 @hookimpl
 def ortcore_subscriber_classes() -> dict[str, type]:
     return SUBSCRIBER_CLASSES
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ortcore_plugins._stats_bench import main
+
+    sys.exit(main())

@@ -72,72 +72,62 @@ class SubscriberBase:
         (a step's backward may run any time after its forward, so only the next step proves it finished)."""
 
 
+def _flatten_with_path(value: Any) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
+    """``value``'s leaves with their pytree paths (``""`` for a bare tensor, ``.logits``, ``[0]``, ...).
+
+    Leaf types pytree does not know are offered once to ortcore's leaf adapters (a Hugging Face cache, say), as
+    ORTModule does with its outputs, so a plain model and an ORTModule see the same activations.
+    """
+    from ..schema import _CONSTANT_TYPES, adapt
+
+    for _ in range(8):
+        try:
+            pairs, spec = pytree.tree_flatten_with_path(value)
+        except (ValueError, TypeError, NotImplementedError):  # a type registered without key paths
+            flat, spec = pytree.tree_flatten(value)
+            return [(f"[{i}]", leaf) for i, leaf in enumerate(flat)], spec
+        unknown = {type(v) for _, v in pairs if not isinstance(v, (torch.Tensor, *_CONSTANT_TYPES))}
+        if not any(adapt(t) for t in unknown):
+            break
+    return [(pytree.keystr(path), leaf) for path, leaf in pairs], spec
+
+
 def _tensor_leaves(value: Any) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor in ``value`` with its pytree path (``""`` for a bare tensor, ``.logits``, ``[0]``, ...)."""
-    try:
-        flat = [(pytree.keystr(path), leaf) for path, leaf in pytree.tree_flatten_with_path(value)[0]]
-    except (ValueError, TypeError, NotImplementedError):  # a type registered without key paths
-        flat = [(f"[{i}]", leaf) for i, leaf in enumerate(pytree.tree_leaves(value))]
-    return [(path, leaf) for path, leaf in flat if isinstance(leaf, torch.Tensor)]
+    """Every tensor in ``value`` with its pytree path."""
+    return [(path, leaf) for path, leaf in _flatten_with_path(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def _tracing() -> bool:
     return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
-TAP_DOMAIN = "com.ortcore"
-TAP = "Tap"
-
-
-class _Tap(torch.autograd.Function):
-    """An identity that the exporter writes as a ``com.ortcore::Tap`` node carrying the activation's number.
-
-    Used only while an :class:`ortcore.ORTModule` exports a subscribed model: the core turns each tap into an extra
-    graph output (and fetches its gradient from the backward graph), so statistics come from ORT's own tensors.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, order: int) -> torch.Tensor:
-        return tensor.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-    @staticmethod
-    def symbolic(g, tensor, order: int):
-        out = g.op(f"{TAP_DOMAIN}::{TAP}", tensor, order_i=order)
-        out.setType(tensor.type())
-        return out
-
-
 class Tapper:
-    """Names the activations of one export of a subscribed model, in execution order (see :func:`tapping`)."""
+    """Collects the activations of a subscribed model while an ORTModule exports it (see :func:`tapping`).
+
+    Nothing in the model changes: each activation tensor is only remembered, in execution order, and the exporter
+    makes it an extra output of the graph (ORT then computes it in its own run, and its gradient can be fetched
+    from the backward graph). A tensor that several modules return (a zero-rate dropout's output, a model output
+    that is also a submodule's) is one value in the graph, as it is one tensor in torch.
+    """
 
     def __init__(self, subscription: _Subscription):
         self.subscription = subscription
         self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
 
-    def tap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def reset(self) -> None:
+        """Forget what an earlier tracing run collected (an exporter may run the forward more than once)."""
+        self.names.clear()
+        self.tensors.clear()
+
+    def tap(self, name: str, tensor: torch.Tensor) -> None:
         self.names.append(name)
-        return _Tap.apply(tensor, len(self.names) - 1)
+        self.tensors.append(tensor)
 
-    def tap_output(self, path: str, output: Any) -> Any:
-        """``output`` with each tensor leaf tapped under ``path`` + its pytree path (as :func:`_tensor_leaves`
-        names it); unchanged if its type cannot be rebuilt."""
-        try:
-            pairs, spec = pytree.tree_flatten_with_path(output)
-            leaves = [(pytree.keystr(key), leaf) for key, leaf in pairs]
-        except (ValueError, TypeError, NotImplementedError):
-            flat, spec = pytree.tree_flatten(output)
-            leaves = [(f"[{i}]", leaf) for i, leaf in enumerate(flat)]
-        tapped = [self.tap(path + key, v) if isinstance(v, torch.Tensor) else v for key, v in leaves]
-        try:
-            return pytree.tree_unflatten(tapped, spec)
-        except Exception:  # a container type that cannot be rebuilt: its activations are not collected
-            logger.debug("cannot rebuild the output of %s (%s); not collected", path, type(output).__name__)
-            del self.names[len(self.names) - sum(isinstance(v, torch.Tensor) for _, v in leaves) :]
-            return output
+    def tap_output(self, path: str, output: Any) -> None:
+        """Collect every tensor leaf of ``output`` under ``path`` + its pytree path (as :func:`_tensor_leaves`)."""
+        for key, tensor in _tensor_leaves(output):
+            self.tap(path + key, tensor)
 
 
 def _tapper() -> Tapper | None:
@@ -221,7 +211,8 @@ class _Subscription:
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
             tapper = _tapper()
             if tapper is not None and tapper.subscription is self:
-                return tapper.tap_output(path, output)
+                tapper.tap_output(path, output)
+                return
             state = self.recording()
             if state is not None:
                 for leaf_path, tensor in _tensor_leaves(output):
@@ -264,7 +255,7 @@ _local = threading.local()
 @contextlib.contextmanager
 def tapping(subscription: _Subscription) -> Iterator[Tapper]:
     """While an ORTModule exports ``subscription``'s model: every submodule output and every
-    :func:`inspect_activation` becomes a tap in the graph. The tapper names them in execution order."""
+    :func:`inspect_activation` is collected, to become an extra output of the graph."""
     previous = _tapper()
     _local.tapper = tapper = Tapper(subscription)
     try:
@@ -297,8 +288,8 @@ def _unwrapped(model: Any) -> Any:
 class GlobalSubscriberManager:
     """Attach subscribers to a model, plain PyTorch or :class:`ortcore.ORTModule` (process-wide; the seed's entry
     point). An ORTModule's subscription belongs to the model it wraps, so subscribing before or after wrapping is
-    the same. On an ORTModule, the activations are ONNX Runtime's own tensors: the model is exported with taps that
-    become extra outputs of the forward graph, and their gradients are fetched from the backward graph.
+    the same. On an ORTModule, the activations are ONNX Runtime's own tensors: the model is exported with its
+    activations as extra outputs of the forward graph, and their gradients are fetched from the backward graph.
 
     Example::
 
@@ -355,7 +346,8 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """
     tapper = _tapper()
     if tapper is not None and isinstance(tensor, torch.Tensor):
-        return tapper.tap(name, tensor)
+        tapper.tap(name, tensor)
+        return tensor
     stack = _running()
     if stack and isinstance(tensor, torch.Tensor):
         subscription = stack[-1]

@@ -160,8 +160,77 @@ class TrainingSession:
             self.output_feeds = [
                 frozenset(position[n] for n in reach.get(o.name, ()) if n in position) for o in r.model.graph.output
             ]
+            self._detach_tap_outputs(r)
             self._fetch_tap_gradients(r)
         self._create_session()
+
+    def _detach_tap_outputs(self, r: BuildRequest) -> None:
+        """Take the taps' outputs out of the gradient graph: they are read, never differentiated.
+
+        The gradient builder treats every graph output as differentiable, so each tap output gets a gradient input
+        at the YieldOp (fed zeros each step), an Identity, and a place in a Sum of partial gradients. Here those
+        go: the YieldOp marks the tap outputs non-differentiable and loses their gradient outputs, the Identities
+        go, and each Sum loses that input. A tap whose zero gradient feeds anything but a Sum keeps it (that value
+        reaches no model output, so the zero is its whole gradient).
+        """
+        graph = self.model.graph
+        tap_outputs = {output for _, output in r.taps}
+        yield_op = next((n for n in graph.node if n.op_type == "YieldOp"), None)
+        if yield_op is None or not tap_outputs:
+            return
+        attributes = {a.name: a for a in yield_op.attribute}
+        non_diff = set(attributes["non_differentiable_outputs"].ints) if "non_differentiable_outputs" in attributes else set()
+        differentiable = [i for i in range(len(yield_op.input)) if i not in non_diff]
+        grad_of = dict(zip(differentiable, yield_op.output))  # yield input index -> its gradient value
+        consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in node.input:
+                consumers.setdefault(name, []).append(node)
+        removed_nodes: list[onnx.NodeProto] = []
+        detached = set()
+        for i, name in enumerate(yield_op.input):
+            grad = grad_of.get(i)
+            if name not in tap_outputs or grad is None:
+                continue
+            users = consumers.get(grad, [])
+            if not all(u.op_type == "Identity" for u in users):
+                continue
+            partials = [u.output[0] for u in users]
+            if not all(all(c.op_type == "Sum" for c in consumers.get(p, [])) and consumers.get(p) for p in partials):
+                continue
+            for p in partials:
+                for total in consumers[p]:
+                    kept = [x for x in total.input if x != p]
+                    del total.input[:]
+                    total.input.extend(kept)
+            removed_nodes.extend(users)
+            detached.add(i)
+        if not detached:
+            return
+        for total in graph.node:
+            if total.op_type == "Sum" and len(total.input) == 1:
+                total.op_type = "Identity"
+        outputs = [grad_of[i] for i in differentiable if i not in detached]
+        del yield_op.output[:]
+        yield_op.output.extend(outputs)
+        non_diff |= detached
+        full_shape = [i for i in attributes["full_shape_outputs"].ints if i not in detached] if (
+            "full_shape_outputs" in attributes
+        ) else None
+        del yield_op.attribute[:]
+        for name, attribute in attributes.items():
+            if name not in ("non_differentiable_outputs", "full_shape_outputs"):
+                yield_op.attribute.append(attribute)
+        yield_op.attribute.append(onnx.helper.make_attribute("non_differentiable_outputs", sorted(non_diff)))
+        if full_shape is not None:
+            yield_op.attribute.append(onnx.helper.make_attribute("full_shape_outputs", full_shape))
+        removed = {n.output[0] for n in removed_nodes}
+        kept_nodes = [n for n in graph.node if n.output[0] not in removed]  # copies: edit no node after this
+        del graph.node[:]
+        graph.node.extend(kept_nodes)
+        self.non_differentiable |= detached
+        self.full_shape_grad -= detached
+        self._model_bytes = self.model.SerializeToString()
 
     def _fetch_tap_gradients(self, r: BuildRequest) -> None:
         """Make the gradient of each tapped value an extra output of the backward graph.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import types
+from pathlib import Path
 
 import onnx
 import pytest
@@ -277,3 +278,19 @@ def test_gpt2_activations_from_ortmodule_match_torch(host, torch_kernels):
     assert "GPT2LMHeadModel['logits']" in names and "transformer.h.1.attn.c_attn" in names
     assert_same_tensors(expected.forward, got.forward, "forward")
     assert_same_tensors(expected.backward, got.backward, "gradient")
+
+
+def test_documented_example_names_the_perturbed_module(tmp_path, capsys):
+    """docs/convergence_example.py, as docs/convergence.md runs it (shorter)."""
+    import runpy
+
+    pytest.importorskip("transformers")
+    example = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "convergence_example.py"))
+    code = example["main"](
+        ["--out", str(tmp_path), "--steps", "4", "--perturb", "transformer.h.1.mlp.c_fc", "--from-step", "2"]
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "first divergence: step 2, rank 0, forward activation 'transformer.h.1.mlp.c_fc'" in out
+    assert (tmp_path / "report.html").stat().st_size > 0 and (tmp_path / "first_divergence.png").stat().st_size > 0
+    assert sorted(p.name for p in (tmp_path / "summaries").iterdir()) == [f"step_{i}.txt" for i in range(4)]

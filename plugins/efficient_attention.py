@@ -110,6 +110,14 @@ def _unpack(
     return q.view(q_shape), k.view(k_shape), v.view(v_shape)
 
 
+def _like_q(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """k or v broadcast over batch or heads (size 1 where q's is larger), as ``MatMul`` allows: expanded to q's batch
+    and heads, as a copy. The kernel assumes equal batch sizes and reads out of bounds otherwise."""
+    if t.shape[:2] == q.shape[:2]:
+        return t
+    return t.expand(*q.shape[:2], *t.shape[2:]).contiguous()
+
+
 def _as_4d(mask: torch.Tensor | None) -> torch.Tensor | None:
     # The kernel takes a mask broadcastable to (batch, heads, q_len, k_len) with all four dimensions.
     while mask is not None and mask.dim() < 4:
@@ -128,7 +136,7 @@ def _sdpa_packed(
     """Attention of the packed, flattened q, k, v: ``(output, logsumexp)``, as the fused CPU kernel computes them."""
     q, k, v = _unpack(qkv, q_shape, k_shape, v_shape)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=_as_4d(attn_mask), scale=scale
+        q, _like_q(k, q), _like_q(v, q), 0.0, False, attn_mask=_as_4d(attn_mask), scale=scale
     )
 
 
@@ -145,9 +153,11 @@ def _sdpa_packed_backward(
 ) -> torch.Tensor:
     """The gradient of :func:`_sdpa_packed` with respect to the packed q, k, v (packed the same way)."""
     q, k, v = _unpack(qkv, q_shape, k_shape, v_shape)
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad.contiguous(), q, k, v, out, logsumexp, 0.0, False, attn_mask=_as_4d(attn_mask), scale=scale
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.contiguous(), q, _like_q(k, q), _like_q(v, q), out, logsumexp, 0.0, False, attn_mask=_as_4d(attn_mask), scale=scale
     )
+    # A k or v broadcast over batch or heads gets the sum of the gradients of its copies.
+    grads = (grad_q, grad_k.sum_to_size(k_shape), grad_v.sum_to_size(v_shape))
     return torch.cat([g.reshape(-1) for g in grads])
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import onnx
 import pytest
 import torch
-import torch.nn.functional as F
 from models import (
     assert_grads_match,
     assert_losses_match,
@@ -313,16 +312,20 @@ def test_bad_file_value_names_the_key() -> None:
         make_host(enable="sometimes")  # type: ignore[arg-type]
 
 
-def test_packed_kernels_match_torch_autograd() -> None:
-    # The helper ops against torch's own SDPA and its autograd, with a broadcast (2-D) mask.
+@pytest.mark.parametrize("kv_shape", [(2, 3, 6, 4), (2, 3, 9, 4), (2, 1, 6, 4), (1, 3, 6, 4), (1, 1, 9, 4)])
+def test_packed_kernels_match_torch_autograd(kv_shape: tuple[int, ...]) -> None:
+    # The helper ops against the written-out attention and its autograd in float64, with a broadcast (2-D) mask, key
+    # lengths other than the query's, and k/v broadcast over heads or batch as MatMul allows.
     plugin.prepare_runtime()
-    q, k, v = (torch.randn(2, 3, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    mask = torch.zeros(6, 6, dtype=torch.float64).masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf"))
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    q = torch.randn(2, 3, 6, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(kv_shape, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.zeros(6, kv_shape[2], dtype=torch.float64)
+    mask[:, -1] = torch.finfo(torch.float64).min
+    expected = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + mask, -1) @ v
     grad = torch.randn_like(expected)
     expected.backward(grad)
     qkv = torch.cat([t.detach().reshape(-1) for t in (q, k, v)])
-    shapes = [list(q.shape)] * 3
+    shapes = [list(q.shape), list(kv_shape), list(kv_shape)]
     out, lse = torch.ops.ortcore_attention.sdpa_packed(qkv, *shapes, mask, 0.3)
     torch.testing.assert_close(out, expected.detach())
     packed = torch.ops.ortcore_attention.sdpa_packed_backward(grad, qkv, *shapes, mask, 0.3, out, lse)

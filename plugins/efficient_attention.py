@@ -650,6 +650,7 @@ def ortcore_session_created(config: Config, session: Any) -> None:
 
 BENCH_CONFIG = {"n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 8000, "batch": 4, "seq": 512, "steps": 10}
 BENCH_SETTINGS = ("torch", "off", "on")
+BENCH_ATTENTION = ("eager", "sdpa")  # Hugging Face attention implementations that run on CPU
 SETTING_LABELS = {"torch": "PyTorch eager", "off": "ortcore, plugin off", "on": "ortcore, plugin on"}
 MODULE = "ortcore_plugins.efficient_attention"
 
@@ -854,8 +855,15 @@ def _main(argv: Sequence[str] | None = None) -> None:
     if not args.bench:
         parser.print_help()
         return
-    if args.steps < 1:
-        parser.error(f"--steps {args.steps}: must be at least 1")
+    for key in BENCH_CONFIG:
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} {getattr(args, key)}: must be at least 1")
+    unknown = [s for s in args.settings.split(",") if s not in BENCH_SETTINGS]
+    if unknown:
+        parser.error(f"--settings {args.settings!r}: unknown {unknown}; allowed: {', '.join(BENCH_SETTINGS)}")
+    unknown = [a for a in args.attn.split(",") if a not in BENCH_ATTENTION]
+    if unknown:
+        parser.error(f"--attn {args.attn!r}: unknown {unknown}; allowed: {', '.join(BENCH_ATTENTION)}")
     spec = {key: getattr(args, key) for key in BENCH_CONFIG}
     print("GPT-2 " + ", ".join(f"{k}={v}" for k, v in spec.items()), flush=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

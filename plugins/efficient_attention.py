@@ -110,12 +110,11 @@ def _unpack(
     return q.view(q_shape), k.view(k_shape), v.view(v_shape)
 
 
-def _like_q(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """k or v broadcast over batch or heads (size 1 where q's is larger), as ``MatMul`` allows: expanded to q's batch
-    and heads, as a copy. The kernel assumes equal batch sizes and reads out of bounds otherwise."""
-    if t.shape[:2] == q.shape[:2]:
-        return t
-    return t.expand(*q.shape[:2], *t.shape[2:]).contiguous()
+def _broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v with one batch and head size: a size 1 that ``MatMul`` broadcasts (one shared key/value head, say)
+    is expanded, as a copy. The kernel assumes equal sizes and reads out of bounds otherwise."""
+    lead = torch.broadcast_shapes(q.shape[:2], k.shape[:2], v.shape[:2])
+    return tuple(t if t.shape[:2] == lead else t.expand(*lead, *t.shape[2:]).contiguous() for t in (q, k, v))
 
 
 def _as_4d(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -134,9 +133,9 @@ def _sdpa_packed(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the packed, flattened q, k, v: ``(output, logsumexp)``, as the fused CPU kernel computes them."""
-    q, k, v = _unpack(qkv, q_shape, k_shape, v_shape)
+    q, k, v = _broadcast(*_unpack(qkv, q_shape, k_shape, v_shape))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, _like_q(k, q), _like_q(v, q), 0.0, False, attn_mask=_as_4d(attn_mask), scale=scale
+        q, k, v, 0.0, False, attn_mask=_as_4d(attn_mask), scale=scale
     )
 
 
@@ -152,13 +151,12 @@ def _sdpa_packed_backward(
     logsumexp: torch.Tensor,
 ) -> torch.Tensor:
     """The gradient of :func:`_sdpa_packed` with respect to the packed q, k, v (packed the same way)."""
-    q, k, v = _unpack(qkv, q_shape, k_shape, v_shape)
-    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad.contiguous(), q, _like_q(k, q), _like_q(v, q), out, logsumexp, 0.0, False, attn_mask=_as_4d(attn_mask), scale=scale
+    q, k, v = _broadcast(*_unpack(qkv, q_shape, k_shape, v_shape))
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.contiguous(), q, k, v, out, logsumexp, 0.0, False, attn_mask=_as_4d(attn_mask), scale=scale
     )
-    # A k or v broadcast over batch or heads gets the sum of the gradients of its copies.
-    grads = (grad_q, grad_k.sum_to_size(k_shape), grad_v.sum_to_size(v_shape))
-    return torch.cat([g.reshape(-1) for g in grads])
+    # An input broadcast over batch or heads gets the sum of the gradients of its copies.
+    return torch.cat([g.sum_to_size(shape).reshape(-1) for g, shape in zip(grads, (q_shape, k_shape, v_shape))])
 
 
 _SHAPES = "SymInt[] q_shape, SymInt[] k_shape, SymInt[] v_shape, Tensor? attn_mask, float scale"

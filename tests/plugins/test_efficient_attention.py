@@ -312,12 +312,16 @@ def test_bad_file_value_names_the_key() -> None:
         make_host(enable="sometimes")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kv_shape", [(2, 3, 6, 4), (2, 3, 9, 4), (2, 1, 6, 4), (1, 3, 6, 4), (1, 1, 9, 4)])
-def test_packed_kernels_match_torch_autograd(kv_shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    "q_lead, kv_shape",
+    [((2, 3), (2, 3, 6, 4)), ((2, 3), (2, 3, 9, 4)), ((2, 3), (2, 1, 6, 4)), ((2, 3), (1, 3, 6, 4)),
+     ((2, 3), (1, 1, 9, 4)), ((1, 1), (2, 3, 6, 4))],
+)
+def test_packed_kernels_match_torch_autograd(q_lead: tuple[int, int], kv_shape: tuple[int, ...]) -> None:
     # The helper ops against the written-out attention and its autograd in float64, with a broadcast (2-D) mask, key
-    # lengths other than the query's, and k/v broadcast over heads or batch as MatMul allows.
+    # lengths other than the query's, and q or k/v broadcast over heads or batch as MatMul allows.
     plugin.prepare_runtime()
-    q = torch.randn(2, 3, 6, 4, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(*q_lead, 6, 4, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(kv_shape, dtype=torch.float64, requires_grad=True) for _ in range(2))
     mask = torch.zeros(6, kv_shape[2], dtype=torch.float64)
     mask[:, -1] = torch.finfo(torch.float64).min

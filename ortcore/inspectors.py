@@ -31,7 +31,8 @@ class RuntimeInspector:
         """Before ORT's forward, with the call's arguments and its tensors by graph input name."""
 
     def post_forward(self, step: int, outputs: list[Any]) -> None:
-        """After ORT's forward, with the flat output tensors."""
+        """After ORT's forward, with the model's flat output tensors (not the extra outputs the core adds for
+        batch-norm statistics and activation subscribers)."""
 
     def pre_backward(self, step: int) -> None:
         """Before ORT's backward."""

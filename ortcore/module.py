@@ -316,11 +316,11 @@ class ORTModule(torch.nn.Module):
             outputs = _ORTFunction.apply(session, rt, recording, *feeds)
         else:
             outputs = session.run_inference(feeds)
+        n = graph.n_user_outputs
         for inspect_call in rt.phases["post_forward"]:
-            inspect_call(rt.step, outputs)
+            inspect_call(rt.step, outputs[:n])  # the model's outputs; not the core's extra ones
         if session.request.build_gradient:
             rt.step += 1
-        n = graph.n_user_outputs
         for stats, x in zip(graph.batch_norms, outputs[n:]):
             update_batch_norm(stats, x)
         if recording is not None:

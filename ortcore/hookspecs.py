@@ -151,7 +151,9 @@ def ortcore_runtime_inspectors(config: Config, module: torch.nn.Module) -> list[
 def ortcore_activation_subscribers(config: Config, module: torch.nn.Module) -> list[Any] | None:
     """Subscribers that receive activation tensors (forward outputs and their gradients) during each step.
 
-    Called once per subscribed model; the subscribers are then called directly.
+    Called on every ``GlobalSubscriberManager.subscribe(module, ...)`` (subscribing a model again calls it again: a
+    plugin that wants one subscriber per model checks ``module`` itself); the subscribers are then called
+    directly.
     """
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import types
 from pathlib import Path
 
@@ -294,3 +295,24 @@ def test_documented_example_names_the_perturbed_module(tmp_path, capsys):
     assert "first divergence: step 2, rank 0, forward activation 'transformer.h.1.mlp.c_fc'" in out
     assert (tmp_path / "report.html").stat().st_size > 0 and (tmp_path / "first_divergence.png").stat().st_size > 0
     assert sorted(p.name for p in (tmp_path / "summaries").iterdir()) == [f"step_{i}.txt" for i in range(4)]
+
+
+def test_deepcopy_before_export_keeps_the_subscribers(host, monkeypatch):
+    class Uncopyable(Recorder):
+        def __deepcopy__(self, memo):
+            raise TypeError("holds an open file")
+
+        def on_unsubscribe(self, model):
+            self.events.append(("unsubscribed", type(model).__name__))
+
+    monkeypatch.setenv("ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", "1")
+    model = Net()
+    recorder = Uncopyable()
+    GlobalSubscriberManager.subscribe(model, [recorder])
+    wrapped = ORTModule(model, host=make_host({"activation_stats": activation_stats}, env=dict(os.environ)))
+    assert wrapped.runtime_options.deepcopy_before_export
+    train(wrapped, steps=1)
+    assert wrapped.state_machine.counters.fallbacks == 0, wrapped.fallback_reason
+    assert {name for _, name in recorder.forward} == NAMES and {name for _, name in recorder.backward} == NAMES
+    GlobalSubscriberManager.unsubscribe(wrapped)
+    assert recorder.events[-2:] == [("end", 0), ("unsubscribed", "Net")]

@@ -71,6 +71,9 @@ class SubscriberBase:
         """``step`` is over: called when the next step starts, or at :meth:`GlobalSubscriberManager.unsubscribe`
         (a step's backward may run any time after its forward, so only the next step proves it finished)."""
 
+    def on_unsubscribe(self, model: torch.nn.Module) -> None:
+        """The model was unsubscribed (after the last ``on_step_end``): close files, flush buffers."""
+
 
 def _flatten_with_path(value: Any) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
     """``value``'s leaves with their pytree paths (``""`` for a bare tensor, ``.logits``, ``[0]``, ...).
@@ -231,6 +234,13 @@ class _Subscription:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for subscriber in self.subscribers:
+            subscriber.on_unsubscribe(self.model)
+
+    def __deepcopy__(self, memo: dict) -> _Subscription:
+        # A copy of the model (ortcore's deepcopy before export, say) keeps reporting to the same subscription:
+        # subscribers hold files and state that must not be copied.
+        return self
 
 
 def deliver_forward(state: _StepState, name: str, tensor: torch.Tensor) -> None:

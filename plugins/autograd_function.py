@@ -249,15 +249,11 @@ class PythonOpHandler:
                 add("bool_scalar", position, [int(arg)])
             elif isinstance(arg, int):
                 add("int_scalar", position, [arg])
-            elif isinstance(arg, float):
-                add("float_scalar", position, [arg])
             elif isinstance(arg, tuple) and arg and all(isinstance(v, bool) for v in arg):
                 add("bool_tuple", position, [int(v) for v in arg])
             elif isinstance(arg, tuple) and arg and all(isinstance(v, int) and not isinstance(v, bool) for v in arg):
                 add("int_tuple", position, list(arg))
-            elif isinstance(arg, tuple) and arg and all(isinstance(v, float) for v in arg):
-                add("float_tuple", position, list(arg))
-            else:  # any other object (None, a string, a module) is passed by reference
+            else:  # any other object (a float: ORT's float attributes are float32; None, a string) by reference
                 add("pointer_scalar", position, [registry.keep(arg)])
         outputs = list(node.outputs())
         attributes: dict[str, Any] = {
@@ -275,8 +271,7 @@ class PythonOpHandler:
             "comment_s": json.dumps({"dims": _dim_sources(list(node.inputs()), outputs)}),
         }
         for name, values in constants.items():
-            suffix = "_f" if name.startswith(("input_float_scalars", "input_float_tuples")) else "_i"
-            attributes[name + suffix] = values
+            attributes[name + "_i"] = values
         results = g.op(f"{PYTHON_OP_DOMAIN}::{PYTHON_OP}", *tensors, outputs=len(outputs) + 1, **attributes)
         results[0].setType(torch._C.TensorType.get().with_dtype(torch.int64))
         values = []

@@ -319,12 +319,13 @@ def register_symbolics(symbolics: dict[str, Any], opset: int) -> None:
     """Make exactly ``symbolics`` ortcore's custom symbolics for ``opset``.
 
     torch's registry is process-wide: symbolics another ORTModule's plugins registered are removed first, so one
-    model's plugins never change how another model exports.
+    model's plugins never change how another model exports. That includes those registered for other opsets: a
+    symbolic registered for opset 14 serves every later opset too.
     """
     for name, registered_opset in list(_registered):
-        if registered_opset == opset and name not in symbolics:
-            torch.onnx.unregister_custom_op_symbolic(name, opset)
-            del _registered[(name, opset)]
+        if registered_opset != opset or name not in symbolics:
+            torch.onnx.unregister_custom_op_symbolic(name, registered_opset)
+            del _registered[(name, registered_opset)]
     for name, fn in symbolics.items():
         if _registered.get((name, opset)) is not fn:
             torch.onnx.register_custom_op_symbolic(name, fn, opset)

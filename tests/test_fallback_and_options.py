@@ -227,6 +227,30 @@ def test_env_opset_version_is_honoured(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert opsets[""] == 14
 
 
+def test_symbolics_of_one_model_at_another_opset_do_not_leak_into_the_next(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """A symbolic registered for opset 14 serves every later opset in torch's registry: a model whose plugins route
+    GELU to an ATen node at opset 14 must not make the next model (other plugins, opset 17) export ATen nodes."""
+    import ortcore_plugins.aten_fallback as aten_fallback
+    from ortcore.testing import make_host
+
+    class Gelu(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return nn.functional.gelu(self.fc(x))
+
+    def exported_ops(host, opset):
+        model = ORTModule(Gelu(), host=host, opset=opset, fallback_policy="FALLBACK_DISABLE")
+        model(torch.randn(2, 4)).sum().backward()
+        (graph, _session), = model.state_machine._sessions.values()
+        return {n.op_type for n in graph.model.graph.node}
+
+    assert "ATen" in exported_ops(make_host({"aten_fallback": aten_fallback}), 14)
+    assert "ATen" not in exported_ops(make_host({}), 17)
+
+
 class BatchNormNet(nn.Module):
     def __init__(self):
         super().__init__()

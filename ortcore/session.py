@@ -109,6 +109,9 @@ class TrainingSession:
     def __init__(self, request: BuildRequest):
         self.request = request
         self.device = request.device
+        # Feed indices whose gradient a plugin hands to torch itself during ORT's backward (memory-efficient
+        # gradient management): the backward returns None for them, so torch does not accumulate them twice.
+        self.grads_handed_over: set[int] = set()
         try:
             self._build(request)
         except (GraphBuildError, UnsupportedModelError):
@@ -360,4 +363,7 @@ class TrainingSession:
             for k in reversed(range(len(self.tap_gradients))):
                 if self.tap_gradients[k] is not None and self.tap_outputs[k] & got_grad:
                     tap_gradients.append((k, grads[self.tap_gradients[k]]))
-        return [grads[j] if j is not None and i in reached else None for i, j in enumerate(self.grad_index)]
+        return [
+            grads[j] if j is not None and i in reached and i not in self.grads_handed_over else None
+            for i, j in enumerate(self.grad_index)
+        ]

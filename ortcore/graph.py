@@ -261,15 +261,17 @@ def _expose_taps(model: onnx.ModelProto, n_user: int, names: list[str]) -> list[
         graph.node.append(onnx.helper.make_node("Identity", [value], [name], name=f"{name}::output"))
         inner[name] = value
     taps = []
-    for k, (name, value) in enumerate(zip(names, tapped)):
+    exposed: dict[str, str] = {}  # one output per value: activations several modules return are one tensor
+    for name, value in zip(names, tapped):
         value = inner.get(value, value)
-        output = f"{TAP_OUTPUT_PREFIX}{k}"
-        graph.node.append(onnx.helper.make_node("Identity", [value], [output], name=output))
-        info = graph.output.add()
-        info.name = output
-        if value in types:
-            info.type.CopyFrom(types[value])
-        taps.append(TapPoint(name, value, output))
+        if value not in exposed:
+            output = exposed[value] = f"{TAP_OUTPUT_PREFIX}{len(exposed)}"
+            graph.node.append(onnx.helper.make_node("Identity", [value], [output], name=output))
+            info = graph.output.add()
+            info.name = output
+            if value in types:
+                info.type.CopyFrom(types[value])
+        taps.append(TapPoint(name, value, exposed[value]))
     return taps
 
 

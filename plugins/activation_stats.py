@@ -12,6 +12,7 @@ Layout (format 1, see docs/plugins/activation_stats.md): ``<output_dir>/meta.jso
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -59,7 +60,7 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".json.tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, allow_nan=False)
+            f.write(json.dumps(data, allow_nan=False))  # dumps: the C encoder (dump encodes in Python, chunk by chunk)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -119,6 +120,12 @@ class _Reducer:
 _reducer = _Reducer()
 
 
+@functools.lru_cache(maxsize=256)
+def _sample_indices(numel: int, device: torch.device) -> torch.Tensor:
+    """``round(linspace(0, numel - 1, 8))``: evenly spaced flat indices (the same on both sides of a comparison)."""
+    return torch.linspace(0, numel - 1, min(SAMPLES, numel)).round().long().to(device)
+
+
 def tensor_statistics(
     tensor: torch.Tensor, bucket_size: int = 1024**3, run_on_cpu: bool = False, fused: bool = True
 ) -> dict[str, Any]:
@@ -171,8 +178,7 @@ def tensor_statistics(
         if count > 1:
             std = math.sqrt(max(total_sq - total * mean, 0.0) / (count - 1))
     if numel:
-        indices = torch.linspace(0, numel - 1, min(SAMPLES, numel)).round().long()
-        samples = [_json_number(v) if floating else v for v in flat[indices.to(flat.device)].tolist()]
+        samples = [_json_number(v) if floating else v for v in flat[_sample_indices(numel, flat.device)].tolist()]
     else:
         samples = []
     return {
@@ -221,6 +227,7 @@ class StatisticsSubscriber(SubscriberBase):
         self.bucket_size = bucket_size
         self.rank, self.world_size = _rank_and_world()
         self._model: torch.nn.Module | None = None
+        self._last: tuple[tuple, torch.Tensor, dict[str, Any]] | None = None
         if os.path.isdir(self.output_dir) and os.listdir(self.output_dir):
             if not override_output_dir:
                 raise FileExistsError(
@@ -250,6 +257,9 @@ class StatisticsSubscriber(SubscriberBase):
         _write_json(os.path.join(self.output_dir, "meta.json"), meta)
         self._meta_source = self.engine
 
+    def on_step_end(self, step: int) -> None:
+        self._last = None
+
     def on_step_start(self, step: int) -> None:
         if self.engine != self._meta_source:  # the model was wrapped in ORTModule (or unwrapped) after subscribing
             self._write_meta()
@@ -266,7 +276,13 @@ class StatisticsSubscriber(SubscriberBase):
 
     def _write(self, step: int, order: int, kind: str, name: str, tensor: torch.Tensor) -> None:
         record = {"format": FORMAT, "name": name, "kind": kind, "step": step, "order": order, "rank": self.rank}
-        record.update(tensor_statistics(tensor, self.bucket_size, self.run_on_cpu))
+        # Several modules often return one tensor, one after the other (a zero-rate dropout's input, a block's
+        # output as its parent's): its statistics are computed once. The last tensor is held, so its memory cannot
+        # be reused by another tensor of the same layout; the version counter tells an in-place change apart.
+        key = (kind, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor._version)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, tensor, tensor_statistics(tensor, self.bucket_size, self.run_on_cpu))
+        record.update(self._last[2])
         folder = self._step_dir(step)
         os.makedirs(folder, exist_ok=True)
         _write_json(os.path.join(folder, f"{order:05d}_{kind}_{safe_name(name)}.json"), record)

@@ -226,10 +226,10 @@ def test_atomic_writes_leave_no_temporary_files(hooks_api, tmp_path, monkeypatch
     files = [f for _, _, found in os.walk(tmp_path / "out") for f in found]
     assert files and all(f.endswith(".json") and not f.startswith(".") for f in files)
 
-    def broken_dump(*args, **kwargs):
+    def broken_dumps(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(plugin.json, "dump", broken_dump)
+    monkeypatch.setattr(plugin.json, "dumps", broken_dumps)
     with pytest.raises(OSError, match="disk full"):
         plugin._write_json(str(tmp_path / "out" / "x.json"), {})
     assert not (tmp_path / "out" / "x.json").exists()

@@ -30,6 +30,41 @@ RTOL = 1e-4
 ATOL = 1e-5
 
 
+class _ActivationBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.act = torch.nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from .hooks import inspect_activation
+
+        hidden = inspect_activation("block.hidden", self.fc(x) * 2)
+        return self.act(hidden), {"skip": x + 1}
+
+
+class ActivationNet(torch.nn.Module):
+    """A small model for activation-subscriber tests (inputs of shape ``(batch, 4)``): a submodule returning a
+    tuple holding a dict, a named intermediate (``inspect_activation``), LayerNorm and Linear layers. A subscriber
+    sees the activations named in :data:`ACTIVATION_NET_NAMES`, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 6)
+        self.block = _ActivationBlock()
+        self.norm = torch.nn.LayerNorm(6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, extra = self.block(self.embed(x))
+        return self.head(self.norm(out + extra["skip"]))
+
+
+ACTIVATION_NET_NAMES = frozenset(
+    {"ActivationNet", "embed", "block.fc", "block.hidden", "block.act", "block[0]", "block[1]['skip']", "norm", "head"}
+)
+
+
 def make_host(
     plugins: Mapping[str, Any] | None = None,
     *,

@@ -20,11 +20,11 @@ import torch
 import ortcore_plugins.activation_stats as activation_stats
 from ortcore import ORTModule
 from ortcore.graph_passes import GraphPass
-from ortcore.hooks import GlobalSubscriberManager, SubscriberBase, inspect_activation
+from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
 from ortcore.hooks.divergence import find_divergence
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import set_host
-from ortcore.testing import make_host
+from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, make_host
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -53,32 +53,7 @@ class Recorder(SubscriberBase):
         self.events.append(("end", step))
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(6, 6)
-        self.act = torch.nn.GELU()
-
-    def forward(self, x):
-        hidden = inspect_activation("block.hidden", self.fc(x) * 2)
-        return self.act(hidden), {"skip": x + 1}
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(4, 6)
-        self.block = Block()
-        self.norm = torch.nn.LayerNorm(6)
-        self.head = torch.nn.Linear(6, 3)
-
-    def forward(self, x):
-        out, extra = self.block(self.embed(x))
-        return self.head(self.norm(out + extra["skip"]))
-
-
-NAMES = {"embed", "block.fc", "block.hidden", "block.act", "block[0]", "block[1]['skip']", "norm", "head",
-         "Net"}  # fmt: skip
+NAMES = ACTIVATION_NET_NAMES
 
 
 @pytest.fixture
@@ -111,7 +86,7 @@ def assert_same_tensors(expected: dict, got: dict, what: str):
 @pytest.mark.parametrize("when", ["before wrapping", "after wrapping"])
 def test_ortmodule_delivers_what_torch_delivers(host, when):
     torch.manual_seed(0)
-    plain = Net()
+    plain = ActivationNet()
     model = copy.deepcopy(plain)
     expected, got = Recorder(), Recorder()
     GlobalSubscriberManager.subscribe(plain, [expected])
@@ -139,7 +114,7 @@ def test_ortmodule_delivers_what_torch_delivers(host, when):
 
 
 def test_steps_outside_the_window_run_the_graph_without_taps(host):
-    model = ORTModule(Net(), host=host)
+    model = ORTModule(ActivationNet(), host=host)
     recorder = Recorder(start_step=1, end_step=2)
     GlobalSubscriberManager.subscribe(model, [recorder])
     train(model, steps=4)
@@ -156,7 +131,7 @@ def test_steps_outside_the_window_run_the_graph_without_taps(host):
 
 def test_eval_and_no_grad_steps(host):
     torch.manual_seed(0)
-    plain = Net()
+    plain = ActivationNet()
     model = ORTModule(copy.deepcopy(plain), host=host)
     expected, got = Recorder(), Recorder()
     GlobalSubscriberManager.subscribe(plain, [expected])
@@ -181,7 +156,7 @@ def run_statistics(model, out_dir, steps=4, **train_kwargs):
 
 def test_statistics_of_ortmodule_and_torch_runs_do_not_diverge(host, tmp_path):
     torch.manual_seed(0)
-    plain = Net()
+    plain = ActivationNet()
     wrapped = ORTModule(copy.deepcopy(plain), host=host)
     run_statistics(plain, tmp_path / "pt_out")
     run_statistics(wrapped, tmp_path / "ort_out")
@@ -219,7 +194,7 @@ def test_injected_discrepancy_is_named_with_its_step(tmp_path):
     previous = set_host(host)
     try:
         torch.manual_seed(0)
-        plain = Net()
+        plain = ActivationNet()
         wrapped = ORTModule(copy.deepcopy(plain), host=host)
         run_statistics(plain, tmp_path / "pt_out", steps=4)
 
@@ -306,7 +281,7 @@ def test_deepcopy_before_export_keeps_the_subscribers(host, monkeypatch):
             self.events.append(("unsubscribed", type(model).__name__))
 
     monkeypatch.setenv("ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", "1")
-    model = Net()
+    model = ActivationNet()
     recorder = Uncopyable()
     GlobalSubscriberManager.subscribe(model, [recorder])
     wrapped = ORTModule(model, host=make_host({"activation_stats": activation_stats}, env=dict(os.environ)))
@@ -315,4 +290,4 @@ def test_deepcopy_before_export_keeps_the_subscribers(host, monkeypatch):
     assert wrapped.state_machine.counters.fallbacks == 0, wrapped.fallback_reason
     assert {name for _, name in recorder.forward} == NAMES and {name for _, name in recorder.backward} == NAMES
     GlobalSubscriberManager.unsubscribe(wrapped)
-    assert recorder.events[-2:] == [("end", 0), ("unsubscribed", "Net")]
+    assert recorder.events[-2:] == [("end", 0), ("unsubscribed", "ActivationNet")]

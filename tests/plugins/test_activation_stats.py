@@ -13,7 +13,7 @@ import torch
 import ortcore_plugins.activation_stats as plugin
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import set_host
-from ortcore.testing import make_host
+from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, make_host
 
 
 @pytest.fixture
@@ -26,31 +26,6 @@ def hooks_api():
     for subscription in list(hooks.GlobalSubscriberManager._subscriptions.values()):
         hooks.GlobalSubscriberManager.unsubscribe(subscription.model)
     set_host(previous)
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(6, 6)
-        self.act = torch.nn.GELU()
-
-    def forward(self, x):
-        from ortcore.hooks import inspect_activation
-
-        hidden = inspect_activation("block.hidden", self.fc(x) * 2)
-        return self.act(hidden), {"skip": x + 1}
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(4, 6)
-        self.block = Block()
-        self.head = torch.nn.Linear(6, 3)
-
-    def forward(self, x):
-        out, extra = self.block(self.embed(x))
-        return self.head(out + extra["skip"])
 
 
 def capture(model):
@@ -105,13 +80,13 @@ def assert_stats(record, tensor):
 def test_records_every_submodule_output_and_gradient_with_torch_statistics(hooks_api, tmp_path):
     from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
 
-    model = Net()
+    model = ActivationNet()
     forward, backward = capture(model)
     GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / "out")])
     model(torch.randn(5, 4)).square().mean().backward()
 
     records = read_step(tmp_path / "out" / "step_0")
-    names = {"Net", "embed", "block[0]", "block[1]['skip']", "block.fc", "block.act", "head", "block.hidden"}
+    names = ACTIVATION_NET_NAMES
     assert {n for k, n in records if k == "forward"} == names
     assert {n for k, n in records if k == "backward"} == names
     for name, tensor in forward.items():
@@ -124,7 +99,7 @@ def test_records_every_submodule_output_and_gradient_with_torch_statistics(hooks
         r["order"] for (k, _), r in records.items() if k == "backward"
     )
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert meta == {"format": 1, "source": "torch", "rank": 0, "world_size": 1, "model": "Net"}
+    assert meta == {"format": 1, "source": "torch", "rank": 0, "world_size": 1, "model": "ActivationNet"}
     assert not [f for f in os.listdir(tmp_path / "out" / "step_0") if not f.endswith(".json") or f.startswith(".")]
 
 
@@ -153,7 +128,7 @@ def test_gpt2_model_output_fields_and_gradients(hooks_api, tmp_path):
 def test_start_and_end_step(hooks_api, tmp_path):
     from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
 
-    model = Net()
+    model = ActivationNet()
     GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / "out", start_step=1, end_step=3)])
     for _ in range(4):
         model(torch.randn(2, 4)).sum().backward()
@@ -220,7 +195,7 @@ def test_safe_name():
 def test_atomic_writes_leave_no_temporary_files(hooks_api, tmp_path, monkeypatch):
     from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
 
-    model = Net()
+    model = ActivationNet()
     GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / "out")])
     model(torch.randn(2, 4)).sum().backward()
     files = [f for _, _, found in os.walk(tmp_path / "out") for f in found]

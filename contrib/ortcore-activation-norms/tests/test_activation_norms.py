@@ -23,39 +23,16 @@ import torch.utils._pytree as pytree
 import ortcore_activation_norms as plugin
 from ortcore import ORTModule
 from ortcore.errors import OptionError
-from ortcore.hooks import GlobalSubscriberManager, inspect_activation
+from ortcore.hooks import GlobalSubscriberManager
 from ortcore.plugins import PluginError, set_host
+from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet
 from ortcore_activation_norms import COLUMNS, NormSubscriber
 from ortcore_activation_norms import subscriber as subscriber_module
 
 PLUGINS = {"activation_norms": plugin}
 TORCH_RTOL = 1e-6  # our float64 norms against torch's float64 norms of the same tensors
 ORT_RTOL = 1e-4  # ONNX Runtime's tensors against PyTorch's, for the same model and inputs
-NAMES = {"Net", "embed", "block.fc", "block.hidden", "block.act", "block[0]", "block[1]['skip']", "norm", "head"}
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(6, 6)
-        self.act = torch.nn.GELU()
-
-    def forward(self, x):
-        hidden = inspect_activation("block.hidden", self.fc(x) * 2)
-        return self.act(hidden), {"skip": x + 1}
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(4, 6)
-        self.block = Block()
-        self.norm = torch.nn.LayerNorm(6)
-        self.head = torch.nn.Linear(6, 3)
-
-    def forward(self, x):
-        out, extra = self.block(self.embed(x))
-        return self.head(self.norm(out + extra["skip"]))
+NAMES = ACTIVATION_NET_NAMES
 
 
 @pytest.fixture
@@ -136,7 +113,7 @@ def train(model, steps, seed=1):
 
 def test_norms_equal_torch_vector_norm_of_every_output_and_gradient(subscribe, ortcore_host, tmp_path):
     host = ortcore_host(PLUGINS)
-    model = Net()
+    model = ActivationNet()
     log = {"step": 0, "tensors": {}}
     capture(model, log)
     subscribe(model, [NormSubscriber(tmp_path / "norms.csv")], host=host)
@@ -193,7 +170,7 @@ def test_tensor_norms_of_special_tensors():
 @pytest.mark.parametrize("subscribed", ["before_wrapping", "after_wrapping"])
 def test_ortmodule_rows_match_pytorch_run(subscribe, ortcore_host, tmp_path, subscribed):
     host = ortcore_host(PLUGINS)
-    reference = Net()
+    reference = ActivationNet()
     model = copy.deepcopy(reference)
     subscribe(reference, [NormSubscriber(tmp_path / "torch.csv", every=2)], host=host)
     ort_subscriber = NormSubscriber(tmp_path / "ort.csv", every=2)
@@ -221,7 +198,7 @@ def test_ortmodule_rows_match_pytorch_run(subscribe, ortcore_host, tmp_path, sub
 
 def test_start_end_and_every_choose_the_recorded_steps(subscribe, ortcore_host, tmp_path):
     host = ortcore_host(PLUGINS)
-    model = Net()
+    model = ActivationNet()
     subscribe(model, [NormSubscriber(tmp_path / "norms.csv", start_step=2, end_step=9, every=3)], host=host)
     train(model, 11)
     model.eval()
@@ -237,7 +214,7 @@ def test_each_step_is_appended_in_one_write_when_the_next_starts(subscribe, ortc
     writes = []
     real_write = os.write
     monkeypatch.setattr(subscriber_module.os, "write", lambda fd, data: writes.append(data) or real_write(fd, data))
-    model = Net()
+    model = ActivationNet()
     path = tmp_path / "norms.csv"
     subscribe(model, [NormSubscriber(path)], host=host)
     train(model, 1)
@@ -364,7 +341,7 @@ def enabled_table(path, **options):
 
 def test_config_gives_every_subscribed_model_a_norm_subscriber(subscribe, ortcore_host, tmp_path):
     host = ortcore_host(PLUGINS, table=enabled_table(tmp_path / "norms_{rank}.csv", every=2, end_step=4))
-    model = ORTModule(Net(), host=host)
+    model = ORTModule(ActivationNet(), host=host)
     subscribe(model, [], host=host)
     subscribe(model, [], host=host)  # subscribing again adds no second writer
     train(model, 5)
@@ -378,7 +355,7 @@ def test_config_off_by_default_and_when_disabled(subscribe, ortcore_host, tmp_pa
     monkeypatch.chdir(tmp_path)
     for table in ({}, {"plugins": {"activation_norms": {"enabled": False, "output_path": "norms.csv"}}}):
         host = ortcore_host(PLUGINS, table=table)
-        model = Net()
+        model = ActivationNet()
         subscribe(model, [], host=host)
         train(model, 2)
         GlobalSubscriberManager.unsubscribe(model)

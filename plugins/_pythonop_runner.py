@@ -25,6 +25,7 @@ call is logged with its traceback and answered with an empty vector, which ORT t
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import platform
@@ -157,6 +158,9 @@ def install(forward: Callable[..., list[Any]], backward: Callable[..., list[Any]
         C.register_forward_runner(ctypes.cast(runners[0], ctypes.c_void_p).value)
         C.register_backward_runner(ctypes.cast(runners[1], ctypes.c_void_p).value)
         _installed = runners  # the callbacks must outlive every session
+        # ORT's function registry holds references to Python objects (the Functions, the runners); released at
+        # exit while the interpreter is alive, not by ORT's static destructors after it is gone (a crash at exit).
+        atexit.register(C.unregister_python_functions)
 
 
 def to_capsule(tensor: torch.Tensor) -> Any:

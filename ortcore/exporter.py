@@ -176,6 +176,7 @@ STOP_GRADIENT = "StopGradient"
 # symbolic). Every other Function reaches the prim::PythonOp symbolic below, which asks a handler per Function class.
 
 AUTOGRAD_FUNCTION_PLUGIN = "autograd_function"
+ATEN_FALLBACK_PLUGIN = "aten_fallback"  # runs ops without an ONNX symbolic (named in the exporter's error)
 INLINE = "inline"  # a handler's answer: trace through the Function's forward, as if it were ordinary code
 
 
@@ -315,6 +316,18 @@ _SYMBOLICS = {
 _registered: dict[tuple[str, int], Any] = {}
 
 
+def _drop_if_empty(name: str) -> None:
+    """Forget torch's entry for an op left with no symbolic at all (one only a plugin's symbolic exported, such as
+    aten_fallback's ``::cummax``): torch's lookup would fail on it with "min() arg is an empty sequence" instead of
+    the "operator 'aten::cummax' ... is not supported" error that names the op."""
+    from torch.onnx._internal.torchscript_exporter import registration
+
+    qualified = f"aten{name}" if name.startswith("::") else name
+    group = registration.registry.get_function_group(qualified)
+    if group is not None and not list(group._functions):
+        registration.registry._registry.pop(qualified, None)
+
+
 def register_symbolics(symbolics: dict[str, Any], opset: int) -> None:
     """Make exactly ``symbolics`` ortcore's custom symbolics for ``opset``.
 
@@ -325,6 +338,7 @@ def register_symbolics(symbolics: dict[str, Any], opset: int) -> None:
     for name, registered_opset in list(_registered):
         if registered_opset != opset or name not in symbolics:
             torch.onnx.unregister_custom_op_symbolic(name, registered_opset)
+            _drop_if_empty(name)
             del _registered[(name, registered_opset)]
     for name, fn in symbolics.items():
         if _registered.get((name, opset)) is not fn:
@@ -437,8 +451,18 @@ class TorchScriptExporter:
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             match = _UNSUPPORTED_OP.search(str(e))
             what = f"op {match.group(1)}" if match else "the model"
+            hint = ""
+            if (
+                match
+                and match.group(1).startswith("aten::")
+                and isinstance(e, torch.onnx.errors.UnsupportedOperatorError)
+            ):
+                hint = (
+                    f"; the {ATEN_FALLBACK_PLUGIN!r} plugin can run it in ORT with PyTorch's kernel: list it in "
+                    f"[plugins.{ATEN_FALLBACK_PLUGIN}] fallback_ops (or ORTCORE_ATEN_FALLBACK_OPS={match.group(1)}, or auto)"
+                )
             raise UnsupportedModelError(
-                f"the TorchScript exporter could not export {what} of {type(module).__name__}: {text}"
+                f"the TorchScript exporter could not export {what} of {type(module).__name__}: {text}{hint}"
             ) from e
         return onnx.load_model_from_string(buffer.getvalue())
 

@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from ortcore.config import Config, option
 from ortcore.errors import OptionError
-from ortcore.exporter import layer_norm
+from ortcore.exporter import TorchScriptExporter, custom_autograd_disabled, layer_norm
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 
@@ -39,6 +40,7 @@ logger = logging.getLogger("ortcore.aten_fallback")
 
 NAME = "aten_fallback"
 ENV = "ORTCORE_TORCH_KERNELS"
+FALLBACK_ENV = "ORTCORE_ATEN_FALLBACK_OPS"
 ATEN_DOMAIN = "org.pytorch.aten"
 # The torch.library namespace of the helper ops the gradient definitions use (see _define_helper_ops).
 HELPER_NAMESPACE = "ortcore_aten"
@@ -76,6 +78,35 @@ def parse_ops(value: object, source: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))  # ordered, without duplicates
 
 
+AUTO = "auto"
+
+
+def parse_fallback_ops(value: object, source: str) -> tuple[str, ...]:
+    """ATen op names (``cummax`` or ``aten::cummax``) and/or ``auto``, as a list or a comma-separated string."""
+    if isinstance(value, str):
+        items = [] if value.strip().lower() in ("", "none") else [v.strip() for v in value.split(",")]
+    elif isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        items = [v.strip() for v in value]
+    else:
+        raise OptionError(f"{source}={value!r} must be a list of ATen op names, 'auto' or 'none'")
+    if [item.lower() for item in items] == ["none"]:
+        items = []
+    names = []
+    for item in items:
+        if item.lower() == AUTO:
+            names.append(AUTO)
+            continue
+        namespace, _, name = item.rpartition("::")
+        if namespace not in ("", "aten") or not name.isidentifier():
+            raise OptionError(
+                f"{source}={value!r}: {item!r} is not an ATen op name (such as 'cummax' or 'aten::cummax')"
+            )
+        if not hasattr(torch.ops.aten, name):
+            raise OptionError(f"{source}={value!r}: PyTorch has no op aten::{name}")
+        names.append(f"aten::{name}")
+    return tuple(dict.fromkeys(names))
+
+
 @attrs.frozen
 class AtenFallbackOptions:
     """Options of the ``aten_fallback`` plugin (``[plugins.aten_fallback]`` in ortcore.toml)."""
@@ -85,6 +116,13 @@ class AtenFallbackOptions:
         parse_ops,
         f"ops run with PyTorch's kernels inside the ORT graph; any of {', '.join(ROUTABLE_OPS)}, or none",
         env=ENV,
+    )
+    fallback_ops: tuple[str, ...] = option(
+        (),
+        parse_fallback_ops,
+        "ops the exporter cannot express, exported as ATen nodes run by PyTorch (forward and backward): ATen op "
+        "names, and/or 'auto' for every op the exporter reports unsupported",
+        env=FALLBACK_ENV,
     )
 
 
@@ -641,6 +679,294 @@ def symbolics_for(ops: Iterable[str]) -> dict[str, Callable[..., Any]]:
     return result
 
 
+# -- ops the exporter cannot express ----------------------------------------------------------------------------------
+#
+# An op without an ONNX symbolic (torch.cummax, torch.logcumsumexp, torch.special.*, ...) is exported as one ATen node
+# running the op itself. Its gradient definition has one node per tensor input i, a helper op
+# ``ortcore_aten::fallback_grad__<op>__<overload>__<i>`` that re-runs the op under torch.autograd on the forward inputs
+# and returns the vector-Jacobian product for input i (one single-output node per gradient: see the helper ops above).
+# Integer outputs (cummax's indices) take no gradient; integer tensor inputs get none either.
+
+
+def fallback_ops(config: Config) -> tuple[str, ...]:
+    """The ``fallback_ops`` option: ``aten::<name>`` entries and possibly ``"auto"``."""
+    options = config.plugin_options(NAME)
+    return options.fallback_ops if options is not None else ()
+
+
+_FLOAT_TYPES = ("Float", "Double", "Half", "BFloat16")
+
+
+def _schema_type(t: Any, op: str, name: str) -> str:
+    """A schema argument type as text for the helper op's schema (the executor converts each from a tensor)."""
+    kind = t.kind()
+    if kind == "OptionalType":
+        return f"{_schema_type(t.getElementType(), op, name)}?"
+    if kind == "ListType":
+        element = _schema_type(t.getElementType(), op, name)
+        if element not in ("int", "float", "bool"):
+            raise TypeError(f"{op}: argument {name!r} is a list of {element}, which the ATen executor cannot pass")
+        return f"{element}[]"
+    simple = {
+        "TensorType": "Tensor",
+        "IntType": "int",
+        "SymIntType": "int",
+        "FloatType": "float",
+        "BoolType": "bool",
+        "NumberType": "Scalar",
+        "StringType": "str",
+        "ScalarTypeType": "int",
+        "LayoutType": "int",
+        "MemoryFormatType": "int",
+    }.get(kind)
+    if simple is None:
+        raise TypeError(f"{op}: argument {name!r} has type {t}, which the ATen executor cannot pass")
+    return simple
+
+
+def _grad_helper_name(operator: str, overload: str, index: int) -> str:
+    return f"fallback_grad__{operator}__{overload or 'default'}__{index}"
+
+
+def _make_vjp(overload_packet: Any, schema: Any, n_grads: int, differentiable: tuple[int, ...], index: int) -> Any:
+    """The helper's implementation: d(op outputs)/d(input ``index``), applied to the output gradients."""
+    names = [a.name for a in schema.arguments]
+    kwarg_only = {a.name for a in schema.arguments if a.kwarg_only}
+
+    def vjp(*values: Any) -> torch.Tensor:
+        grads, args = values[:n_grads], list(values[n_grads:])
+        target = args[index]
+        with torch.enable_grad():
+            leaf = target.detach().requires_grad_(True)
+            args[index] = leaf
+            positional = [v for n, v in zip(names, args, strict=True) if n not in kwarg_only]
+            keywords = {n: v for n, v in zip(names, args, strict=True) if n in kwarg_only}
+            result = overload_packet(*positional, **keywords)
+            results = result if isinstance(result, tuple | list) else (result,)
+            outputs = [results[i] for i in differentiable]
+            pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
+            if not pairs:
+                return torch.zeros_like(target)
+            (grad,) = torch.autograd.grad(
+                [o for o, _ in pairs], [leaf], [g.expand_as(o) for o, g in pairs], allow_unused=True
+            )
+        return torch.zeros_like(target) if grad is None else grad
+
+    return vjp
+
+
+_fallback_lock = threading.Lock()
+_fallback_gradients: set[tuple[str, str]] = set()
+
+
+def _register_fallback_gradient(
+    operator: str, overload: str, schema: Any, differentiable: tuple[int, ...], float_inputs: tuple[int, ...]
+) -> None:
+    """Define the VJP helper ops of ``aten::<operator>.<overload>`` and register its gradient definition (once)."""
+    from onnxruntime.capi import _pybind_state as C
+
+    with _fallback_lock:
+        if (operator, overload) in _fallback_gradients:
+            return
+        _prepare_runtime()
+        packet = getattr(getattr(torch.ops.aten, operator), overload or "default")
+        grad_args = [f"Tensor? grad_{j}" for j in range(len(differentiable))]
+        arguments = [f"{_schema_type(a.type, operator, a.name)} {a.name}" for a in schema.arguments]
+        nodes: list[NodeSpec] = []
+        for i in float_inputs:
+            name = _grad_helper_name(operator, overload, i)
+            # CompositeImplicitAutograd: the kernel is called above autograd, so it can record and differentiate.
+            _helper_library.define(f"{name}({', '.join([*grad_args, *arguments])}) -> Tensor")
+            _helper_library.impl(
+                name, _make_vjp(packet, schema, len(differentiable), differentiable, i), "CompositeImplicitAutograd"
+            )
+            inputs = [f"GO({j})" for j in differentiable] + [f"I({k})" for k in range(len(schema.arguments))]
+            nodes.append(_aten_node(_helper(name), inputs, f"GI({i})"))
+        key = _gradient_key(operator, overload)
+        if nodes:
+            C.register_gradient_definition(key, _to_definition(nodes))
+        tensor_inputs = {
+            k for k, a in enumerate(schema.arguments) if _schema_type(a.type, operator, a.name) in ("Tensor", "Tensor?")
+        }
+        stopped = tensor_inputs - set(float_inputs)
+        if stopped:
+            C.register_custom_stop_gradient_edges(key, stopped)
+        _fallback_gradients.add((operator, overload))
+
+
+def _constant_argument(g: Any, value: Any, kind: str, op: str, name: str) -> Any:
+    """A non-tensor argument of the op as a graph value: a Constant when it is known at export, else the value."""
+    from torch.onnx import symbolic_helper as sh
+
+    if sh._is_none(value):
+        return value  # a missing optional input: the executor passes None (or the schema default)
+    base = kind.rstrip("?")
+    if not sh._is_constant(value):
+        return value  # computed in the graph (a size, say): the executor reads it from the tensor
+    if base == "str":
+        return _string(g, sh._get_const(value, "s", name))
+    if base in ("int[]", "float[]", "bool[]"):
+        items = sh._get_const(value, "is" if base == "int[]" else "fs" if base == "float[]" else "is", name)
+        dtype = {"int[]": torch.int64, "float[]": torch.float64, "bool[]": torch.bool}[base]
+        return _constant(g, list(items), dtype)
+    number = sh._maybe_get_const(value, "t")
+    if isinstance(number, torch.Tensor):
+        number = number.item()
+    if base == "bool":
+        return _constant(g, bool(number), torch.bool)
+    if base == "float" or (base == "Scalar" and isinstance(number, float)):
+        return _constant(g, float(number), torch.float64)
+    if isinstance(number, bool):
+        return _constant(g, number, torch.bool)
+    return _constant(g, int(number), torch.int64)
+
+
+def fallback_symbolic(op: str) -> Callable[..., Any]:
+    """The TorchScript symbolic exporting ``aten::<op>`` as an ATen node run by PyTorch, with a gradient."""
+
+    def symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
+        from ortcore.errors import UnsupportedModelError
+
+        node = g.original_node
+        parsed = _match_overload(op, args)
+        if parsed is None:
+            raise UnsupportedModelError(
+                f"the aten_fallback plugin cannot run aten::{op}: no overload of it takes the {len(args)} arguments "
+                "the exporter passed"
+            )
+        schema = str(parsed)
+        operator, overload = op, parsed.overload_name
+        try:
+            kinds = [_schema_type(a.type, operator, a.name) for a in parsed.arguments]
+        except TypeError as e:
+            raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: {e}") from e
+        if len(args) != len(kinds):
+            raise UnsupportedModelError(
+                f"the aten_fallback plugin cannot run aten::{operator}: the exporter passed {len(args)} arguments "
+                f"for the schema {schema}"
+            )
+        outputs_traced = list(node.outputs())
+        if any(r.type.kind() != "TensorType" for r in parsed.returns):
+            raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: it returns non-tensors")
+        tensor_args = [k for k, kind in enumerate(kinds) if kind in ("Tensor", "Tensor?")]
+        float_inputs = tuple(
+            k for k in tensor_args if not _is_none(args[k]) and args[k].type().scalarType() in _FLOAT_TYPES
+        )
+        differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in _FLOAT_TYPES)
+        needs = [k for k in float_inputs if _requires_grad(args[k]) is not False]
+        if needs and (not tensor_args or tensor_args[0] not in needs):
+            raise UnsupportedModelError(
+                f"the aten_fallback plugin cannot run aten::{operator} here: ONNX Runtime builds an ATen node's "
+                "gradient only when its first input needs one, and here only later inputs do"
+            )
+        for kind, value in zip(kinds, args, strict=True):
+            if kind == "Tensor" and _is_none(value):
+                raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: a tensor is None")
+        inputs = [
+            value if kind in ("Tensor", "Tensor?") else _constant_argument(g, value, kind, operator, a.name)
+            for kind, value, a in zip(kinds, args, parsed.arguments, strict=True)
+        ]
+        _register_fallback_gradient(operator, overload, parsed, differentiable, float_inputs)
+        results = g.op(
+            f"{ATEN_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=overload, outputs=len(outputs_traced)
+        )
+        results = list(results) if len(outputs_traced) > 1 else [results]
+        for result, traced in zip(results, outputs_traced, strict=True):
+            # Element type and rank as traced; every dimension unknown (the op decides its output shape).
+            t = traced.type()
+            sizes = t.varyingSizes()
+            result.setType(
+                t.with_sizes([None] * len(sizes))
+                if sizes is not None
+                else torch._C.TensorType.get().with_dtype(t.dtype())
+            )
+        return results[0] if len(results) == 1 else tuple(results)
+
+    symbolic.__name__ = f"aten_fallback_{op}"
+    return symbolic
+
+
+def _is_string_constant(value: Any) -> bool:
+    node = value.node()
+    return (
+        node.kind() in ("prim::Constant", "onnx::Constant")
+        and node.hasAttribute("value")
+        and (node.kindOf("value") == "s")
+    )
+
+
+def _match_overload(op: str, args: tuple[Any, ...]) -> Any:
+    """The schema of the ``aten::<op>`` overload the traced call used (the exporter does not say which): the first,
+    ``default`` first, that takes as many arguments, with a string exactly where the call passed one."""
+    packet = getattr(torch.ops.aten, op)
+    names = sorted(packet.overloads(), key=lambda n: n != "default")
+    for name in names:
+        schema = getattr(packet, name)._schema
+        if len(schema.arguments) != len(args):
+            continue
+        fits = True
+        for a, value in zip(schema.arguments, args, strict=True):
+            kind = a.type.getElementType().kind() if a.type.kind() == "OptionalType" else a.type.kind()
+            if _is_none(value):
+                fits = a.type.kind() == "OptionalType" or a.has_default_value()
+            elif kind == "StringType":
+                fits = _is_string_constant(value)
+            else:  # a traced number is a (constant) tensor too: only strings tell overloads apart here
+                fits = not _is_string_constant(value)
+            if not fits:
+                break
+        if fits:
+            return schema
+    return None
+
+
+def _is_none(value: Any) -> bool:
+    from torch.onnx import symbolic_helper as sh
+
+    return value is None or sh._is_none(value)
+
+
+def fallback_symbolics(ops: Iterable[str]) -> dict[str, Callable[..., Any]]:
+    """``{"::<name>": symbolic}`` for each ``aten::<name>`` listed (``auto`` is not an op)."""
+    return {f"::{op.split('::')[-1]}": fallback_symbolic(op.split("::")[-1]) for op in ops if op != AUTO}
+
+
+_UNSUPPORTED_ATEN = re.compile(r"operator '?aten::(\w+)'?")
+MAX_AUTO_OPS = 32
+
+
+class FallbackExporter(TorchScriptExporter):
+    """The core's TorchScript exporter that, when an ``aten::`` op has no ONNX symbolic, exports it as an ATen node
+    run by PyTorch (:func:`fallback_symbolic`) and exports again: at most :data:`MAX_AUTO_OPS` such ops a model."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "aten_fallback.auto": True}
+
+    def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
+        from ortcore.errors import UnsupportedModelError
+
+        for _ in range(MAX_AUTO_OPS + 1):
+            try:
+                return super().export(module, args, **kwargs)
+            except UnsupportedModelError as e:
+                cause = e.__cause__
+                match = (
+                    _UNSUPPORTED_ATEN.search(str(cause))
+                    if isinstance(cause, torch.onnx.errors.UnsupportedOperatorError)
+                    else None
+                )
+                name = f"::{match.group(1)}" if match else None
+                if name is None or name in self.symbolics:
+                    raise
+                logger.info(
+                    "aten::%s has no ONNX symbolic: exporting it as an ATen node run by PyTorch", match.group(1)
+                )
+                self.symbolics[name] = fallback_symbolic(match.group(1))
+        raise UnsupportedModelError(
+            f"{type(module).__name__} uses more than {MAX_AUTO_OPS} ops the exporter cannot express"
+        )
+
+
 # -- the tanh-GELU formula ------------------------------------------------------------------------------------------
 #
 # Hugging Face's "gelu_new" (GPT-2) writes GELU out: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))). It
@@ -905,7 +1231,7 @@ def ortcore_options_class() -> type:
 @hookimpl
 def ortcore_configure(config: Config) -> None:
     ops = routed_ops(config)
-    if ops:
+    if ops or fallback_ops(config):
         _prepare_runtime()
     logger.debug("ops run with PyTorch's kernels: %s", sorted(ops) or "none")
 
@@ -913,15 +1239,24 @@ def ortcore_configure(config: Config) -> None:
 @hookimpl
 def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
     ops = routed_ops(config)
-    if ops:
+    listed = fallback_ops(config)
+    if ops or listed:
         _prepare_runtime()  # idempotent; ortcore_configure did it already for hosts that configure plugins
-    return symbolics_for(ops)
+    return {**symbolics_for(ops), **fallback_symbolics(listed)}
+
+
+@hookimpl
+def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
+    """With ``fallback_ops = ["auto"]``: the core's exporter, exporting unsupported ``aten::`` ops as ATen nodes."""
+    if AUTO not in fallback_ops(config):
+        return None
+    return FallbackExporter(inline_autograd_functions=custom_autograd_disabled(config.env))
 
 
 @hookimpl
 def ortcore_graph_passes(config: Config) -> list[GraphPass]:
     ops = routed_ops(config)
-    if not ops:
+    if not ops and not fallback_ops(config):
         return []
     passes = [GraphPass(TYPE_OUTPUTS_PASS, run=type_aten_outputs)]
     if "gelu" in ops:
@@ -931,7 +1266,11 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 
 @hookimpl
 def ortcore_export_key(config: Config) -> dict[str, Any]:
-    return {"aten_fallback.torch_kernels": sorted(routed_ops(config))}
+    key: dict[str, Any] = {"aten_fallback.torch_kernels": sorted(routed_ops(config))}
+    listed = fallback_ops(config)
+    if listed:  # only then: the keys (and export caches) of models without fallback ops stay as they were
+        key["aten_fallback.fallback_ops"] = sorted(listed)
+    return key
 
 
 @hookimpl

@@ -8,6 +8,11 @@ too, and registers an ATen op executor (:mod:`ortcore_plugins._aten_executor`) t
 
 Option ``[plugins.aten_fallback] torch_kernels`` (env ``ORTCORE_TORCH_KERNELS``, a comma list; ``""`` or ``"none"``
 routes nothing) chooses the ops; with none, the exported graphs contain no ATen node.
+
+Ops the exporter cannot express at all (``torch.cummax``, ``torch.logcumsumexp``, ``torch.special.*``, ...) are run
+the same way when option ``fallback_ops`` (env ``ORTCORE_ATEN_FALLBACK_OPS``) names them, or names ``auto``: each
+becomes one ATen node running the op, whose gradient re-runs it under ``torch.autograd`` (see
+:func:`fallback_symbolic`). Off by default: without it such a model falls back to PyTorch, as without the plugin.
 """
 
 from __future__ import annotations

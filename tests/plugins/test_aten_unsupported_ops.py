@@ -208,3 +208,20 @@ def test_option_parsing(value: Any, expected: tuple[str, ...]):
 def test_option_rejects_what_is_not_an_aten_op(value: Any):
     with pytest.raises(OptionError):
         plugin.parse_fallback_ops(value, "fallback_ops")
+
+
+class LaterInputOnly(nn.Module):
+    """``logaddexp(x, fc(x))``: only the second input needs a gradient, which ORT 1.19.2 would not build."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.logaddexp(x, self.fc(x))
+
+
+def test_a_gradient_only_for_a_later_input_is_refused_naming_the_op():
+    model = ORTModule(LaterInputOnly(), host=make_host(["logaddexp"]), fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(ortcore.UnsupportedModelError, match=r"aten::logaddexp.*first input"):
+        model(torch.randn(3, 4))

@@ -320,8 +320,10 @@ def _drop_if_empty(name: str) -> None:
     """Forget torch's entry for an op left with no symbolic at all (one only a plugin's symbolic exported, such as
     aten_fallback's ``::cummax``): torch's lookup would fail on it with "min() arg is an empty sequence" instead of
     the "operator 'aten::cummax' ... is not supported" error that names the op."""
-    from torch.onnx._internal.torchscript_exporter import registration
-
+    try:
+        from torch.onnx._internal.torchscript_exporter import registration
+    except ImportError:  # another torch layout: its registry then keeps the empty entry (errors name the op less well)
+        return
     qualified = f"aten{name}" if name.startswith("::") else name
     group = registration.registry.get_function_group(qualified)
     if group is not None and not list(group._functions):

@@ -7,11 +7,13 @@ first activation that diverges. Usage::
     GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(output_dir="pt_out", override_output_dir=True)])
 
 Layout (format 1, see docs/plugins/activation_stats.md): ``<output_dir>/meta.json`` and, per step,
-``<output_dir>/step_<step>/<order:05d>_<kind>_<safe name>.json``.
+``<output_dir>/step_<step>/records.jsonl`` (one record a line, written when the step is over), or with
+``one_file_per_activation=True`` ``<output_dir>/step_<step>/<order:05d>_<kind>_<safe name>.json``.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import logging
@@ -30,6 +32,7 @@ from ortcore.hookspecs import hookimpl
 logger = logging.getLogger("ortcore.activation_stats")
 
 FORMAT = 1
+RECORDS_FILE = "records.jsonl"
 SAMPLES = 8
 NAME_LIMIT = 120
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -55,16 +58,21 @@ def _json_number(value: float) -> float | str:
     return value
 
 
-def _write_json(path: str, data: dict[str, Any]) -> None:
+def _write_text(path: str, text: str) -> None:
     """Write atomically: a temporary file in the same directory, then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".json.tmp")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, allow_nan=False))  # dumps: the C encoder (dump encodes in Python, chunk by chunk)
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    """Write one JSON object atomically (``json.dumps``: the C encoder; ``json.dump`` encodes in Python)."""
+    _write_text(path, json.dumps(data, allow_nan=False))
 
 
 def _sums(x: torch.Tensor) -> torch.Tensor:
@@ -208,6 +216,12 @@ class StatisticsSubscriber(SubscriberBase):
             Without it a non-empty ``output_dir`` raises FileExistsError and nothing is deleted.
         run_on_cpu: compute statistics on a CPU copy (a last resort when the device runs out of memory).
         bucket_size: elements per chunk of the float64 computation (bounds its extra memory).
+        one_file_per_activation: write each record as its own file as soon as it is computed, instead of one
+            ``records.jsonl`` per step when the step is over (one file creation per step, not one per activation:
+            on a slow file system that is most of the cost of recording).
+
+    A step's ``records.jsonl`` is written when the next step starts, at ``GlobalSubscriberManager.unsubscribe``,
+    at :meth:`flush`, or at interpreter exit.
     """
 
     def __init__(
@@ -218,8 +232,12 @@ class StatisticsSubscriber(SubscriberBase):
         override_output_dir: bool = False,
         run_on_cpu: bool = False,
         bucket_size: int = 1024 * 1024 * 1024,
+        one_file_per_activation: bool = False,
     ):
         super().__init__(start_step, end_step)
+        self.one_file_per_activation = one_file_per_activation
+        self._pending: dict[int, list[str]] = {}  # step -> its records as JSON lines, until the step is over
+        atexit.register(self.flush)
         if bucket_size < 1:
             raise ValueError(f"bucket_size={bucket_size} must be >= 1")
         self.output_dir = os.fspath(output_dir)
@@ -259,6 +277,18 @@ class StatisticsSubscriber(SubscriberBase):
 
     def on_step_end(self, step: int) -> None:
         self._last = None
+        self._flush_step(step)
+
+    def flush(self) -> None:
+        """Write the records of every step delivered so far (the current step's too; later records of that step
+        then rewrite its file)."""
+        for step in list(self._pending):
+            self._flush_step(step, keep=True)
+
+    def _flush_step(self, step: int, keep: bool = False) -> None:
+        lines = self._pending.get(step) if keep else self._pending.pop(step, None)
+        if lines:
+            _write_text(os.path.join(self._step_dir(step), RECORDS_FILE), "\n".join(lines) + "\n")
 
     def on_step_start(self, step: int) -> None:
         if self.engine != self._meta_source:  # the model was wrapped in ORTModule (or unwrapped) after subscribing
@@ -285,7 +315,10 @@ class StatisticsSubscriber(SubscriberBase):
         record.update(self._last[2])
         folder = self._step_dir(step)
         os.makedirs(folder, exist_ok=True)
-        _write_json(os.path.join(folder, f"{order:05d}_{kind}_{safe_name(name)}.json"), record)
+        if self.one_file_per_activation:
+            _write_json(os.path.join(folder, f"{order:05d}_{kind}_{safe_name(name)}.json"), record)
+        else:
+            self._pending.setdefault(step, []).append(json.dumps(record, allow_nan=False))
 
 
 SUBSCRIBER_CLASSES: dict[str, type] = {"StatisticsSubscriber": StatisticsSubscriber}

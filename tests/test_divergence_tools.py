@@ -305,6 +305,11 @@ def _bad_inputs(tmp_path: Path, reference) -> dict[str, tuple[Path, Path, str]]:
     del rec["std"]
     rec_path.write_text(json.dumps(rec))
     cases["missing field"] = (fields, rec_path, "missing field(s) std")
+
+    bad_line = write_run(tmp_path / "bad_line", reference)
+    lines_path = bad_line / "step_2" / "records.jsonl"
+    lines_path.write_text(json.dumps({**reference[2][0], "rank": 0}) + "\n" + '{"format": 1, "name": \n')
+    cases["malformed records.jsonl line"] = (bad_line, lines_path, "malformed JSON at line 2")
     return cases
 
 

@@ -3,7 +3,8 @@
 A run directory, as written by ``StatisticsSubscriber``::
 
     <run>/meta.json                      {"format": 1, "source": "torch"|"ortcore", "rank", "world_size", "model"}
-    <run>/step_<step>/<order:05d>_<kind>_<safe name>.json
+    <run>/step_<step>/records.jsonl                   one record a line, or
+    <run>/step_<step>/<order:05d>_<kind>_<safe name>.json   one record a file
 
 each record holding ``{"format": 1, "name", "kind", "step", "order", "rank", "shape", "dtype", "numel", "min", "max",
 "mean", "std", "abs_mean", "zeros", "nans", "infs", "samples"}``.
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = 1
+RECORDS_FILE = "records.jsonl"  # a step's records, one a line (StatisticsSubscriber's default layout)
 KINDS = ("forward", "backward")
 FLOAT_STATS = ("mean", "std", "min", "max", "abs_mean")
 COUNT_STATS = ("nans", "infs")
@@ -134,6 +136,24 @@ def _read_json(path: Path, what: str) -> Any:
         raise RecordError(path, f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})", what) from None
 
 
+def _read_json_lines(path: Path) -> list[Any]:
+    """The records of a ``records.jsonl`` file, one JSON object a line."""
+    what = "activation statistics records, one JSON object a line"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RecordError(path, f"cannot read ({e.strerror or e})", what) from None
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise RecordError(path, f"malformed JSON at line {number} ({e.msg})", what) from None
+    return out
+
+
 def _check_format(path: Path, data: Any, what: str) -> None:
     if not isinstance(data, dict):
         raise RecordError(path, f"not a JSON object (got {type(data).__name__})", what)
@@ -179,6 +199,9 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         records = []
         for f in sorted(child.glob("*.json")):
             records.append(_check_record(f, _read_json(f, "an activation statistics record"), step))
+        lines = child / RECORDS_FILE
+        if lines.is_file():
+            records.extend(_check_record(lines, rec, step) for rec in _read_json_lines(lines))
         records.sort(key=lambda r: r["order"])
         run.steps[step] = records
     if not run.steps:

@@ -52,11 +52,13 @@ def capture(model):
 
 
 def read_step(folder):
+    """A step's records by (kind, name), from either layout (records.jsonl, or one file per record)."""
     records = {}
     for file in sorted(os.listdir(folder)):
         with open(os.path.join(folder, file)) as f:
-            record = json.load(f)
-        records[(record["kind"], record["name"])] = record
+            found = [json.loads(line) for line in f] if file == plugin.RECORDS_FILE else [json.load(f)]
+        for record in found:
+            records[(record["kind"], record["name"])] = record
     return records
 
 
@@ -84,6 +86,8 @@ def test_records_every_submodule_output_and_gradient_with_torch_statistics(hooks
     forward, backward = capture(model)
     GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / "out")])
     model(torch.randn(5, 4)).square().mean().backward()
+    assert not os.listdir(tmp_path / "out" / "step_0")  # written when the step is over
+    GlobalSubscriberManager.unsubscribe(model)
 
     records = read_step(tmp_path / "out" / "step_0")
     names = ACTIVATION_NET_NAMES
@@ -100,7 +104,27 @@ def test_records_every_submodule_output_and_gradient_with_torch_statistics(hooks
     )
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta == {"format": 1, "source": "torch", "rank": 0, "world_size": 1, "model": "ActivationNet"}
-    assert not [f for f in os.listdir(tmp_path / "out" / "step_0") if not f.endswith(".json") or f.startswith(".")]
+    assert os.listdir(tmp_path / "out" / "step_0") == ["records.jsonl"]  # no temporary file left
+
+
+def test_one_file_per_activation_layout_holds_the_same_records(hooks_api, tmp_path):
+    from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
+    from ortcore.hooks.divergence import find_divergence
+
+    x = torch.randn(5, 4)
+    for layout, per_file in (("lines", False), ("files", True)):
+        torch.manual_seed(0)
+        model = ActivationNet()
+        subscriber = StatisticsSubscriber(tmp_path / layout, one_file_per_activation=per_file)
+        GlobalSubscriberManager.subscribe(model, [subscriber])
+        model(x).square().mean().backward()
+        subscriber.flush()  # the open step's records, without ending it
+        GlobalSubscriberManager.unsubscribe(model)
+    files = sorted(os.listdir(tmp_path / "files" / "step_0"))
+    assert len(files) == 2 * len(ACTIVATION_NET_NAMES) and all(f.endswith(".json") for f in files)
+    assert read_step(tmp_path / "lines" / "step_0") == read_step(tmp_path / "files" / "step_0")
+    report = find_divergence(tmp_path / "lines", tmp_path / "files")
+    assert not report.diverged and report.compared == 2 * len(ACTIVATION_NET_NAMES)
 
 
 def test_gpt2_model_output_fields_and_gradients(hooks_api, tmp_path):
@@ -115,6 +139,7 @@ def test_gpt2_model_output_fields_and_gradients(hooks_api, tmp_path):
     GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / "gpt2")])
     ids = torch.randint(0, 16, (2, 5))
     model(ids, labels=ids).loss.backward()
+    GlobalSubscriberManager.unsubscribe(model)
 
     records = read_step(tmp_path / "gpt2" / "step_0")
     assert ("forward", "GPT2LMHeadModel['logits']") in records and ("forward", "GPT2LMHeadModel['loss']") in records
@@ -134,6 +159,7 @@ def test_start_and_end_step(hooks_api, tmp_path):
         model(torch.randn(2, 4)).sum().backward()
     model.eval()
     model(torch.randn(2, 4))  # eval forwards are not steps
+    GlobalSubscriberManager.unsubscribe(model)
     assert sorted(p for p in os.listdir(tmp_path / "out") if p.startswith("step_")) == ["step_1", "step_2"]
     assert {r["step"] for r in read_step(tmp_path / "out" / "step_2").values()} == {2}
 

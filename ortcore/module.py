@@ -124,7 +124,7 @@ class _ORTFunction(torch.autograd.Function):
     """Runs one training step's forward in ORT and, when autograd asks, the matching backward."""
 
     @staticmethod
-    def forward(ctx, session: TrainingSession, runtime: _Runtime, recording: Any, *feeds: torch.Tensor):
+    def forward(ctx, session: TrainingSession, runtime: _Runtime, recording: Any, anchor: Any, *feeds: torch.Tensor):
         outputs, state = session.run_forward(feeds)
         ctx.session = session
         ctx.runtime = runtime
@@ -161,7 +161,7 @@ class _ORTFunction(torch.autograd.Function):
                 deliver_backward(step_state, names[k], grad)
         for call in phases["post_backward"]:
             call(ctx.step)
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
 
 
 _WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "training"})
@@ -313,7 +313,15 @@ class ORTModule(torch.nn.Module):
         names = [tap.name for tap in graph.taps]
         recording = (step_state, names) if step_state is not None and graph.taps else None
         if session.request.build_gradient:
-            outputs = _ORTFunction.apply(session, rt, recording, *feeds)
+            anchor = None
+            if session.grads_handed_over:
+                # A plugin hands these gradients to torch itself during ORT's backward: no autograd edge to them,
+                # or torch would call their hooks (and DDP's) again, with None. If nothing else requires grad, an
+                # anchor keeps the outputs differentiable.
+                feeds = [f.detach() if i in session.grads_handed_over else f for i, f in enumerate(feeds)]
+                if not any(f.requires_grad for f in feeds):
+                    anchor = torch.zeros((), requires_grad=True)
+            outputs = _ORTFunction.apply(session, rt, recording, anchor, *feeds)
         else:
             outputs = session.run_inference(feeds)
         n = graph.n_user_outputs

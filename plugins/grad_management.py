@@ -66,36 +66,18 @@ def _enabled(config: Config) -> bool:
 # -- the hand-over --------------------------------------------------------------------------------------------------
 class _Parameters:
     """One training session's handed-over parameters: the objects by name, set before each forward by the model's
-    inspector (held weakly: the PythonOp nodes refer to this object for as long as the process lives), and the
-    ones whose ``requires_grad`` is off while the core hands the feeds to its autograd Function."""
+    inspector (held weakly: the PythonOp nodes refer to this object for as long as the process lives)."""
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
         self.by_name: weakref.WeakValueDictionary[str, torch.nn.Parameter] = weakref.WeakValueDictionary()
-        self.lowered: list[torch.nn.Parameter] = []
 
-    def lower(self, module: torch.nn.Module) -> None:
-        """Before the core's autograd Function is applied: make the handed-over parameters look frozen, so that
-        the Function has no autograd edge to them (torch would otherwise call their hooks, and DDP's, a second
-        time, with None, after the Function's backward)."""
-        self.restore()
-        by_name = self.by_name
+    def bind(self, module: torch.nn.Module) -> None:
         params = dict(module.named_parameters())
         for name in self.names:
             param = params.get(name)
-            if param is None:
-                continue
-            if by_name.get(name) is not param:
-                by_name[name] = param
-            if param.requires_grad:
-                param.requires_grad_(False)
-                self.lowered.append(param)
-
-    def restore(self) -> None:
-        """Right after the Function captured its edges (inside ORT's forward) or when the forward failed."""
-        lowered, self.lowered = self.lowered, []
-        for param in lowered:
-            param.requires_grad_(True)
+            if param is not None and self.by_name.get(name) is not param:
+                self.by_name[name] = param
 
 
 class _Target:
@@ -162,10 +144,6 @@ def insert_hand_overs(session: Any) -> int:
     producer = {o: (n, node) for n, node in enumerate(graph.node) for o in node.output if o}
     # A gradient nothing computes in ORT (a graph input passed through) stays with the core.
     feeds = [k for k in _eligible_feeds(session) if f"{session.feed_names[k]}_grad" in producer]
-    if set(session.request.train_names) <= {session.feed_names[k] for k in feeds}:
-        # Something the core's autograd Function receives must still require grad, or its outputs would not:
-        # the parameter whose gradient ORT computes last is returned the usual way.
-        feeds.remove(max(feeds, key=lambda k: producer[f"{session.feed_names[k]}_grad"][0]))
     if not feeds:
         return 0
     python_op._install_runners()
@@ -215,18 +193,8 @@ def insert_hand_overs(session: Any) -> int:
     graph.node.extend(nodes)
     session._model_bytes = model.SerializeToString()
     session.recreate_session()
-    session.grads_handed_over.update(feeds)
+    session.grads_handed_over.update(feeds)  # the core feeds them detached and returns no gradient for them
     _sessions[session] = parameters
-    run_forward = session.run_forward
-
-    def run_forward_then_restore(feeds: Any) -> Any:
-        # Called inside the core's autograd Function: its edges are captured by now.
-        try:
-            return run_forward(feeds)
-        finally:
-            parameters.restore()
-
-    session.run_forward = run_forward_then_restore
     return len(feeds)
 
 
@@ -238,8 +206,7 @@ def _input_type(model: onnx.ModelProto, name: str) -> tuple[int, int]:
 
 
 class GradManagementInspector(RuntimeInspector):
-    """Before each forward, makes the session's handed-over parameters look frozen to the core's autograd Function
-    (restored as soon as it has captured its edges, or after the forward if it failed before)."""
+    """Before each forward, tells the session's hand-over nodes which parameter objects are the model's now."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = weakref.ref(module)
@@ -247,13 +214,8 @@ class GradManagementInspector(RuntimeInspector):
     def pre_forward(self, step: int, inputs: Any) -> None:
         parameters = _sessions.get(inputs.session) if inputs.session is not None else None
         module = self.module()
-        if parameters is not None and module is not None and torch.is_grad_enabled():
-            parameters.lower(module)
-
-    def post_forward(self, step: int, outputs: list[Any]) -> None:
-        for parameters in list(_sessions.values()):
-            if parameters.lowered:
-                parameters.restore()
+        if parameters is not None and module is not None:
+            parameters.bind(module)
 
 
 # -- hooks ----------------------------------------------------------------------------------------------------------

@@ -210,6 +210,15 @@ def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> 
     return found
 
 
+def through_identities(producer: dict[str, onnx.NodeProto], value: str) -> str:
+    """The value ``value`` copies: its producers' inputs followed back while they are Identity nodes."""
+    node = producer.get(value)
+    while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+        value = node.input[0]
+        node = producer.get(value)
+    return value
+
+
 def _expose_taps(model: onnx.ModelProto, n_user: int, names: list[str]) -> list[TapPoint]:
     """Give the activations the exporter wrote as outputs after the model's own their place in the graph.
 
@@ -220,16 +229,8 @@ def _expose_taps(model: onnx.ModelProto, n_user: int, names: list[str]) -> list[
     """
     graph = model.graph
     producer = {o: node for node in graph.node for o in node.output if o}
-
-    def underlying(value: str) -> str:
-        node = producer.get(value)
-        while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
-            value = node.input[0]
-            node = producer.get(value)
-        return value
-
     extras = list(graph.output[n_user : n_user + len(names)])
-    tapped = [underlying(o.name) for o in extras]
+    tapped = [through_identities(producer, o.name) for o in extras]
     # The exporter's types of those values: ORT cannot infer some ops' (ATen's) from their inputs.
     typed = {i.name for i in graph.value_info} | {i.name for i in graph.input}
     for info, value in zip(extras, tapped):

@@ -19,7 +19,7 @@ import torch.utils.dlpack
 from onnxruntime.capi import _pybind_state as C
 
 from .errors import GraphBuildError, UnsupportedModelError
-from .graph import resolve_stop_gradients, value_dependencies
+from .graph import resolve_stop_gradients, through_identities, value_dependencies
 from .options import LogLevel
 
 logger = logging.getLogger("ortcore")
@@ -252,11 +252,8 @@ class TrainingSession:
         fetch_index = {name: i for i, name in enumerate(self.fetch_names)}
         missing = []
         for k, (_, output) in enumerate(r.taps):
-            value, node = None, producer.get(output)
-            while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
-                value = node.input[0]
-                node = producer.get(value)
-            grad = f"{value}_grad" if value is not None else None
+            value = through_identities(producer, output)
+            grad = f"{value}_grad" if value != output else None  # no Identity left: ORT folded the exposure
             if grad not in fetch_index and grad in producer:
                 fetch_index[grad] = len(self.fetch_names)
                 self.fetch_names.append(grad)

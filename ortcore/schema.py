@@ -73,22 +73,29 @@ def _path_name(path: tuple, root: str = "input") -> str:
     return re.sub(r"[^0-9A-Za-z_.]", "_", text) or root
 
 
-def _flatten(tree: Any, what: str) -> tuple[list[tuple[tuple, Any]], pytree.TreeSpec]:
-    """Flatten with paths; adapt unknown leaf types once through LEAF_ADAPTERS, else name the bad leaf."""
+def flatten_adapted(tree: Any, what: str = "value") -> tuple[list[tuple[tuple, Any]], pytree.TreeSpec]:
+    """Flatten with paths, offering leaf types pytree does not know to LEAF_ADAPTERS (a Hugging Face cache, say)
+    and flattening again while one of them registers something. Leaves no adapter takes are returned as they are."""
     for _ in range(8):
         leaves, spec = pytree.tree_flatten_with_path(tree)
-        unknown = [(p, v) for p, v in leaves if not isinstance(v, (torch.Tensor, *_CONSTANT_TYPES))]
-        if not unknown:
+        unknown = {type(v) for _, v in leaves if not isinstance(v, (torch.Tensor, *_CONSTANT_TYPES))}
+        if not any(adapt(t) for t in unknown):
             return leaves, spec
-        path, value = unknown[0]
-        if not adapt(type(value)):
+    raise UnsupportedDataError(f"{what} has leaf types that could not be adapted")
+
+
+def _flatten(tree: Any, what: str) -> tuple[list[tuple[tuple, Any]], pytree.TreeSpec]:
+    """Flatten with paths and adapted leaf types (:func:`flatten_adapted`); name the first leaf ortcore cannot pass."""
+    leaves, spec = flatten_adapted(tree, what)
+    for path, value in leaves:
+        if not isinstance(value, (torch.Tensor, *_CONSTANT_TYPES)):
             raise UnsupportedDataError(
                 f"{what} {_path_name(path, what)!r} is a {type(value).__module__}.{type(value).__qualname__}, which "
                 "ortcore cannot pass through an ONNX graph; allowed: tensors, nested tuples/lists/dicts, dataclasses "
                 "and ModelOutputs of them, None, and int/float/bool/str constants (register other types with "
                 "torch.utils._pytree.register_pytree_node)"
             )
-    raise UnsupportedDataError(f"{what} has leaf types that could not be adapted")
+    return leaves, spec
 
 
 @attrs.frozen(eq=False)

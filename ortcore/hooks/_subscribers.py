@@ -81,17 +81,14 @@ def _flatten_with_path(value: Any) -> tuple[list[tuple[str, Any]], pytree.TreeSp
     Leaf types pytree does not know are offered once to ortcore's leaf adapters (a Hugging Face cache, say), as
     ORTModule does with its outputs, so a plain model and an ORTModule see the same activations.
     """
-    from ..schema import _CONSTANT_TYPES, adapt
+    from ..errors import UnsupportedDataError
+    from ..schema import flatten_adapted
 
-    for _ in range(8):
-        try:
-            pairs, spec = pytree.tree_flatten_with_path(value)
-        except (ValueError, TypeError, NotImplementedError):  # a type registered without key paths
-            flat, spec = pytree.tree_flatten(value)
-            return [(f"[{i}]", leaf) for i, leaf in enumerate(flat)], spec
-        unknown = {type(v) for _, v in pairs if not isinstance(v, (torch.Tensor, *_CONSTANT_TYPES))}
-        if not any(adapt(t) for t in unknown):
-            break
+    try:
+        pairs, spec = flatten_adapted(value, "activation")
+    except (ValueError, TypeError, NotImplementedError, UnsupportedDataError):  # a type without key paths, say
+        flat, spec = pytree.tree_flatten(value)
+        return [(f"[{i}]", leaf) for i, leaf in enumerate(flat)], spec
     return [(pytree.keystr(path), leaf) for path, leaf in pairs], spec
 
 

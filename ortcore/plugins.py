@@ -361,9 +361,10 @@ def get_host() -> PluginHost:
 
 
 def set_host(host: PluginHost | None) -> PluginHost | None:
-    """Pin the process-wide host (``None`` unpins it); returns the previous one. Tests and embedders use this."""
+    """Pin the process-wide host (``None`` unpins it); returns the host pinned before, or None if none was, so that
+    ``set_host(previous)`` restores exactly what was there. Tests and embedders use this."""
     global _default_host, _default_host_key, _pinned
-    previous = _default_host
+    previous = _default_host if _pinned else None
     _default_host, _default_host_key, _pinned = host, _environment_key(), host is not None
     return previous
 

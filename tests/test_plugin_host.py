@@ -264,3 +264,16 @@ def test_exporter_hook_replaces_the_default():
     model = ORTModule(torch.nn.Linear(2, 2), host=make_host({"exp": ExporterPlugin()}))
     model(torch.randn(1, 2))
     assert model.state_machine.last_key.exporter == "named"
+
+
+def test_restoring_the_previous_host_leaves_the_default_unpinned(monkeypatch):
+    from ortcore.plugins import get_host, set_host
+
+    set_host(None)
+    default = get_host()
+    previous = set_host(PluginHost(autoload=False))
+    assert previous is None  # nothing was pinned
+    set_host(previous)
+    monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "ERROR")  # the environment changed: the default host is rebuilt
+    rebuilt = get_host()
+    assert rebuilt is not default and rebuilt.config.core.log_level.name == "ERROR"

@@ -150,7 +150,7 @@ def make_batches(name: str, cfg: BenchConfig) -> list[dict[str, Any]]:
 
 
 # -- memory ------------------------------------------------------------------------------------------------------
-def _read_vm_hwm() -> int | None:
+def read_vm_hwm() -> int | None:
     """The kernel's high-water mark of this process's RSS in bytes (Linux), or None."""
     try:
         with open("/proc/self/status") as f:
@@ -160,6 +160,26 @@ def _read_vm_hwm() -> int | None:
     except OSError:
         pass
     return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark to the current RSS (Linux ``/proc/self/clear_refs``); False if unavailable."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The peak RSS since start or since :func:`reset_peak_rss`: VmHWM, else ``ru_maxrss`` (never reset)."""
+    peak = read_vm_hwm()
+    if peak is not None:
+        return peak
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class PeakRSS:
@@ -184,14 +204,9 @@ class PeakRSS:
         return self._process.memory_info().rss
 
     def start(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # "5" resets the peak RSS to the current RSS
-            if _read_vm_hwm() is not None:
-                self.method = "kernel high-water mark (VmHWM, reset at start of training)"
-                return
-        except OSError:
-            pass
+        if reset_peak_rss() and read_vm_hwm() is not None:
+            self.method = "kernel high-water mark (VmHWM, reset at start of training)"
+            return
         self.method = f"psutil sampling every {self._interval_s * 1e3:.0f} ms"
         self._sampled = self.current_bytes()
         self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
@@ -204,7 +219,7 @@ class PeakRSS:
     def stop(self) -> int:
         """Stop measuring; return the peak in bytes."""
         if self._thread is None:
-            return max(_read_vm_hwm() or 0, self.current_bytes())
+            return max(read_vm_hwm() or 0, self.current_bytes())
         self._stop.set()
         self._thread.join()
         return max(self._sampled, self.current_bytes())

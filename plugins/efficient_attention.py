@@ -27,7 +27,6 @@ Run ``python -m ortcore_plugins.efficient_attention --bench`` for step time and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -37,7 +36,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -46,6 +44,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from ortcore.bench import peak_rss_bytes, reset_peak_rss
 from ortcore.config import Config, option
 from ortcore.errors import OptionError
 from ortcore.graph_passes import GraphPass, PassContext
@@ -653,24 +652,6 @@ SETTING_LABELS = {"torch": "PyTorch eager", "off": "ortcore, plugin off", "on": 
 MODULE = "ortcore_plugins.efficient_attention"
 
 
-def _peak_rss() -> int:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _bench_model(setting: str, attn: str, spec: Mapping[str, int]) -> tuple[torch.nn.Module, Callable[[], float]]:
     """GPT-2 from a config, in PyTorch ("torch") or in ortcore with this plugin "off" or "on" (with aten_fallback's
     default routing, as an installed ortcore runs), and one AdamW training step on a fixed batch."""
@@ -730,9 +711,9 @@ def _memory_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str
     step()  # export, build and the first step
     first = time.perf_counter() - start
     replaced = _replaced(setting)
-    first_peak = _peak_rss()
+    first_peak = peak_rss_bytes()
     step()
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     for _ in range(3):
         loss = step()
     return {
@@ -742,7 +723,7 @@ def _memory_worker(setting: str, attn: str, spec: Mapping[str, int]) -> dict[str
         "loss": loss,
         "first_step_s": round(first, 2),
         "first_peak_rss_mib": round(first_peak / 2**20, 1),
-        "peak_rss_mib": round(_peak_rss() / 2**20, 1),
+        "peak_rss_mib": round(peak_rss_bytes() / 2**20, 1),
         "peak_is_steady_state": reset,
     }
 

@@ -42,12 +42,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
 import onnxruntime
 
+from ortcore.bench import peak_rss_bytes, reset_peak_rss
 from ortcore.config import option
 from ortcore.errors import OptionError
 from ortcore.hookspecs import hookimpl
@@ -443,8 +443,8 @@ def _bench_worker(setting: str, spec: Mapping[str, int]) -> dict[str, Any]:
     first = time.perf_counter()
     loss = step()  # export, build, and the first step: not part of the steady peak
     first = time.perf_counter() - first
-    first_peak = _peak_rss()  # model, export, session builds and the first step
-    reset = _reset_peak_rss()
+    first_peak = peak_rss_bytes()  # model, export, session builds and the first step
+    reset = reset_peak_rss()
     start = time.perf_counter()
     for _ in range(spec["steps"]):
         step()
@@ -455,28 +455,9 @@ def _bench_worker(setting: str, spec: Mapping[str, int]) -> dict[str, Any]:
         "first_step_s": round(first, 2),
         "step_s": round(seconds, 3),
         "first_peak_rss_mib": round(first_peak / 2**20, 1),
-        "peak_rss_mib": round(_peak_rss() / 2**20, 1),
+        "peak_rss_mib": round(peak_rss_bytes() / 2**20, 1),
         "peak_is_steady_state": reset,
     }
-
-
-def _peak_rss() -> int:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak RSS (Linux), so the peak measured is that of the training steps only."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def bench_memory_recompute(

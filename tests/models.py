@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -523,3 +527,21 @@ def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor |
     if mask is not None:
         targets[mask[:, 1:] == 0] = -100
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+
+# -- contrib plugins ------------------------------------------------------------------------------------------------
+CONTRIB = Path(__file__).parents[1] / "contrib"
+
+
+def install_contrib(folder: str, module: str) -> None:
+    """pip install ``contrib/<folder>`` into this interpreter unless ``module`` is importable already (no deps)."""
+    if importlib.util.find_spec(module) is None:
+        command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", str(CONTRIB / folder)]
+        if importlib.util.find_spec("setuptools") is not None:
+            command.insert(-1, "--no-build-isolation")
+        subprocess.run(command, check=True, timeout=300)
+
+
+def run_in(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run a command in ``cwd``, capturing its text output (a fresh process: it loads plugins from entry points)."""
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)

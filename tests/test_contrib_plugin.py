@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-CONTRIB = Path(__file__).parents[1] / "contrib" / "ortcore-nan-guard"
+from models import install_contrib, run_in
 
 SCRIPT = textwrap.dedent(
     """
@@ -35,34 +31,28 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def installed_nan_guard():
-    if importlib.util.find_spec("ortcore_nan_guard") is None:
-        command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", str(CONTRIB)]
-        if importlib.util.find_spec("setuptools") is not None:
-            command.insert(-1, "--no-build-isolation")
-        subprocess.run(command, check=True, timeout=300)
+    install_contrib("ortcore-nan-guard", "ortcore_nan_guard")
 
 
 def test_contrib_plugin_is_listed_acts_and_switches_off(installed_nan_guard, tmp_path):
-    listing = _run([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
+    listing = run_in([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
     assert listing.returncode == 0, listing.stderr
     row = next(line for line in listing.stdout.splitlines() if line.strip("│ ").startswith("nan_guard "))
     assert "ortcore-nan-guard" in row and "yes" in row
 
     (tmp_path / "train.py").write_text(SCRIPT)
-    acting = _run([sys.executable, "train.py"], tmp_path)
+    acting = run_in([sys.executable, "train.py"], tmp_path)
     assert acting.returncode != 0
     assert "NonFiniteError" in acting.stderr and "first produced by module 'head'" in acting.stderr
 
     (tmp_path / "ortcore.toml").write_text('[plugins]\ndisable = ["nan_guard"]\n')
-    switched_off = _run([sys.executable, "train.py"], tmp_path)
+    switched_off = run_in([sys.executable, "train.py"], tmp_path)
     assert switched_off.returncode == 0, switched_off.stderr
     assert "finished; finite: False" in switched_off.stdout
-    listing = _run([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
+    listing = run_in([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
     row = next(line for line in listing.stdout.splitlines() if line.strip("│ ").startswith("nan_guard "))
     assert "no (disabled)" in row

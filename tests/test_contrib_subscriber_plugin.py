@@ -7,15 +7,11 @@ Three subprocesses only (each pays for importing torch); the contrib package's o
 from __future__ import annotations
 
 import csv
-import importlib.util
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-CONTRIB = Path(__file__).parents[1] / "contrib" / "ortcore-activation-norms"
+from models import install_contrib, run_in
 
 SCRIPT = textwrap.dedent(
     """
@@ -43,8 +39,6 @@ SCRIPT = textwrap.dedent(
 ENABLED = '[plugins.activation_norms]\nenabled = true\noutput_path = "norms.csv"\n'
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def _row(listing: str) -> str:
@@ -53,22 +47,18 @@ def _row(listing: str) -> str:
 
 @pytest.fixture(scope="module")
 def installed_activation_norms():
-    if importlib.util.find_spec("ortcore_activation_norms") is None:
-        command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", str(CONTRIB)]
-        if importlib.util.find_spec("setuptools") is not None:
-            command.insert(-1, "--no-build-isolation")
-        subprocess.run(command, check=True, timeout=300)
+    install_contrib("ortcore-activation-norms", "ortcore_activation_norms")
 
 
 def test_contrib_subscriber_plugin_is_listed_imports_records_and_switches_off(installed_activation_norms, tmp_path):
-    listing = _run([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
+    listing = run_in([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
     assert listing.returncode == 0, listing.stderr
     row = _row(listing.stdout)
     assert "ortcore-activation-norms" in row and "yes" in row
 
     (tmp_path / "train.py").write_text(SCRIPT)
     (tmp_path / "ortcore.toml").write_text(ENABLED)
-    recording = _run([sys.executable, "train.py"], tmp_path)
+    recording = run_in([sys.executable, "train.py"], tmp_path)
     assert recording.returncode == 0, recording.stderr
     assert "NormSubscriber from ortcore_activation_norms.subscriber" in recording.stdout
     assert "ran in ORT: True" in recording.stdout
@@ -82,7 +72,7 @@ def test_contrib_subscriber_plugin_is_listed_imports_records_and_switches_off(in
 
     (tmp_path / "norms.csv").unlink()
     (tmp_path / "ortcore.toml").write_text('[plugins]\ndisable = ["activation_norms"]\n\n' + ENABLED)
-    disabled = _run([sys.executable, "train.py"], tmp_path)
+    disabled = run_in([sys.executable, "train.py"], tmp_path)
     assert disabled.returncode == 0, disabled.stderr
     assert "ran in ORT: True" in disabled.stdout and not (tmp_path / "norms.csv").exists()
     assert "no NormSubscriber; subscriber classes:" in disabled.stdout  # the plugin was never imported

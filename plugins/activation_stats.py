@@ -99,8 +99,12 @@ class _Reducer:
 
     def __init__(self) -> None:
         self._compiled: Any = None
-        self.fused = False  # whether the compiled kernel is in use
         self._tried = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether the compiled kernel is in use."""
+        return self._compiled is not None
 
     def _compile(self) -> None:
         self._tried = True
@@ -115,7 +119,7 @@ class _Reducer:
         except Exception as e:  # noqa: BLE001 - any compile failure leaves the eager path, which is correct
             logger.warning("activation_stats: compiling the statistics kernel failed (%s); computing eagerly", e)
             return
-        self._compiled, self.fused = compiled, True
+        self._compiled = compiled
 
     def __call__(self, chunk: torch.Tensor, fused: bool) -> list[float]:
         if fused and not self._tried:

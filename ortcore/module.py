@@ -128,7 +128,7 @@ class _ORTFunction(torch.autograd.Function):
         outputs, state = session.run_forward(feeds)
         ctx.session = session
         ctx.runtime = runtime
-        ctx.recording = recording  # (subscribers' step state, tap names) when activations are recorded
+        ctx.recording = recording  # (subscribers' step state, the graph's taps) when activations are recorded
         ctx.step = runtime.step
         ctx.feeds = feeds  # references only: a second backward (retain_graph=True) recomputes the forward
         ctx.state = state
@@ -156,9 +156,9 @@ class _ORTFunction(torch.autograd.Function):
         grads = session.run_backward(grad_outputs, ctx.meta, state, tap_gradients=tap_grads)
         del state
         if tap_grads:
-            step_state, names = ctx.recording
+            step_state, taps = ctx.recording
             for k, grad in tap_grads:
-                deliver_backward(step_state, names[k], grad)
+                deliver_backward(step_state, taps[k].name, grad)
         for call in phases["post_backward"]:
             call(ctx.step)
         return (None, None, None, None, *grads)
@@ -310,8 +310,7 @@ class ORTModule(torch.nn.Module):
             inputs = ForwardInputs(call[0], call[1], dict(zip(graph.user_input_names, tensors)), session)
             for inspect_call in rt.phases["pre_forward"]:
                 inspect_call(rt.step, inputs)
-        names = [tap.name for tap in graph.taps]
-        recording = (step_state, names) if step_state is not None and graph.taps else None
+        recording = (step_state, graph.taps) if step_state is not None and graph.taps else None
         if session.request.build_gradient:
             anchor = None
             if session.grads_handed_over:
@@ -332,8 +331,8 @@ class ORTModule(torch.nn.Module):
         for stats, x in zip(graph.batch_norms, outputs[n:]):
             update_batch_norm(stats, x)
         if recording is not None:
-            for name, i in zip(names, graph.tap_outputs):
-                deliver_forward(step_state, name, outputs[i])
+            for tap, i in zip(graph.taps, graph.tap_outputs):
+                deliver_forward(step_state, tap.name, outputs[i])
         return graph.output_schema.restore(outputs[:n])
 
     def _device(self, tensors: list[torch.Tensor], params: dict) -> torch.device:

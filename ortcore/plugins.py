@@ -46,6 +46,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "autograd_function",
     "efficient_attention",
     "grad_management",
+    "gradient_fixes",
+    "op_routing",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"

@@ -156,6 +156,7 @@ class TrainingSession:
             # Gradient outputs are named "<input>_grad"; map each feed to its gradient's index (or None).
             grad_index = {name: i for i, name in enumerate(self.fetch_names)}
             self.grad_index = [grad_index.get(f"{name}_grad") for name in self.feed_names]
+            self._grad_producers = _grad_producers(self.model, self.feed_names, self.grad_index)
             # Which feeds each output depends on: a parameter reached only by outputs that got no gradient gets
             # None, as in torch, not ORT's zeros (weight decay would move it otherwise).
             reach = value_dependencies(r.model, [o.name for o in r.model.graph.output])
@@ -337,9 +338,15 @@ class TrainingSession:
         outputs_meta: Sequence[tuple],
         state,
         tap_gradients: list[tuple[int, torch.Tensor]] | None = None,
+        feed_shapes: Sequence[torch.Size] | None = None,
     ) -> list[torch.Tensor]:
         """The gradient of each feed (None where torch would give none). With ``tap_gradients``, also append
-        ``(tap index, gradient)`` for each tap that received a gradient, last tap first (the backward's order)."""
+        ``(tap index, gradient)`` for each tap that received a gradient, last tap first (the backward's order).
+
+        With ``feed_shapes`` (the shapes of the forward's feeds), every gradient must have its feed's shape:
+        otherwise a :class:`GraphBuildError` names the feed and the gradient node that produced it. torch would
+        silently sum a broadcastable wrong-shaped gradient down to the input's shape, hiding a wrong gradient graph.
+        """
         inputs = C.OrtValueVector()
         for i, grad in enumerate(grad_outputs):
             if i in self.non_differentiable:
@@ -356,6 +363,8 @@ class TrainingSession:
         got_grad = {i for i, grad in enumerate(grad_outputs) if grad is not None}
         for i in got_grad:
             reached |= self.output_feeds[i]
+        if feed_shapes is not None:
+            self._check_grad_shapes(grads, feed_shapes)
         if tap_gradients is not None:
             for k in reversed(range(len(self.tap_gradients))):
                 if self.tap_gradients[k] is not None and self.tap_outputs[k] & got_grad:
@@ -364,3 +373,22 @@ class TrainingSession:
             grads[j] if j is not None and i in reached and i not in self.grads_handed_over else None
             for i, j in enumerate(self.grad_index)
         ]
+
+    def _check_grad_shapes(self, grads: list[torch.Tensor], feed_shapes: Sequence[torch.Size]) -> None:
+        for i, j in enumerate(self.grad_index):
+            if j is not None and grads[j].shape != feed_shapes[i]:
+                name = self.feed_names[i]
+                kind = "input" if name in self.request.user_input_names else "parameter"
+                node = self._grad_producers.get(i)
+                made_by = f" (made by gradient node {node[0]!r}, op {node[1]})" if node else ""
+                raise GraphBuildError(
+                    f"ONNX Runtime's gradient of {kind} {name!r} has shape {tuple(grads[j].shape)}, but {name!r} has "
+                    f"shape {tuple(feed_shapes[i])}{made_by}: the gradient graph does not reduce a broadcast back to "
+                    "the input's shape; a graph pass must fix this op's gradient (see the gradient_fixes plugin)"
+                )
+
+
+def _grad_producers(model: onnx.ModelProto, feed_names: list[str], grad_index: list[int | None]) -> dict[int, tuple]:
+    """Feed index -> (name, op type) of the gradient-graph node that outputs ``<feed>_grad`` (for error messages)."""
+    wanted = {f"{name}_grad": i for i, (name, j) in enumerate(zip(feed_names, grad_index)) if j is not None}
+    return {wanted[o]: (node.name, node.op_type) for node in model.graph.node for o in node.output if o in wanted}

@@ -1,1 +1,299 @@
-"""Graph passes that make ONNX Runtime's gradients match PyTorch's where ORT's gradient builders are wrong."""
+"""gradient_fixes: graph passes that make ONNX Runtime's gradients match PyTorch's where ORT's builders are wrong.
+
+ORT 1.19.2's gradient builders get broadcasting wrong in two ways (see ``docs/plugins/gradient_fixes.md``):
+
+* ``Where`` and ``Pow`` never reduce a gradient back to the shape of a broadcast input: the gradient of ``w[1, N]``
+  in ``Where(cond[B, N], w, 0)`` comes out ``[B, N]``. Values are then wrong (a following ``TanhGrad`` reads
+  ``w``'s activation with the wrong strides) or the backward fails (T5's position bias).
+* ``Add``/``Sub``/``Mul``/``Div``/``Min``/``Max``/``Expand`` reduce correctly when shapes are fully static or unknown,
+  but with *symbolic* dimensions they trust the names: a dimension ``x_dim0`` is taken never to broadcast against
+  ``3`` or against ``y_dim0``. ortcore exports every input dimension as symbolic, so an input of shape ``[1, N]``
+  requiring grad gets a ``[B, N]`` gradient.
+
+The pass :func:`fix_broadcast_gradients` edits the forward graph before the gradient build:
+
+* for a ``Where`` data input or a ``Pow`` base that may be broadcast (its shape is not provably the output's), it
+  inserts ``Expand(x, Shape(other))`` for each other input that may be larger: the op then sees no broadcasting, and
+  ORT's ``Expand`` gradient sums the gradient back to ``x``'s shape;
+* for an input of the other ops whose symbolic dimension might broadcast, it inserts ``Expand(x, Shape(x))``: the
+  same values, with a shape ORT cannot infer, so ORT builds the op's shape-reading (dynamic) gradient, which is right.
+
+Only inputs that may carry a gradient (computed from a floating-point graph input) and that need it are changed:
+a graph without such ops is left as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import onnx
+from onnx import TensorProto
+
+from ortcore.config import Config
+from ortcore.graph_passes import GraphPass, PassContext
+from ortcore.hookspecs import hookimpl
+
+logger = logging.getLogger("ortcore.gradient_fixes")
+
+NAME = "gradient_fixes"
+PASS_NAME = "gradient_fixes.broadcast"
+# Bumped whenever the pass's output changes, so export caches do not serve graphs made by an older pass.
+PASS_VERSION = 1
+
+# Ops whose ORT gradient never reduces a broadcast input (input indices that get a gradient).
+NO_REDUCTION: dict[str, tuple[int, ...]] = {"Where": (1, 2), "Pow": (0,)}
+# Ops whose ORT gradient reduces, but trusts symbolic dimension names when all shapes are known.
+NAME_TRUSTING: dict[str, tuple[int, ...] | None] = {
+    "Add": None,
+    "Sub": None,
+    "Mul": None,
+    "Div": None,
+    "Min": None,
+    "Max": None,
+    "Expand": (0,),
+}
+# Ops whose outputs carry no gradient: a value computed only through them needs no fix.
+_NON_DIFFERENTIABLE = frozenset(
+    {
+        "Shape", "Size", "Constant", "ConstantOfShape", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
+        "Not", "And", "Or", "Xor", "IsNaN", "IsInf", "ArgMax", "ArgMin", "NonZero", "Range", "EyeLike", "Sign",
+        "Floor", "Ceil", "Round", "BitShift", "Mod", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial",
+    }
+)
+_FLOAT_TYPES = frozenset(
+    {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+)
+
+Dim = int | str | None  # a static size, a symbolic name, or unknown
+Shape = list[Dim] | None  # None: rank unknown
+
+
+# -- shapes ---------------------------------------------------------------------------------------------------------
+
+
+def _dims(value: onnx.ValueInfoProto) -> Shape:
+    tensor = value.type.tensor_type
+    if not value.type.HasField("tensor_type") or not tensor.HasField("shape"):
+        return None
+    dims: list[Dim] = []
+    for dim in tensor.shape.dim:
+        if dim.HasField("dim_value") and dim.dim_value > 0:
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param") and dim.dim_param:
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return dims
+
+
+def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
+    """Every value's shape as ORT will see it: the exporter's value_info completed by ONNX shape inference."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+    except Exception as e:  # an op ONNX cannot infer (custom domains): keep what the exporter recorded
+        logger.debug("shape inference failed (%s); using the exported value_info only", e)
+        inferred = model
+    graph = inferred.graph
+    return {v.name: _dims(v) for v in (*graph.input, *graph.value_info, *graph.output)}
+
+
+def _aligned(shape: Sequence[Dim], rank: int) -> list[Dim | str]:
+    """``shape`` right-aligned to ``rank`` dimensions; missing leading dimensions are ``"absent"``."""
+    return ["absent"] * (rank - len(shape)) + list(shape)
+
+
+def _covers(shape: Shape, others: Iterable[Shape]) -> bool:
+    """Whether ``shape`` is provably the broadcast of itself and ``others`` (nothing of it is broadcast)."""
+    if shape is None:
+        return False
+    for other in others:
+        if other is None or len(other) > len(shape):
+            return False
+        for mine, theirs in zip(_aligned(shape, len(shape)), _aligned(other, len(shape))):
+            if theirs in ("absent", 1):
+                continue
+            if mine is None or theirs is None or mine != theirs:
+                return False
+    return True
+
+
+def _broadcast(shape: Shape, other: Shape) -> Shape:
+    """The static broadcast of two shapes (dimensions unknown where it cannot be told; None if a rank is unknown)."""
+    if shape is None or other is None:
+        return None
+    rank = max(len(shape), len(other))
+    result: list[Dim] = []
+    for a, b in zip(_aligned(shape, rank), _aligned(other, rank)):
+        if a in ("absent", 1):
+            result.append(a if b == "absent" else b)
+        elif b in ("absent", 1) or a == b:
+            result.append(a)
+        elif isinstance(a, int) and isinstance(b, int):
+            return None  # not broadcastable: leave the error to ORT
+        else:
+            result.append(a if isinstance(a, int) else b if isinstance(b, int) else None)
+    return result
+
+
+def _trusts_a_name(shape: Shape, others: Iterable[Shape]) -> bool:
+    """Whether ORT's static gradient path would assume a symbolic dimension of ``shape`` is not broadcast where it
+    might be: it takes that path only when every shape is fully known (static sizes or names)."""
+    others = list(others)
+    if shape is None or None in shape or any(o is None or None in o for o in others):
+        return False  # some dimension unknown to ORT: it builds the dynamic gradient, which is right
+    for other in others:
+        rank = max(len(shape), len(other))
+        for mine, theirs in zip(_aligned(shape, rank), _aligned(other, rank)):
+            if isinstance(mine, str) and mine != "absent" and theirs not in ("absent", 1, mine):
+                return True
+    return False
+
+
+# -- which values may carry a gradient ------------------------------------------------------------------------------
+
+
+def _differentiable_values(graph: onnx.GraphProto) -> set[str]:
+    """Values computed from a floating-point graph input through ops that pass gradients (an over-approximation
+    of what ORT differentiates: which inputs require grad is decided later, per build)."""
+    values = {i.name for i in graph.input if i.type.tensor_type.elem_type in _FLOAT_TYPES}
+    for node in graph.node:
+        if node.op_type not in _NON_DIFFERENTIABLE and any(name in values for name in node.input if name):
+            values.update(name for name in node.output if name)
+    return values
+
+
+# -- the pass -------------------------------------------------------------------------------------------------------
+
+
+class _Editor:
+    """Collects the nodes to insert before each node and hands out unique value names."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.graph = graph
+        self.taken = {name for node in graph.node for name in (*node.input, *node.output)}
+        self.taken.update(i.name for i in graph.input)
+        self.inserted: dict[int, list[onnx.NodeProto]] = {}
+
+    def fresh(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def expand(self, position: int, node: onnx.NodeProto, value: str, target: str, why: str) -> str:
+        """Insert ``Expand(value, Shape(target))`` before ``node``; return the expanded value's name."""
+        scope = f"ortcore.gradient_fixes/{node.name or node.op_type}"
+        shape = self.fresh(f"{scope}/Shape_of_{target}")
+        expanded = self.fresh(f"{scope}/{value}_{why}")
+        self.inserted.setdefault(position, []).extend(
+            [
+                onnx.helper.make_node("Shape", [target], [shape], name=shape),
+                onnx.helper.make_node("Expand", [value, shape], [expanded], name=expanded),
+            ]
+        )
+        return expanded
+
+    def apply(self) -> None:
+        if not self.inserted:
+            return
+        nodes = []
+        for position, node in enumerate(self.graph.node):
+            nodes.extend(self.inserted.get(position, ()))
+            nodes.append(node)
+        del self.graph.node[:]
+        self.graph.node.extend(nodes)
+
+
+def fix_broadcast_gradients(model: onnx.ModelProto, context: PassContext | None = None) -> int:
+    """Make ORT's gradients of broadcasting ops match PyTorch's (see the module docstring); returns how many
+    inputs were rewritten. Graphs without such ops are left unchanged."""
+    graph = model.graph
+    targets = [n for n in graph.node if n.op_type in NO_REDUCTION or n.op_type in NAME_TRUSTING]
+    if not targets or not any(n.domain in ("", "ai.onnx") for n in targets):
+        return 0
+    shapes = infer_shapes(model)
+    differentiable = _differentiable_values(graph)
+    editor = _Editor(graph)
+    fixed = 0
+    for position, node in enumerate(graph.node):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in NO_REDUCTION:
+            fixed += _fix_no_reduction(editor, position, node, shapes, differentiable)
+        elif node.op_type in NAME_TRUSTING:
+            fixed += _fix_name_trusting(editor, position, node, shapes, differentiable)
+    editor.apply()
+    if fixed:
+        logger.debug("gradient_fixes: rewrote %d broadcast inputs", fixed)
+    return fixed
+
+
+def _fix_no_reduction(
+    editor: _Editor, position: int, node: onnx.NodeProto, shapes: dict[str, Shape], differentiable: set[str]
+) -> int:
+    fixed = 0
+    inputs = list(node.input)
+    for i in NO_REDUCTION[node.op_type]:
+        if i >= len(inputs) or inputs[i] not in differentiable:
+            continue
+        others = [name for k, name in enumerate(inputs) if k != i and name]
+        value, shape = inputs[i], shapes.get(inputs[i])
+        larger = [other for other in others if not _covers(shape, [shapes.get(other)])]
+        if larger and _trusts_a_name(shape, [shapes.get(other) for other in larger]):
+            # The Expand below has ORT's name-trusting gradient too (its target shape may be constant-folded).
+            value = editor.expand(position, node, value, value, "shape_hidden")
+        for other in larger:
+            if _covers(shape, [shapes.get(other)]):
+                continue
+            # Expand broadcasts both ways: the result has the shape of value and other broadcast together.
+            value = editor.expand(position, node, value, other, "broadcast")
+            shape = _broadcast(shape, shapes.get(other))
+        if value != inputs[i]:
+            node.input[i] = value
+            fixed += 1
+    return fixed
+
+
+def _fix_name_trusting(
+    editor: _Editor, position: int, node: onnx.NodeProto, shapes: dict[str, Shape], differentiable: set[str]
+) -> int:
+    inputs = list(node.input)
+    if node.op_type == "Expand":
+        candidates, compared = (0,), {0: [shapes.get(node.output[0])]}
+    else:
+        candidates = tuple(range(len(inputs)))
+        # Min/Max compare each input with the output; the binary ops compare their two inputs with each other.
+        compared = {
+            i: [shapes.get(node.output[0])] if node.op_type in ("Min", "Max") else
+            [shapes.get(name) for k, name in enumerate(inputs) if k != i]
+            for i in candidates
+        }
+    fixed = 0
+    for i in candidates:
+        name = inputs[i]
+        if not name or name not in differentiable or not _trusts_a_name(shapes.get(name), compared[i]):
+            continue
+        node.input[i] = editor.expand(position, node, name, name, "shape_hidden")
+        fixed += 1
+    return fixed
+
+
+# -- hooks ----------------------------------------------------------------------------------------------------------
+
+
+def _run(model: onnx.ModelProto, context: PassContext) -> None:
+    fix_broadcast_gradients(model, context)
+
+
+@hookimpl
+def ortcore_graph_passes(config: Config) -> list[GraphPass]:
+    return [GraphPass(PASS_NAME, run=_run, plugin=NAME)]
+
+
+@hookimpl
+def ortcore_export_key(config: Config) -> dict[str, Any]:
+    return {"gradient_fixes.broadcast": PASS_VERSION}

@@ -730,7 +730,13 @@ def _schema_type(t: Any, op: str, name: str) -> str:
 
 
 def _grad_helper_name(operator: str, overload: str, index: int) -> str:
-    return f"fallback_grad__{operator}__{overload or 'default'}__{index}"
+    return f"fallback_grad__{operator.replace('::', '__')}__{overload or 'default'}__{index}"
+
+
+def op_packet(operator: str) -> Any:
+    """``torch.ops.<namespace>.<name>`` of ``operator`` (``name`` alone is an aten op)."""
+    namespace, _, name = operator.rpartition("::")
+    return getattr(getattr(torch.ops, namespace or "aten"), name)
 
 
 def _make_vjp(overload_packet: Any, schema: Any, n_grads: int, differentiable: tuple[int, ...], index: int) -> Any:
@@ -774,7 +780,7 @@ def _register_fallback_gradient(
         if (operator, overload) in _fallback_gradients:
             return
         _prepare_runtime()
-        packet = getattr(getattr(torch.ops.aten, operator), overload or "default")
+        packet = getattr(op_packet(operator), overload or "default")
         grad_args = [f"Tensor? grad_{j}" for j in range(len(differentiable))]
         arguments = [f"{_schema_type(a.type, operator, a.name)} {a.name}" for a in schema.arguments]
         nodes: list[NodeSpec] = []

@@ -1,1 +1,550 @@
-"""Per-op routing: ops ONNX Runtime cannot export, differentiate or run become ATen nodes run by PyTorch."""
+"""Per-op routing: an op ONNX Runtime cannot export, differentiate or run becomes one ATen node run by PyTorch.
+
+One op that ORT cannot handle should not send the whole model back to PyTorch. This plugin decides, while the model
+is exported, which ops ORT cannot serve on the model's device, and exports each of them as an
+``org.pytorch.aten::ATen`` node that the ATen executor (:mod:`ortcore_plugins._aten_executor`) runs with PyTorch's
+kernel; its gradient is PyTorch's autograd gradient (a VJP node per differentiable input). Everything else stays in
+ORT. Three sources of decisions:
+
+* **ORT gaps** (:data:`ROUTES`): ops whose ONNX form ORT 1.19.2 has no gradient builder for (HardSwish, Einsum,
+  CumSum, InstanceNormalization, ReduceMax, ...), no CPU kernel for the gradient (ConvTransposeGrad, ResizeGrad),
+  a kernel that rejects the case (bidirectional GRU/LSTM, Multinomial of rank > 2) or a kernel known to fail or
+  abort the process (negative-step SliceGrad of ``flip``, ``diagonal``). Each entry names the reason and, where only
+  some calls are affected, the condition (a transposed convolution, a bidirectional RNN). Every entry is checked
+  against ORT in ``tests/plugins/test_op_routing.py``: a test fails when ORT starts handling the op itself.
+* **Exporter gaps**: an ``aten::`` op without an ONNX symbolic (``histc``, ``ctc_loss``, ``cummax``, ...) is found by
+  the exporter's "not supported" error and exported as an ATen node too (the ``aten_fallback`` plugin's ``auto``
+  mode, on by default here).
+* Ops the ``aten_fallback`` plugin runs on PyTorch's kernels for speed.
+
+Each routed op is logged once per export at INFO with its reason and recorded in the exported model's metadata
+(``ortcore.routed::<op>``), which :func:`ortcore.explain.explain` and ``ortcore explain`` read.
+
+Two ATen-node limits of ORT 1.19.2 are lifted by exporting a *wrapper op* (``ortcore_route::*``, defined once per
+signature with ``torch.library``) instead of the op itself: ORT builds an ATen node's gradient only when its first
+input needs one, so the wrapper takes first an input that does; and the executor passes tensors one by one, so a
+tensor list (``einsum``'s operands, an RNN's weights) becomes separate inputs. The wrapper also copies outputs that
+alias an input (``diagonal``'s view), which ORT must own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import onnx
+import torch
+
+from ortcore.config import Config, option
+from ortcore.errors import OptionError, UnsupportedModelError
+from ortcore.exporter import TorchScriptExporter, custom_autograd_disabled
+from ortcore.graph_passes import GraphPass, PassContext
+from ortcore.hookspecs import hookimpl
+from ortcore.options import parse_bool
+
+from . import aten_fallback as aten
+
+logger = logging.getLogger("ortcore.op_routing")
+
+NAME = "op_routing"
+ENV_ENABLED = "ORTCORE_OP_ROUTING"
+ENV_NEVER = "ORTCORE_OP_ROUTING_NEVER"
+WRAPPER_NAMESPACE = "ortcore_route"
+REASONS_PASS = "op_routing.reasons"
+TYPES_PASS = "op_routing.typed_outputs"
+METADATA_PREFIX = "ortcore.routed::"
+EXPORTER_GAP = "the TorchScript exporter has no ONNX symbolic for it"
+FASTER_IN_TORCH = "PyTorch's kernel is faster on CPU (aten_fallback torch_kernels)"
+
+
+# -- what ORT cannot do --------------------------------------------------------------------------------------------
+
+
+def _const(args: tuple, schema: Any, name: str) -> Any:
+    """The constant value of argument ``name`` of a traced call (None if it is not a constant)."""
+    from torch.onnx import symbolic_helper as sh
+
+    names = [a.name for a in schema.arguments]
+    if name not in names:
+        return None
+    value = args[names.index(name)]
+    if aten._is_none(value) or not sh._is_constant(value):
+        return None
+    result = sh._maybe_get_const(value, "t")
+    return result.item() if isinstance(result, torch.Tensor) and result.numel() == 1 else result
+
+
+def _is_bidirectional(args: tuple, schema: Any) -> bool:
+    return bool(_const(args, schema, "bidirectional"))
+
+
+def _is_transposed(args: tuple, schema: Any) -> bool:
+    return bool(_const(args, schema, "transposed"))
+
+
+def _is_reduction(args: tuple, schema: Any) -> bool:
+    """``max``/``min`` over the whole tensor or a dim (ReduceMax/ReduceMin), not the binary ``max.other``."""
+    return schema.overload_name != "other"
+
+
+@attrs.frozen
+class Route:
+    """An aten op ORT cannot serve, why, and (if only some calls are affected) which ones."""
+
+    op: str  # aten op name
+    onnx_op: str  # what the exporter would give ORT
+    reason: str
+    when: Callable[[tuple, Any], bool] | None = None  # (traced args, schema) -> route this call?
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})  # where ORT lacks it
+
+
+_NO_GRAD = "ORT has no gradient builder for {}"
+_NO_GRAD_KERNEL = "ORT has no CPU kernel for {}"
+
+ROUTES: tuple[Route, ...] = (
+    Route("hardswish", "HardSwish", _NO_GRAD.format("HardSwish")),
+    Route("hardsigmoid", "HardSigmoid", _NO_GRAD.format("HardSigmoid")),
+    Route("einsum", "Einsum", _NO_GRAD.format("Einsum")),
+    Route("cumsum", "CumSum", _NO_GRAD.format("CumSum")),
+    Route("instance_norm", "InstanceNormalization", _NO_GRAD.format("InstanceNormalization")),
+    Route("group_norm", "InstanceNormalization", _NO_GRAD.format("InstanceNormalization (GroupNorm's export)")),
+    Route("amax", "ReduceMax", _NO_GRAD.format("ReduceMax")),
+    Route("amin", "ReduceMin", _NO_GRAD.format("ReduceMin")),
+    Route("max", "ReduceMax", _NO_GRAD.format("ReduceMax"), _is_reduction),
+    Route("min", "ReduceMin", _NO_GRAD.format("ReduceMin"), _is_reduction),
+    Route(
+        "gru", "GRU", "ORT's GRU training kernels support only the forward direction", _is_bidirectional
+    ),
+    Route(
+        "lstm", "LSTM", "ORT's LSTM training kernels support only the forward direction", _is_bidirectional
+    ),
+    Route("rnn_tanh", "RNN", "ORT's RNN training kernels support only the forward direction", _is_bidirectional),
+    Route("rnn_relu", "RNN", "ORT's RNN training kernels support only the forward direction", _is_bidirectional),
+    Route(
+        "_convolution",
+        "ConvTranspose",
+        _NO_GRAD_KERNEL.format("ConvTransposeGrad"),
+        _is_transposed,
+        devices=frozenset({"cpu"}),
+    ),
+    *(
+        Route(op, "Resize", _NO_GRAD_KERNEL.format("ResizeGrad"), devices=frozenset({"cpu"}))
+        for op in (
+            "upsample_nearest1d",
+            "upsample_nearest2d",
+            "upsample_nearest3d",
+            "_upsample_nearest_exact1d",
+            "_upsample_nearest_exact2d",
+            "_upsample_nearest_exact3d",
+            "upsample_linear1d",
+            "upsample_bilinear2d",
+            "upsample_bicubic2d",
+            "upsample_trilinear3d",
+            "_upsample_bilinear2d_aa",
+            "_upsample_bicubic2d_aa",
+        )
+    ),
+    Route("flip", "Slice", "ORT's SliceGrad fails on the negative steps of flip (narrowing_error)"),
+    Route("multinomial", "Multinomial", "ORT's Multinomial kernel takes only 2-D probabilities"),
+    Route("diagonal", "Slice/Gather", "ORT aborts the process on some diagonal graphs (a bounds assertion)"),
+)
+
+ROUTE_OPS: frozenset[str] = frozenset(r.op for r in ROUTES)
+
+
+# -- options --------------------------------------------------------------------------------------------------------
+
+
+def parse_never(value: object, source: str) -> tuple[str, ...]:
+    """Op names of :data:`ROUTES` that stay in ORT, as a list or a comma-separated string."""
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        items = [v.strip() for v in value]
+    else:
+        raise OptionError(f"{source}={value!r} must be a list of op names (or a comma-separated string)")
+    names = []
+    for item in items:
+        name = item.rpartition("::")[2]
+        if name not in ROUTE_OPS:
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(ROUTE_OPS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise OptionError(
+                f"{source}={value!r}: {item!r} is not an op this plugin routes; allowed: "
+                f"{', '.join(sorted(ROUTE_OPS))}.{hint}"
+            )
+        names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
+@attrs.frozen
+class OpRoutingOptions:
+    """Options of the ``op_routing`` plugin (``[plugins.op_routing]`` in ortcore.toml)."""
+
+    enabled: bool = option(
+        True, parse_bool, "route ops ORT cannot export, differentiate or run to PyTorch's kernels", env=ENV_ENABLED
+    )
+    never: tuple[str, ...] = option(
+        (), parse_never, "ops of the routing table that stay in ORT even where ORT lacks them", env=ENV_NEVER
+    )
+
+
+def _options(config: Config) -> OpRoutingOptions:
+    return config.plugin_options(NAME) or OpRoutingOptions()
+
+
+# -- the routing symbolic ------------------------------------------------------------------------------------------
+
+
+def _is_list(value: Any) -> bool:
+    return value is not None and not aten._is_none(value) and value.node().kind() == "prim::ListConstruct"
+
+
+def _kind_fits(argument: Any, value: Any) -> bool:
+    t = argument.type
+    if t.kind() == "OptionalType":
+        if aten._is_none(value):
+            return True
+        t = t.getElementType()
+    elif aten._is_none(value):
+        return argument.has_default_value()
+    if t.kind() == "ListType" and t.getElementType().kind() == "TensorType":
+        return _is_list(value)
+    if t.kind() == "StringType":
+        return aten._is_string_constant(value)
+    return not _is_list(value) or t.kind() == "ListType"
+
+
+def match_overload(op: str, args: tuple) -> Any:
+    """The schema of the ``aten::<op>`` overload a traced call used: the argument count, tensor lists and strings
+    must fit (``gru.input`` and ``gru.data`` both take nine arguments)."""
+    packet = getattr(torch.ops.aten, op)
+    for name in sorted(packet.overloads(), key=lambda n: n != "default"):
+        schema = getattr(packet, name)._schema
+        if len(schema.arguments) == len(args) and all(
+            _kind_fits(a, v) for a, v in zip(schema.arguments, args, strict=True)
+        ):
+            return schema
+    return None
+
+
+def _base_symbolic(op: str, opset: int) -> Callable[..., Any] | None:
+    """The exporter's own symbolic of ``aten::<op>`` at ``opset`` (not a custom one registered over it)."""
+    from ortcore.exporter import _SYMBOLICS
+
+    if f"::{op}" in _SYMBOLICS:
+        return _SYMBOLICS[f"::{op}"]
+    from torch.onnx._internal.torchscript_exporter import registration
+
+    group = registration.registry.get_function_group(f"aten::{op}")
+    if group is None:
+        return None
+    base = group._functions._base
+    usable = [v for v in base if v <= opset]
+    return base[max(usable)] if usable else None
+
+
+_wrapper_lock = threading.Lock()
+_wrapper_library: torch.library.Library | None = None
+_wrappers: dict[str, str] = {}  # wrapper name -> its schema text
+
+
+ABSENT = "absent"  # an optional argument the executor cannot pass, left at None: not an input of the node
+
+
+@attrs.frozen
+class _Flat:
+    """One input of the ATen node: a schema argument, or one tensor of a tensor-list argument."""
+
+    argument: int  # index into the op's schema arguments
+    item: int | None  # index into the list, for a tensor-list argument
+    kind: str  # schema type of this input ("Tensor", "int[]", ...)
+    value: Any  # the traced value
+
+
+def _flatten_call(op: str, schema: Any, args: tuple) -> list[_Flat]:
+    from torch.onnx import symbolic_helper as sh
+
+    flat = []
+    for k, (a, value) in enumerate(zip(schema.arguments, args, strict=True)):
+        t = a.type.getElementType() if a.type.kind() == "OptionalType" else a.type
+        if t.kind() == "ListType" and t.getElementType().kind() == "TensorType":
+            if not _is_list(value):
+                raise UnsupportedModelError(
+                    f"the op_routing plugin cannot run aten::{op}: its tensor list {a.name!r} is not built in the graph"
+                )
+            flat.extend(_Flat(k, i, "Tensor", v) for i, v in enumerate(sh._unpack_list(value)))
+        else:
+            try:
+                kind = aten._schema_type(a.type, op, a.name)
+            except TypeError as e:
+                if a.type.kind() == "OptionalType" and aten._is_none(value):
+                    flat.append(_Flat(k, None, ABSENT, None))  # a generator left at None, say: the wrapper omits it
+                    continue
+                raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: {e}") from e
+            flat.append(_Flat(k, None, kind, value))
+    return flat
+
+
+def _wrapper(op: str, schema: Any, flat: list[_Flat], order: list[int]) -> str:
+    """Define (once) the ``ortcore_route::`` op taking ``flat`` inputs in ``order`` and calling ``aten::<op>``."""
+    global _wrapper_library
+    overload = schema.overload_name
+    signature = f"{op}.{overload}|{[(f.argument, f.item, f.kind) for f in flat]}|{order}"
+    name = f"{op}__{overload or 'default'}__{hashlib.sha1(signature.encode()).hexdigest()[:10]}"
+    with _wrapper_lock:
+        if name in _wrappers:
+            return f"{WRAPPER_NAMESPACE}::{name}"
+        if _wrapper_library is None:
+            _wrapper_library = torch.library.Library(WRAPPER_NAMESPACE, "FRAGMENT")
+        arguments = [f"{flat[i].kind} a{position}" for position, i in enumerate(order)]
+        returns = [str(r.type) for r in schema.returns]
+        returns_text = returns[0] if len(returns) == 1 else f"({', '.join(returns)})"
+        text = f"({', '.join(arguments)}) -> {returns_text}"
+        packet = getattr(getattr(torch.ops.aten, op), overload or "default")
+        n_args = len(schema.arguments)
+        kwarg_only = [a.kwarg_only for a in schema.arguments]
+        placement = [(flat[i].argument, flat[i].item) for i in order]
+
+        def call(*values: Any) -> Any:
+            args: list[Any] = [None] * n_args
+            lists: dict[int, dict[int, Any]] = {}
+            for (argument, item), value in zip(placement, values, strict=True):
+                if item is None:
+                    args[argument] = value
+                else:
+                    lists.setdefault(argument, {})[item] = value
+            for argument, items in lists.items():
+                args[argument] = [items[i] for i in sorted(items)]
+            positional = [v for v, kw in zip(args, kwarg_only, strict=True) if not kw]
+            keywords = {a.name: v for a, v, kw in zip(schema.arguments, args, kwarg_only, strict=True) if kw}
+            result = packet(*positional, **keywords)
+            # ORT owns what the executor hands back: an output sharing an input's memory (a view) is copied.
+            if isinstance(result, tuple | list):
+                return tuple(r.clone() if r._is_view() else r for r in result)
+            return result.clone() if result._is_view() else result
+
+        _wrapper_library.define(f"{name}{text}")
+        # CompositeImplicitAutograd: the call decomposes into the aten op, so autograd differentiates it.
+        _wrapper_library.impl(name, call, "CompositeImplicitAutograd")
+        _wrappers[name] = text
+    return f"{WRAPPER_NAMESPACE}::{name}"
+
+
+def _on(route: Route, args: tuple) -> bool:
+    """Does the route apply on the device of the call's first tensor (unknown: it applies)?"""
+    for value in args:
+        if value is None or aten._is_none(value) or _is_list(value):
+            continue
+        try:
+            device = value.type().device()
+        except (AttributeError, RuntimeError):
+            continue
+        if device is not None:
+            return device.type in route.devices
+    return True
+
+
+def route_symbolic(route: Route) -> Callable[..., Any]:
+    """The TorchScript symbolic of ``aten::<route.op>``: the call becomes an ATen node when the route applies (its
+    condition holds and the op is not in ``never``), else the exporter's own symbolic exports it."""
+    op = route.op
+
+    def symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
+        schema = match_overload(op, args)
+        if schema is None or (route.when is not None and not route.when(args, schema)) or not _on(route, args):
+            base = _base_symbolic(op, g.opset)
+            if base is None:
+                raise UnsupportedModelError(f"the exporter has no symbolic for aten::{op}")
+            return base(g, *args, **kwargs)
+        return _emit(g, op, schema, args, route.reason)
+
+    symbolic.__name__ = f"op_routing_{op}"
+    symbolic.__qualname__ = f"route_symbolic.{op}"
+    return symbolic
+
+
+def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
+    """Export one call of ``aten::<op>`` as an ATen node run by PyTorch, with its VJP gradient."""
+    aten._prepare_runtime()
+    node = g.original_node
+    outputs_traced = list(node.outputs())
+    if any(r.type.kind() != "TensorType" for r in schema.returns):
+        raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: it returns non-tensors")
+    flat = _flatten_call(op, schema, args)
+    tensors = [i for i, f in enumerate(flat) if f.kind in ("Tensor", "Tensor?")]
+    floats = [
+        i for i in tensors if not aten._is_none(flat[i].value) and flat[i].value.type().scalarType() in aten._FLOAT_TYPES
+    ]
+    needs = [i for i in floats if aten._requires_grad(flat[i].value) is not False]
+    order = [i for i, f in enumerate(flat) if f.kind != ABSENT]
+    if needs and order[0] not in needs:
+        # ORT builds an ATen node's gradient only when its first input needs one: that input goes first.
+        order.remove(needs[0])
+        order.insert(0, needs[0])
+    aliases = any(r.alias_info is not None for r in schema.returns)
+    wrapped = order != list(range(len(flat))) or any(f.item is not None for f in flat) or aliases
+    seen: set[str] = set()
+    for k, f in enumerate(flat):
+        if f.kind in ("Tensor", "Tensor?") and not aten._is_none(f.value):
+            # One value twice among an ATen node's inputs breaks ORT's gradient build (two gradients of one name).
+            if f.value.debugName() in seen:
+                flat[k] = attrs.evolve(f, value=g.op("Identity", f.value))
+            seen.add(f.value.debugName())
+    for f in flat:
+        if f.kind == "Tensor" and aten._is_none(f.value):
+            raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: a tensor argument is None")
+    if wrapped:
+        operator, overload = _wrapper(op, schema, flat, order), ""
+        packet_schema = aten.op_packet(operator).default._schema
+        ordered = [flat[i] for i in order]
+    else:
+        operator, overload = op, schema.overload_name
+        packet_schema = schema
+        ordered = [flat[i] for i in order]
+    position = {id(f): k for k, f in enumerate(ordered)}
+    float_inputs = tuple(position[id(flat[i])] for i in floats)
+    differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in aten._FLOAT_TYPES)
+    inputs = [
+        f.value if f.kind in ("Tensor", "Tensor?") else aten._constant_argument(g, f.value, f.kind, op, f"a{k}")
+        for k, f in enumerate(ordered)
+    ]
+    aten._register_fallback_gradient(operator, overload, packet_schema, differentiable, float_inputs)
+    results = g.op(
+        f"{aten.ATEN_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=overload, outputs=len(outputs_traced)
+    )
+    results = list(results) if len(outputs_traced) > 1 else [results]
+    for result, traced in zip(results, outputs_traced, strict=True):
+        t = traced.type()
+        sizes = t.varyingSizes()
+        result.setType(
+            t.with_sizes([None] * len(sizes)) if sizes is not None else torch._C.TensorType.get().with_dtype(t.dtype())
+        )
+    _note_routed(op, reason)
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _note_routed(op: str, reason: str) -> None:
+    if (op, reason) not in _logged:
+        _logged.add((op, reason))
+        logger.info("aten::%s runs on PyTorch's kernel inside the ORT graph: %s", op, reason)
+
+
+def symbolics(config: Config) -> dict[str, Callable[..., Any]]:
+    """``{"::<op>": symbolic}`` of every route not in ``never``."""
+    options = _options(config)
+    if not options.enabled:
+        return {}
+    return {f"::{r.op}": route_symbolic(r) for r in ROUTES if r.op not in options.never}
+
+
+# -- the exporter: exporter gaps, and the reasons of what was routed --------------------------------------------------
+
+
+class RoutingExporter(aten.FallbackExporter):
+    """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``)."""
+
+
+def _operator_of(node: onnx.NodeProto) -> str:
+    return next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+
+
+def _op_name(operator: str) -> str:
+    """The aten op an ATen node runs: ``ortcore_route::gru__input__<hash>`` runs ``gru``."""
+    namespace, _, name = operator.rpartition("::")
+    if namespace == WRAPPER_NAMESPACE:
+        return name.split("__")[0]
+    return name
+
+
+_SPEED_OPS = {
+    "embedding": "embedding",
+    "gelu": "gelu",
+    "native_layer_norm": "layer_norm",
+    "ortcore_aten::cross_entropy": "cross_entropy",
+    "linear": "linear",
+    "ortcore_aten::linear_no_bias": "linear",
+    "addmm": "linear",
+}
+
+
+_REASONS = {r.op: r.reason for r in ROUTES}
+
+
+def add_reasons(model: onnx.ModelProto) -> None:
+    """Record ``ortcore.routed::<op>`` = reason for every ATen node of the exported ``model``."""
+    reasons: dict[str, str] = {}
+    for node in model.graph.node:
+        if node.op_type != "ATen" or node.domain != aten.ATEN_DOMAIN:
+            continue
+        operator = _operator_of(node)
+        if operator in _SPEED_OPS:
+            reasons.setdefault(_SPEED_OPS[operator], FASTER_IN_TORCH)
+        else:
+            op = _op_name(operator)
+            reasons.setdefault(op, _REASONS.get(op, EXPORTER_GAP))
+    known = {p.key for p in model.metadata_props}
+    for op, reason in sorted(reasons.items()):
+        if METADATA_PREFIX + op not in known:
+            model.metadata_props.add(key=METADATA_PREFIX + op, value=reason)
+
+
+def _reasons_pass(model: onnx.ModelProto, context: PassContext | None = None) -> int:
+    """After the other passes (tanh-GELU adds ATen nodes): every ATen node's op has a recorded reason."""
+    before = len(model.metadata_props)
+    add_reasons(model)
+    return len(model.metadata_props) - before
+
+
+def routed_reasons(model: onnx.ModelProto) -> dict[str, str]:
+    """``{op: reason}`` recorded in an exported model."""
+    return {p.key[len(METADATA_PREFIX) :]: p.value for p in model.metadata_props if p.key.startswith(METADATA_PREFIX)}
+
+
+# -- hooks ----------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def ortcore_options_class() -> type:
+    return OpRoutingOptions
+
+
+@hookimpl
+def ortcore_configure(config: Config) -> None:
+    if _options(config).enabled:
+        aten._prepare_runtime()
+
+
+@hookimpl
+def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
+    return symbolics(config)
+
+
+@hookimpl
+def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
+    if not _options(config).enabled:
+        return None
+    return RoutingExporter(inline_autograd_functions=custom_autograd_disabled(config.env))
+
+
+@hookimpl
+def ortcore_graph_passes(config: Config) -> list[GraphPass]:
+    if not _options(config).enabled:
+        return []
+    # type_aten_outputs is idempotent: aten_fallback may run it too.
+    return [GraphPass(TYPES_PASS, run=aten.type_aten_outputs), GraphPass(REASONS_PASS, run=_reasons_pass)]
+
+
+@hookimpl
+def ortcore_export_key(config: Config) -> dict[str, Any]:
+    options = _options(config)
+    return {"op_routing": {"enabled": options.enabled, "never": sorted(options.never)}}

@@ -156,12 +156,14 @@ def _real_warnings(caught: list[warnings.WarningMessage]) -> list[warnings.Warni
     return [w for w in caught if not issubclass(w.category, ignored)]
 
 
-@pytest.mark.parametrize("how", ["plugin disabled", "no fallback_ops"])
+@pytest.mark.parametrize("how", ["plugins disabled", "no fallback_ops, op_routing off"])
 def test_without_the_plugin_the_model_falls_back_naming_op_and_plugin(monkeypatch: pytest.MonkeyPatch, how: str):
-    if how == "plugin disabled":
-        monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "aten_fallback")
+    # op_routing exports unsupported ops as ATen nodes by default; without it and aten_fallback's list, PyTorch runs.
+    if how == "plugins disabled":
+        monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "aten_fallback,op_routing")
     else:
         monkeypatch.delenv("ORTCORE_ATEN_FALLBACK_OPS", raising=False)
+        monkeypatch.setenv("ORTCORE_OP_ROUTING", "0")
     reference = CumulativeNet()
     model = ORTModule(copy.deepcopy(reference))
     x = torch.randn(5, 6)

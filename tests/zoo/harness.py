@@ -1,0 +1,107 @@
+"""Run zoo models each in its own process, so a crash or a hang is that model's failure, not the end of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .catalog import MODELS
+
+REPO = Path(__file__).resolve().parents[2]
+# Per model; the largest (convnext_tiny, 28M parameters) takes under a minute on 2 busy cores.
+DEFAULT_TIMEOUT_S = float(os.environ.get("ORTCORE_ZOO_TIMEOUT", "300"))
+
+
+def child_env() -> dict[str, str]:
+    """The caller's environment without ortcore settings, with fallback to PyTorch disabled."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ORTMODULE_", "ORTCORE_"))}
+    env["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
+    env.setdefault("GOMP_SPINCOUNT", "10000")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _describe_returncode(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name} (return code {code})"
+        except ValueError:
+            return f"killed by signal {-code} (return code {code})"
+    return f"exited with return code {code} without writing a result"
+
+
+def run_model(name: str, out_dir: Path, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Run zoo model ``name`` in a child process; return its result, or a crash/timeout result made here.
+
+    The child writes ``out_dir/<name>.json``; a child that dies or hangs is recorded with its return code (or the
+    timeout) and the end of its stderr, and that record is written to the same file.
+    """
+    if name not in MODELS:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
+    out = Path(out_dir) / f"{name}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "tests.zoo.run_model", name, "--json", str(out)]
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        result = _failure(name, "timeout", f"no result after {timeout:.0f} s (killed)", stderr)
+    else:
+        if out.is_file():
+            result = json.loads(out.read_text())
+            result["returncode"] = done.returncode
+            result["stdout"] = done.stdout[-4000:]
+        else:
+            result = _failure(name, "crash", _describe_returncode(done.returncode), done.stderr)
+            result["returncode"] = done.returncode
+    result["wall_s"] = time.perf_counter() - t0
+    from .run_model import write_json
+
+    write_json(result, out)
+    return result
+
+
+def _failure(name: str, status: str, what: str, stderr: str) -> dict[str, Any]:
+    from .run_model import failing_op
+
+    spec = MODELS[name]
+    tail = stderr.strip().splitlines()[-30:]
+    last = next((line for line in reversed(tail) if line.strip()), "")
+    return {
+        "model": name,
+        "family": spec.family,
+        "description": spec.description,
+        "status": status,
+        "phase": "unknown (no result written)",
+        "error": {
+            "type": status,
+            "first_line": f"{what}; last stderr line: {last[:300]}" if last else what,
+            "op": failing_op("\n".join(tail)),
+            "message": "\n".join(tail)[-3000:],
+        },
+    }
+
+
+def describe_failure(result: dict[str, Any]) -> str:
+    """One line saying why a model did not pass (for assertion messages and the report)."""
+    status = result["status"]
+    if status == "pass":
+        return "pass"
+    if status == "mismatch":
+        parts = [f"mismatch in {', '.join(result.get('failed_checks', []))}"]
+        for w in result.get("worst_grads", [])[:3]:
+            parts.append(f"{w['name']} max abs {w.get('max_abs')} (rel {w.get('max_rel')})")
+        loss = result.get("checks", {}).get("loss", {})
+        if not loss.get("ok", True):
+            parts.append(f"loss max abs {loss.get('max_abs')}")
+        return "; ".join(parts)
+    err = result.get("error", {})
+    op = f" [op: {err['op']}]" if err.get("op") else ""
+    return f"{status} in {result.get('phase')}: {err.get('type')}: {err.get('first_line')}{op}"

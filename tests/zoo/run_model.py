@@ -1,0 +1,399 @@
+"""Run one zoo model under ortcore and against eager PyTorch; print a summary and optionally write a JSON result.
+
+    python -m tests.zoo.run_model bert                 # readable summary
+    python -m tests.zoo.run_model bert --json out.json # the same, and the result for the test and the report
+
+The step runs with ``ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE`` (any failure raises instead of running PyTorch).
+Checked after one step: the loss and every parameter's gradient against eager PyTorch on a deep copy with the same
+initial weights, each ``|ortcore - eager| <= ATOL + RTOL * |eager|`` elementwise. Where float32 itself is
+ill-conditioned that check can fail for eager float32 too, so a tensor that fails it passes if ortcore is within
+``F64_FACTOR`` times as far from a float64 eager run (max abs) as float32 eager is. Then three AdamW steps: the four
+losses (before and after each update) are compared the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before torch is imported (see ENGINE-NOTES): torch's OpenMP workers otherwise spin after each parallel region
+# and steal a core from ORT's kernels. Eager is unaffected.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from collections import Counter  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from tests.zoo.catalog import ZooModel, get  # noqa: E402
+
+RTOL = 1e-3
+ATOL = 1e-5
+F64_FACTOR = 10.0
+LR = 1e-3
+TRAIN_STEPS = 3
+TIMED_STEPS = 5
+SEED = 0
+BATCH_SEED = 1234
+
+# Ops routed to PyTorch for speed by aten_fallback's default torch_kernels (forward and gradient ATen nodes).
+_SPEED_ROUTED = ("embedding", "gelu", "layer_norm", "cross_entropy")
+
+
+# -- comparisons ---------------------------------------------------------------------------------------------------
+
+
+def compare(actual: torch.Tensor | None, expected: torch.Tensor | None, exact: torch.Tensor | None) -> dict[str, Any]:
+    """How far ``actual`` (ortcore) is from ``expected`` (eager float32), judged as the module docstring says.
+
+    ``exact`` is the float64 eager value or None when there is none. A missing gradient counts as zeros.
+    """
+    if actual is None and expected is None:
+        return {"ok": True, "max_abs": 0.0, "max_rel": 0.0, "missing": "both"}
+    ref = expected if expected is not None else actual
+    a = (actual if actual is not None else torch.zeros_like(ref)).detach().double()
+    b = (expected if expected is not None else torch.zeros_like(ref)).detach().double()
+    if a.shape != b.shape:
+        return {"ok": False, "error": f"shape {tuple(a.shape)} != eager {tuple(b.shape)}"}
+    diff = (a - b).abs()
+    scale = b.abs().max().item() if b.numel() else 0.0
+    max_abs = diff.max().item() if diff.numel() else 0.0
+    ratio = (diff / (ATOL + RTOL * b.abs())).max().item() if diff.numel() else 0.0
+    entry: dict[str, Any] = {
+        "max_abs": max_abs,
+        "max_rel": max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf),
+        "tol_ratio": ratio,  # > 1 fails the float32 tolerance
+        "ok": ratio <= 1.0,  # NaN compares False
+    }
+    if actual is None or expected is None:
+        entry["missing"] = "ortcore" if actual is None else "eager"
+    if not entry["ok"] and exact is not None and math.isfinite(max_abs):
+        c = exact.detach().double()
+        ort_err = (a - c).abs().max().item()
+        eager_err = (b - c).abs().max().item()
+        entry.update(ortcore_vs_f64=ort_err, eager_vs_f64=eager_err, judged_by="float64")
+        entry["ok"] = ort_err <= F64_FACTOR * eager_err
+    return entry
+
+
+def _finite(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float):
+        return _finite(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# -- the step ------------------------------------------------------------------------------------------------------
+
+
+def to_double(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def forward_loss(spec: ZooModel, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    torch.manual_seed(SEED)  # nothing here should be random; if something is, both sides draw the same numbers
+    return spec.loss(model(**spec.inputs(batch)), batch)
+
+
+def train_step(spec: ZooModel, model: torch.nn.Module, batch: dict, opt: torch.optim.Optimizer) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss = forward_loss(spec, model, batch)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def routed_ops(ort: Any) -> list[dict[str, Any]]:
+    """Ops that run on PyTorch inside the ortcore graph: ``ORTModule.explain()`` if it exists, else the graph's nodes.
+
+    Without ``explain()``, every ATen node (run by PyTorch's kernels) and PythonOp node (an autograd.Function run by
+    PyTorch) of the cached training graphs is counted under its operator.
+    """
+    if getattr(type(ort), "explain", None) is not None:
+        try:
+            return [dict(e) for e in ort.explain()]
+        except Exception as e:  # a broken explain() must not hide the numbers: read the graphs instead
+            logging.getLogger(__name__).warning("ORTModule.explain() failed (%s: %s)", type(e).__name__, e)
+    counts: Counter = Counter()
+    for graph, session in list(ort.state_machine._sessions.values()):
+        model = session.model if session is not None else graph.model
+        for node in model.graph.node:
+            if node.op_type == "ATen":
+                attr = {a.name: a for a in node.attribute}
+                op = attr["operator"].s.decode() if "operator" in attr else "?"
+                counts[("ATen", op)] += 1
+            elif node.op_type == "PythonOp":
+                attr = {a.name: a for a in node.attribute}
+                op = attr["func_name"].s.decode() if "func_name" in attr else "?"
+                counts[("PythonOp", op)] += 1
+    result = []
+    for (kind, op), count in sorted(counts.items()):
+        base = op.split("::")[-1]
+        if kind == "PythonOp":
+            reason = "autograd.Function run by PyTorch (PythonOp)"
+        elif any(base.startswith(s) or f"{s}_backward" in base for s in _SPEED_ROUTED):
+            reason = "faster PyTorch kernel (aten_fallback torch_kernels)"
+        else:
+            reason = "ATen node (exporter or ORT cannot handle it)"
+        result.append({"op": op, "runs_on": "PyTorch", "count": count, "reason": reason})
+    return result
+
+
+_OP_PATTERNS = (
+    r"(aten::[\w.]+)",
+    r"(torchvision::\w+)",
+    r"[Oo]p(?:erator)? ?\(?['\"]?(\w+)['\"]?\)? (?:is )?not (?:supported|implemented)",
+    r"Op \((\w+)\)",
+    r"[Nn]ode \(?[\w/.:-]*\)? ?[Oo]p ?\(?(\w+)",
+    r"op_type[=: ]+['\"]?(\w+)",
+    r"No gradient .*? for (\w+)",
+    r"'(\w+)' (?:op|node)",
+)
+
+
+def failing_op(text: str) -> str | None:
+    """The op an error message names, if it names one."""
+    for pattern in _OP_PATTERNS:
+        match = re.search(pattern, text)
+        if match:
+            return match.group(1)
+    return None
+
+
+def run(name: str) -> dict[str, Any]:
+    """Run the zoo model ``name``; the result dict is what ``--json`` writes (see the module docstring)."""
+    spec = get(name)
+    result: dict[str, Any] = {
+        "model": name,
+        "family": spec.family,
+        "description": spec.description,
+        "status": "error",
+        "phase": "build model",
+        "tolerance": {"rtol": RTOL, "atol": ATOL, "f64_factor": F64_FACTOR},
+        "fallback_policy": os.environ.get("ORTMODULE_FALLBACK_POLICY"),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        _run(spec, result)
+    except Exception as e:
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        result["error"] = {
+            "type": type(e).__name__,
+            "first_line": first[:500],
+            "op": failing_op(text) or failing_op("".join(traceback.format_exception(e))),
+            "message": text[:3000],
+            "traceback": "".join(traceback.format_exception(e))[-6000:],
+        }
+        result["status"] = "error"
+    return result
+
+
+def _run(spec: ZooModel, result: dict[str, Any]) -> None:
+    result["phase"] = "import ortcore"
+    from ortcore import ORTModule
+
+    result["phase"] = "build model"
+    torch.manual_seed(SEED)
+    model = spec.build().train()
+    n_params = sum(p.numel() for p in model.parameters())
+    result["parameters"] = n_params
+    ref = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()
+    batch = spec.batch(torch.Generator().manual_seed(BATCH_SEED))
+    batch64 = to_double(batch)
+
+    result["phase"] = "eager reference"
+    t0 = time.perf_counter()
+    loss_ref = forward_loss(spec, ref, batch)
+    loss_ref.backward()
+    result["eager_first_step_s"] = time.perf_counter() - t0
+    try:
+        loss_exact = forward_loss(spec, exact, batch64)
+        loss_exact.backward()
+    except Exception as e:  # some kernels have no float64 version (grouped_mm): judge by float32 alone
+        exact = None
+        loss_exact = None
+        result["float64_reference"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    result["phase"] = "wrap in ORTModule"
+    ort = ORTModule(model)
+    result["phase"] = "first ortcore step (export, build, forward)"
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = forward_loss(spec, ort, batch)
+        result["phase"] = "first ortcore backward"
+        loss.backward()
+    result["ortcore_first_step_s"] = time.perf_counter() - t0
+    result["warnings"] = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0][:200]}" for w in caught})
+    counters = ort.state_machine.counters
+    if counters.fallbacks or not counters.exports:
+        raise RuntimeError(f"the step did not run in ONNX Runtime: {counters}; {ort.fallback_reason}")
+
+    result["phase"] = "compare step"
+    checks: dict[str, Any] = {"loss": compare(loss, loss_ref, loss_exact)}
+    g_ort, g_ref = grads(ort.module), grads(ref)
+    g_exact = grads(exact) if exact is not None else {}
+    grad_checks = {n: compare(g_ort.get(n), g_ref[n], g_exact.get(n)) for n in g_ref}
+    checks["grads"] = grad_checks
+    result["loss"] = {"ortcore": loss.item(), "eager": loss_ref.item()}
+    result["routed_ops"] = routed_ops(ort)
+
+    result["phase"] = "AdamW steps"
+    curves: dict[str, list[float]] = {"ortcore": [loss.item()], "eager": [loss_ref.item()]}
+    opts = {"ortcore": torch.optim.AdamW(ort.parameters(), lr=LR), "eager": torch.optim.AdamW(ref.parameters(), lr=LR)}
+    models = {"ortcore": ort, "eager": ref}
+    if exact is not None:
+        curves["float64"] = [loss_exact.item()]
+        opts["float64"] = torch.optim.AdamW(exact.parameters(), lr=LR)
+        models["float64"] = exact
+    for _ in range(TRAIN_STEPS):
+        for side, m in models.items():
+            # The first step's gradients are already in .grad: update, then measure the loss at the new weights.
+            opts[side].step()
+            opts[side].zero_grad(set_to_none=True)
+            loss_i = forward_loss(spec, m, batch64 if side == "float64" else batch)
+            loss_i.backward()
+            curves[side].append(loss_i.item())
+    result["curves"] = curves
+    checks["curve"] = [
+        compare(
+            torch.tensor(curves["ortcore"][i]),
+            torch.tensor(curves["eager"][i]),
+            torch.tensor(curves["float64"][i], dtype=torch.float64) if "float64" in curves else None,
+        )
+        for i in range(TRAIN_STEPS + 1)
+    ]
+    result["checks"] = checks
+
+    result["phase"] = "timing"
+    # Interleaved steps, so load from other processes hits both sides alike; the median is reported, the minimum kept.
+    samples: dict[str, list[float]] = {"eager": [], "ortcore": []}
+    for side in samples:
+        train_step(spec, models[side], batch, opts[side])  # warm-up
+    for _ in range(TIMED_STEPS):
+        for side in samples:
+            t0 = time.perf_counter()
+            train_step(spec, models[side], batch, opts[side])
+            samples[side].append(time.perf_counter() - t0)
+    result["step_s"] = {side: statistics.median(s) for side, s in samples.items()}
+    result["step_min_s"] = {side: min(s) for side, s in samples.items()}
+    result["step_ratio"] = result["step_s"]["ortcore"] / result["step_s"]["eager"]
+    result["load_average"] = os.getloadavg()[0]
+    result["state_machine"] = {k: getattr(counters, k) for k in ("exports", "builds", "reuses", "fallbacks")}
+
+    result["phase"] = "done"
+    failures = []
+    if not checks["loss"]["ok"]:
+        failures.append("loss")
+    bad = sorted((n for n, c in grad_checks.items() if not c["ok"]), key=lambda n: -_badness(grad_checks[n]))
+    if bad:
+        failures.append(f"{len(bad)}/{len(grad_checks)} gradients")
+    if not all(c["ok"] for c in checks["curve"]):
+        failures.append("AdamW loss curve")
+    result["failed_checks"] = failures
+    result["worst_grads"] = [{"name": n, **grad_checks[n]} for n in bad[:5]]
+    result["status"] = "mismatch" if failures else "pass"
+
+
+def _badness(check: dict[str, Any]) -> float:
+    ratio = check.get("tol_ratio", math.inf)
+    return math.inf if ratio is None or not math.isfinite(ratio) else ratio
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    """Write ``result`` to ``path`` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(_jsonable(result), indent=1, allow_nan=False))
+    os.replace(tmp, path)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """A few readable lines about one model's result."""
+    lines = [f"{result['model']} ({result['description']}): {result['status'].upper()}"]
+    if result["status"] in ("error", "crash", "timeout"):
+        err = result.get("error", {})
+        lines.append(f"  in phase: {result.get('phase')}")
+        lines.append(f"  {err.get('type')}: {err.get('first_line')}")
+        if err.get("op"):
+            lines.append(f"  op: {err['op']}")
+        return "\n".join(lines)
+    checks = result["checks"]
+    loss = checks["loss"]
+    lines.append(
+        f"  loss ortcore {result['loss']['ortcore']:.6g} eager {result['loss']['eager']:.6g} "
+        f"(max abs {loss['max_abs']:.2e}, {'ok' if loss['ok'] else 'FAIL'})"
+    )
+    g = checks["grads"]
+    worst = max(g.values(), key=_badness, default=None)
+    n_ok = sum(c["ok"] for c in g.values())
+    lines.append(
+        f"  gradients: {n_ok}/{len(g)} within tolerance"
+        + (f"; worst tol ratio {worst.get('tol_ratio', float('nan')):.3g}" if worst else "")
+    )
+    for w in result.get("worst_grads", []):
+        extra = ""
+        if w.get("judged_by") == "float64":
+            extra = f", vs float64: ortcore {w['ortcore_vs_f64']:.2e} eager {w['eager_vs_f64']:.2e}"
+        lines.append(
+            f"    FAIL {w['name']}: max abs {w.get('max_abs', float('nan')):.2e} "
+            f"max rel {w.get('max_rel', float('nan')):.2e}{extra}{' ' + w['error'] if 'error' in w else ''}"
+        )
+    curve = result["curves"]
+    lines.append("  AdamW losses ortcore " + " ".join(f"{x:.6g}" for x in curve["ortcore"]))
+    lines.append("  AdamW losses eager   " + " ".join(f"{x:.6g}" for x in curve["eager"]))
+    st = result["step_s"]
+    lines.append(
+        f"  step: eager {st['eager'] * 1e3:.1f} ms, ortcore {st['ortcore'] * 1e3:.1f} ms "
+        f"(x{result['step_ratio']:.2f}); first ortcore step {result['ortcore_first_step_s']:.2f} s"
+    )
+    routed = result.get("routed_ops") or []
+    lines.append("  on PyTorch: " + (", ".join(f"{r['op']} x{r['count']} ({r['reason']})" for r in routed) or "none"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="zoo model name")
+    parser.add_argument("--json", type=Path, help="write the result here")
+    args = parser.parse_args(argv)
+    try:
+        get(args.model)
+    except KeyError as e:
+        parser.error(str(e.args[0]))
+    t0 = time.perf_counter()
+    result = run(args.model)
+    result["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        write_json(result, args.json)
+    print(summary(result))
+    return 0 if result["status"] == "pass" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

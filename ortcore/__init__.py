@@ -16,13 +16,14 @@ from . import hf as _hf  # noqa: E402, F401  (registers the Hugging Face cache a
 from .errors import (  # noqa: E402
     GraphBuildError,
     OptionError,
+    OptionTypeError,
     ORTCoreError,
     UnsupportedDataError,
     UnsupportedDeviceError,
     UnsupportedModelError,
 )
 from .module import ORTModule  # noqa: E402
-from .options import DebugOptions, FallbackPolicy, LogLevel  # noqa: E402
+from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy, LogLevel  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -31,8 +32,10 @@ __all__ = [
     "DebugOptions",
     "LogLevel",
     "FallbackPolicy",
+    "ONNX_OPSET_VERSION",
     "ORTCoreError",
     "OptionError",
+    "OptionTypeError",
     "UnsupportedDataError",
     "UnsupportedModelError",
     "UnsupportedDeviceError",

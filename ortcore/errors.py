@@ -11,12 +11,28 @@ class OptionError(ORTCoreError, ValueError):
     """A bad option, argument or environment variable; the message names the value and what is allowed."""
 
 
+class OptionTypeError(OptionError, TypeError):
+    """An option of the wrong type (a prefix that is not a string, a log level that is not a ``LogLevel``).
+
+    Also a ``TypeError``, which is what code written for upstream's ``DebugOptions`` expects.
+    """
+
+
 class UnsupportedDataError(ORTCoreError, TypeError):
     """An input or output that ortcore cannot pass to or from an ONNX graph."""
 
 
 class UnsupportedModelError(ORTCoreError, TypeError):
-    """A module that cannot be wrapped or exported (the message names the op or module)."""
+    """A module that cannot be wrapped or exported (the message names the op or module).
+
+    ``raised_in_forward`` is the exception the model's own forward raised while the exporter traced it (a wrong
+    argument type, a shape error), or None when the exporter itself failed. ORTModule then runs the forward in
+    PyTorch and, if PyTorch raises too, raises PyTorch's exception instead of falling back.
+    """
+
+    def __init__(self, *args: object, raised_in_forward: BaseException | None = None):
+        super().__init__(*args)
+        self.raised_in_forward = raised_in_forward
 
 
 class UnsupportedDeviceError(ORTCoreError, RuntimeError):

@@ -351,6 +351,23 @@ def register_symbolics(symbolics: dict[str, Any], opset: int) -> None:
 _UNSUPPORTED_OP = re.compile(r"operator '?([\w:.]+)'?")
 
 
+def raised_in(error: BaseException, function: Callable[..., Any]) -> bool:
+    """Whether ``error`` was raised while ``function`` ran (its traceback passes through the function's code).
+
+    An exporter calls this with the traced module's ``forward``: an exception from there is the model's own (a wrong
+    argument type, a shape error), which PyTorch would raise too, not a failure to convert the traced graph.
+    """
+    code = getattr(function, "__code__", None)
+    if code is None or isinstance(error, (UnsupportedDataError, UnsupportedModelError)):
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 @contextlib.contextmanager
 def _captured_fds():
     """Capture what the exporter prints, from Python and from C++ (its IR dumps go to std::cout), and log it at
@@ -464,7 +481,8 @@ class TorchScriptExporter:
                     f"[plugins.{ATEN_FALLBACK_PLUGIN}] fallback_ops (or ORTCORE_ATEN_FALLBACK_OPS={match.group(1)}, or auto)"
                 )
             raise UnsupportedModelError(
-                f"the TorchScript exporter could not export {what} of {type(module).__name__}: {text}{hint}"
+                f"the TorchScript exporter could not export {what} of {type(module).__name__}: {text}{hint}",
+                raised_in_forward=e if raised_in(e, type(module).forward) else None,
             ) from e
         return onnx.load_model_from_string(buffer.getvalue())
 

@@ -7,8 +7,10 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import onnx
@@ -21,7 +23,7 @@ from .exporter import Exporter
 from .graph import ExportedGraph, export_graph, fingerprint, module_signature, update_batch_norm
 from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of, tapping
 from .inspectors import ForwardInputs, phase_callbacks
-from .options import DebugOptions, FallbackPolicy
+from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .plugins import Hooks, PluginHost, get_host
 from .schema import InputSchema, flatten_inputs
 from .session import BuildRequest, TrainingSession
@@ -61,6 +63,80 @@ def _configure_logging(options: CoreOptions) -> None:
         logger.addHandler(handler)
     logger.filters = [f for f in logger.filters if not isinstance(f, _RankZeroFilter)]
     logger.addFilter(_RankZeroFilter(all_ranks=options.log_level <= 1))
+
+
+# Frames of these packages are not the user's: a warning names the first frame outside them.
+_INTERNAL_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules[__package__]))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` at which ``warnings.warn``, called by this function's caller, names the user's line.
+
+    The call reaches ortcore through torch (``nn.Module.__call__``, ``_call_impl``, DDP, ...) at a depth that
+    changes between torch versions and wrappers, so the frames are walked instead of counted.
+    """
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _assigned_opset() -> int | None:
+    """``ortcore.ONNX_OPSET_VERSION`` if the application assigned it another value (upstream's way to change the
+    opset), applied like the ``opset`` argument."""
+    value = getattr(sys.modules.get(__package__), "ONNX_OPSET_VERSION", ONNX_OPSET_VERSION)
+    return None if value == ONNX_OPSET_VERSION else value
+
+
+def _upstream_mode(training: bool) -> str:
+    """The ``<mode>`` of upstream's file names: training for a model in ``train()`` with grad enabled."""
+    return "training" if training and torch.is_grad_enabled() else "inference"
+
+
+class _OrtWrittenGraphs:
+    """Graphs ONNX Runtime writes itself (the optimized pre-gradient graph, the execution model), under upstream's
+    names ``<prefix>_<name>_<mode>.onnx``: ORT writes each into a temporary file in the save directory, renamed to
+    its name once the session exists, so a reader never sees half a file."""
+
+    def __init__(self, options: CoreOptions, mode: str):
+        self.options = options
+        self.mode = mode
+        self.pending: list[tuple[str, str]] = []
+        self.done = False
+
+    def path(self, name: str) -> str:
+        opts = self.options
+        final = os.path.join(opts.save_dir, f"{opts.onnx_prefix}_{name}_{self.mode}.onnx")
+        if self.done:
+            return final  # a session created again later (a plugin's plan): nothing would rename a temporary file
+        fd, tmp = tempfile.mkstemp(dir=opts.save_dir, prefix=f".{opts.onnx_prefix}_{name}.", suffix=".tmp.onnx")
+        os.close(fd)
+        self.pending.append((tmp, final))
+        return tmp
+
+    def session_options(
+        self, configure: Callable[[Any, torch.device], None] | None
+    ) -> Callable[[Any, torch.device], None]:
+        def configure_session(session_options: Any, device: torch.device) -> None:
+            if configure is not None:
+                configure(session_options, device)
+            if not session_options.optimized_model_filepath:  # a plugin that names the file keeps its choice
+                session_options.optimized_model_filepath = self.path("execution_model")
+
+        return configure_session
+
+    def finish(self, keep: bool) -> None:
+        """Rename what ORT wrote (``keep``), or remove it; ORT writes no pre-gradient graph for some builds."""
+        for tmp, final in self.pending:
+            if keep and os.path.getsize(tmp) > 0:
+                os.replace(tmp, final)
+                logger.info("saved %s", final)
+            else:
+                os.unlink(tmp)
+        self.pending.clear()
+        self.done = True
 
 
 def _save_model(model: onnx.ModelProto, options: CoreOptions, suffix: str) -> None:
@@ -112,6 +188,9 @@ class _Runtime:
             self.exporter.symbolics.update(symbolics)
         self.state = ExportStateMachine(config.core.max_cached_graphs)
         self.fallback_reason: str | None = None
+        # Calls that fell back, by GraphKey (or, for a call that failed before it had one, by its error), with the
+        # reason: such a call runs in PyTorch again without retrying ORT, unless fallback_retry; other calls try ORT.
+        self.failed: dict[Any, str] = {}
         self.step = 0
         self.phases = phase_callbacks(hooks.runtime_inspectors(module))
         try:
@@ -165,6 +244,21 @@ class _ORTFunction(torch.autograd.Function):
 
 
 _WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "training"})
+_MISSING = object()
+
+
+def _may_be_the_models_error(error: Exception) -> bool:
+    """Whether PyTorch may raise for this call too: the model's forward raised while traced, or the arguments do
+    not match its signature."""
+    if isinstance(error, UnsupportedModelError):
+        # A layer that rewords the exporter's error raises a new one while handling it: look down the context chain.
+        seen: BaseException | None = error
+        while seen is not None:
+            if getattr(seen, "raised_in_forward", None) is not None:
+                return True
+            seen = seen.__context__
+        return False
+    return isinstance(error, UnsupportedDataError) and isinstance(error.__cause__, TypeError)
 
 
 class ORTModule(torch.nn.Module):
@@ -214,9 +308,14 @@ class ORTModule(torch.nn.Module):
         super().__init__()
         self._original_module = module
         host = host or (PluginHost(config) if config is not None else get_host())
+        if opset is None:
+            opset = _assigned_opset()
         config = host.config.with_code_options(debug_options, fallback_policy=fallback_policy, opset=opset)
         if config.core.save_onnx and not os.access(config.core.save_dir, os.W_OK):
-            raise OSError(f"cannot save ONNX models: directory {config.core.save_dir!r} is not writable")
+            raise OSError(
+                f"cannot save ONNX models: directory {config.core.save_dir!r} is not writable; set "
+                "ORTMODULE_SAVE_ONNX_PATH to a writable directory"
+            )
         self._init_runtime(config, host.hooks, exporter)
 
     def _init_runtime(self, config: Config, hooks: Hooks, exporter: Exporter | None) -> None:
@@ -265,8 +364,6 @@ class ORTModule(torch.nn.Module):
     # -- the step ----------------------------------------------------------------------------------------------
     def _run(self, args: tuple, kwargs: dict) -> Any:
         rt = self._ortcore
-        if rt.fallback_reason is not None and not rt.options.fallback_retry:
-            return self._original_module(*args, **kwargs)
         # One walk of the model's state per step, shared by the key and the feeds.
         params = dict(self._original_module.named_parameters())
         buffers = dict(self._original_module.named_buffers())
@@ -277,16 +374,28 @@ class ORTModule(torch.nn.Module):
         try:
             schema, tensors = flatten_inputs(rt.signature, args, kwargs)
             key = self._graph_key(schema, tensors, params, buffers, taps)
-            graph, session = rt.state.resolve(
-                key,
-                export=lambda: self._export(schema, tensors, key, subscription),
-                build=lambda g: self._build(g, key),
-            )
         except tuple(_FALLBACK_FLAG) as e:
-            return self._fall_back(e, args, kwargs)  # the model's own forward runs, and its hooks record the step
-        rt.fallback_reason = None
-        step_state = subscription.start_step("ortcore") if subscription is not None else None
-        return self._execute(graph, session, tensors, params, buffers, (args, kwargs), step_state)
+            error, failed = e, (type(e).__name__, str(e))  # no key yet: the error names the call's bad input
+        else:
+            if key in rt.failed and not rt.options.fallback_retry:
+                rt.fallback_reason = rt.failed[key]
+                return self._original_module(*args, **kwargs)
+            try:
+                graph, session = rt.state.resolve(
+                    key,
+                    export=lambda: self._export(schema, tensors, key, subscription),
+                    build=lambda g: self._build(g, key),
+                )
+            except tuple(_FALLBACK_FLAG) as e:
+                error, failed = e, key
+            else:
+                rt.failed.pop(key, None)  # a retry that now runs in ORT
+                rt.fallback_reason = None
+                step_state = subscription.start_step("ortcore") if subscription is not None else None
+                return self._execute(graph, session, tensors, params, buffers, (args, kwargs), step_state)
+        # Out of the except blocks: an exception the model raises in PyTorch reaches the user as PyTorch raised it,
+        # not chained to ortcore's. The model's own forward runs, and its hooks record the step.
+        return self._fall_back(error, failed, args, kwargs)
 
     def _execute(
         self,
@@ -407,7 +516,7 @@ class ORTModule(torch.nn.Module):
             mode = "training" if graph.training else "eval"
             _save_model(graph.raw_model, opts, f"exported_{mode}")
             _save_model(graph.model, opts, f"pre_grad_{mode}")
-            graph.raw_model = None
+            # graph.raw_model stays: each build saves it under upstream's name for its mode
         return graph
 
     def _build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
@@ -419,40 +528,77 @@ class ORTModule(torch.nn.Module):
         hooks = self._ortcore.hooks
         transformer_config = C.TrainingGraphTransformerConfiguration()
         hooks.graph_transformer_config(transformer_config, training=key.grad_enabled)
-        session = TrainingSession(
-            BuildRequest(
-                model=graph.model,
-                input_names=graph.input_names,
-                user_input_names=graph.user_input_names,
-                train_names=train_names,
-                build_gradient=key.grad_enabled,
-                device=torch.device(key.device),
-                log_level=opts.log_level,
-                transformer_config=transformer_config,
-                configure_session=hooks.session_options,
-                configure_providers=hooks.provider_options,
-                taps=[(tap.value, tap.output) for tap in graph.taps],
+        configure_session = hooks.session_options
+        mode = _upstream_mode(key.training)
+        ort_written = _OrtWrittenGraphs(opts, mode) if opts.save_onnx else None
+        if ort_written is not None:
+            transformer_config.optimized_pre_grad_filepath = ort_written.path("optimized_pre_grad")
+            configure_session = ort_written.session_options(configure_session)
+        try:
+            session = TrainingSession(
+                BuildRequest(
+                    model=graph.model,
+                    input_names=graph.input_names,
+                    user_input_names=graph.user_input_names,
+                    train_names=train_names,
+                    build_gradient=key.grad_enabled,
+                    device=torch.device(key.device),
+                    log_level=opts.log_level,
+                    transformer_config=transformer_config,
+                    configure_session=configure_session,
+                    configure_providers=hooks.provider_options,
+                    taps=[(tap.value, tap.output) for tap in graph.taps],
+                )
             )
-        )
-        hooks.session_created(session)
-        if opts.save_onnx:
+            hooks.session_created(session)
+        except BaseException:
+            if ort_written is not None:
+                ort_written.finish(keep=False)
+            raise
+        if ort_written is not None:
+            ort_written.finish(keep=True)
+            if graph.raw_model is not None:  # None when the graph came from an export cache
+                _save_model(graph.raw_model, opts, f"torch_exported_{mode}")
+            _save_model(session.model, opts, f"optimized_{mode}")
             _save_model(session.model, opts, session.kind)
         return session
 
-    def _fall_back(self, error: Exception, args: tuple, kwargs: dict) -> Any:
+    def _fall_back(self, error: Exception, failed: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the call in PyTorch as the policy allows, remembering ``failed`` (the call's key) as falling back.
+
+        If PyTorch raises too, the error is the model's own (a wrong argument, a shape error): PyTorch's exception
+        goes to the user and nothing falls back.
+        """
         rt = self._ortcore
         policy = rt.options.fallback_policy
         flag = next(f for t, f in _FALLBACK_FLAG.items() if isinstance(error, t))
         forced = FallbackPolicy.FALLBACK_FORCE_TORCH_FORWARD in policy
         if FallbackPolicy.FALLBACK_DISABLE in policy or not (forced or flag in policy):
+            if _may_be_the_models_error(error):
+                self._original_module(*args, **kwargs)  # raises what PyTorch raises for this call, if anything
             raise error
-        if rt.fallback_reason is None:
+        outputs = self._original_module(*args, **kwargs)
+        reason = f"{type(error).__name__}: {error}"
+        rt.fallback_reason = reason
+        if failed not in rt.failed:
+            rt.failed[failed] = reason
             rt.state.counters.fallbacks += 1
-            rt.fallback_reason = f"{type(error).__name__}: {error}"
             message = f"running {type(self._original_module).__name__} in PyTorch ({flag.name}): {error}"
-            logger.info(message)  # the warning below is what the user sees, once
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-        return self._original_module(*args, **kwargs)
+            logger.info(message)  # the warning below is what the user sees, once per failing kind of call
+            warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
+        return outputs
+
+    def _model_changed(self, reason: str) -> None:
+        """The model's structure or code changed: export again, and let calls that fell back try ORT again."""
+        self._ortcore.state.reset(reason)
+        self._ortcore.failed.clear()
+
+    def explain(self) -> Any:
+        """Where each op kind of the current graphs runs (ONNX Runtime's kernel or PyTorch's) and why; see
+        ortcore.explain."""
+        from .explain import explain
+
+        return explain(self)
 
     # -- nn.Module behaviour -----------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -470,10 +616,12 @@ class ORTModule(torch.nn.Module):
         if wrapped is None or name in _WRAPPER_ATTRIBUTES or name in self.__dict__ or hasattr(type(self), name):
             super().__setattr__(name, value)
             return
-        # Everything else is the model's: assigning a submodule, parameter or tensor changes what to export.
+        # Everything else is the model's. Any new value (a submodule, a tensor, a constant or a method the forward
+        # reads) can change the graph, as upstream assumes too.
+        previous = getattr(wrapped, name, _MISSING)
         setattr(wrapped, name, value)
-        if isinstance(value, torch.nn.Module | torch.Tensor):
-            self._ortcore.state.reset(f"attribute {name!r} of the model was replaced")
+        if previous is not value:
+            self._model_changed(f"attribute {name!r} of the model was {'set' if previous is _MISSING else 'replaced'}")
 
     # Container protocol of the wrapped model (a Sequential, a ModuleList): dunder lookups skip __getattr__.
     def __getitem__(self, index: Any) -> Any:
@@ -490,6 +638,23 @@ class ORTModule(torch.nn.Module):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
+    # Registering on the wrapper would hide the tensor or module from the model's forward: it goes to the model,
+    # as with upstream's ORTModule, and the next call exports again (the new one is then fed, or trained).
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        """Register a buffer on the wrapped model; the next call exports the model again."""
+        self._original_module.register_buffer(name, tensor, persistent=persistent)
+        self._model_changed(f"buffer {name!r} registered on the model")
+
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
+        """Register a parameter on the wrapped model; the next call exports the model again."""
+        self._original_module.register_parameter(name, param)
+        self._model_changed(f"parameter {name!r} registered on the model")
+
+    def add_module(self, name: str, module: torch.nn.Module | None) -> None:
+        """Add a submodule to the wrapped model; the next call exports the model again."""
+        self._original_module.add_module(name, module)
+        self._model_changed(f"submodule {name!r} added to the model")
 
     def state_dict(self, *args: Any, **kwargs: Any):
         return self._original_module.state_dict(*args, **kwargs)

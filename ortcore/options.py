@@ -9,10 +9,15 @@ from __future__ import annotations
 import difflib
 import enum
 import logging
+import os
 
 import attrs
 
-from .errors import OptionError
+from .errors import OptionError, OptionTypeError
+
+# The ONNX opset ortcore exports with unless told otherwise (upstream's ``ONNX_OPSET_VERSION``; ORT 1.19's training
+# kernels are complete up to it).
+ONNX_OPSET_VERSION = 17
 
 
 def _suggest(value: str, allowed: list[str]) -> str:
@@ -133,6 +138,13 @@ def parse_opset(value: object, source: str) -> int:
     return opset
 
 
+def _debug_log_level(value: object) -> LogLevel:
+    try:
+        return LogLevel.parse(value, "DebugOptions(log_level)")
+    except OptionError as e:
+        raise OptionTypeError(f"Expected log_level of type LogLevel, got {type(value)}. {e}") from None
+
+
 @attrs.frozen
 class DebugOptions:
     """Debugging switches: what to log and whether to save the ONNX graphs.
@@ -141,19 +153,49 @@ class DebugOptions:
 
         ORTModule(model, DebugOptions(save_onnx=True, log_level=LogLevel.INFO, onnx_prefix="bert"))
 
-    ``ORTMODULE_LOG_LEVEL`` overrides ``log_level``; ``ORTMODULE_SAVE_ONNX_PATH`` sets the directory (default: the
-    working directory) in which ``<prefix>_exported_<mode>.onnx``, ``<prefix>_pre_grad_<mode>.onnx`` and
-    ``<prefix>_training.onnx`` (or ``_inference.onnx``) are written.
+    ``ORTMODULE_LOG_LEVEL`` overrides ``log_level``; ``ORTMODULE_SAVE_ONNX_PATH`` (else ``save_path``, else the
+    working directory) is the directory in which the graphs are written (see docs/debugging.md for the file names).
+
+    The arguments are checked here, as upstream's ``DebugOptions`` checks them: a ``log_level`` that is no
+    :class:`LogLevel` (nor its name or value) and an ``onnx_prefix`` that is not a string raise
+    :class:`~ortcore.errors.OptionTypeError` (a ``TypeError``); with ``save_onnx``, an empty prefix raises
+    :class:`~ortcore.errors.OptionError` (a ``ValueError``) and a directory that is not writable raises ``OSError``.
     """
 
-    log_level: LogLevel = attrs.field(default=LogLevel.WARNING, converter=LogLevel.parse)
+    log_level: LogLevel = attrs.field(default=LogLevel.WARNING, converter=_debug_log_level)
     save_onnx: bool = attrs.field(default=False, converter=lambda v: parse_bool(v, "save_onnx"))
     onnx_prefix: str = attrs.field(default="")
     save_path: str = attrs.field(default="")
 
     @onnx_prefix.validator
-    def _check_prefix(self, _attribute: attrs.Attribute, value: str) -> None:
+    def _check_prefix(self, _attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, str):
-            raise OptionError(f"onnx_prefix={value!r} must be a string")
+            raise OptionTypeError(
+                f"Expected name prefix of type str, got {type(value)}. onnx_prefix={value!r} must be a string: "
+                "it starts the name of each saved file"
+            )
         if self.save_onnx and not value.strip():
-            raise OptionError("onnx_prefix='' : save_onnx=True needs a non-empty onnx_prefix to name the saved files")
+            raise OptionError(
+                f"onnx_prefix must be provided when save_onnx is set. onnx_prefix={value!r}: save_onnx=True needs "
+                "a non-empty onnx_prefix to name the saved files"
+            )
+
+    @save_path.validator
+    def _check_save_path(self, _attribute: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, str):
+            raise OptionTypeError(f"save_path={value!r} must be a string (a directory), not {type(value).__name__}")
+
+    def __attrs_post_init__(self) -> None:
+        if not self.save_onnx:
+            return
+        directory = self.save_directory
+        if not (os.path.isdir(directory) and os.access(directory, os.W_OK)):
+            raise OSError(
+                f"Directory {directory} is not writable. Please set the ORTMODULE_SAVE_ONNX_PATH environment "
+                "variable to a writable path (save_onnx=True writes the ONNX graphs there)."
+            )
+
+    @property
+    def save_directory(self) -> str:
+        """Where the graphs go: ``ORTMODULE_SAVE_ONNX_PATH``, else ``save_path``, else the working directory."""
+        return os.environ.get("ORTMODULE_SAVE_ONNX_PATH") or self.save_path or os.getcwd()

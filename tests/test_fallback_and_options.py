@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import os
+import sys
 import warnings
 
 import onnx
@@ -12,6 +15,7 @@ from torch import nn
 
 import ortcore
 from ortcore import DebugOptions, LogLevel, ORTModule
+from ortcore.testing import make_host
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -23,6 +27,12 @@ def assert_close(actual, expected, msg: str | None = None) -> None:
 def assert_grads_match(ort_model: nn.Module, torch_model: nn.Module) -> None:
     for (name, p), (_, q) in zip(ort_model.named_parameters(), torch_model.named_parameters(), strict=True):
         assert_close(p.grad, q.grad, msg=f"gradient of {name}")
+
+
+def core_host():
+    """The core without plugins, configured from the process environment: there ``torch.cummax`` cannot be exported
+    (plugins that run ops as ATen nodes would run it in ORT)."""
+    return make_host({}, env=os.environ)
 
 
 class CumMax(nn.Module):
@@ -90,7 +100,7 @@ def train_side_by_side(model: ORTModule, reference: nn.Module, make_args, steps:
 
 def test_unexportable_op_falls_back_with_one_warning_naming_the_op():
     reference = CumMax()
-    model = ORTModule(copy.deepcopy(reference))
+    model = ORTModule(copy.deepcopy(reference), host=core_host())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train_side_by_side(model, reference, lambda: (torch.randn(5, 4),), steps=4)
@@ -114,7 +124,7 @@ def test_ort_build_failure_falls_back_naming_the_op():
 
 
 def test_fallback_disable_argument_raises_naming_the_op():
-    model = ORTModule(CumMax(), fallback_policy="FALLBACK_DISABLE")
+    model = ORTModule(CumMax(), fallback_policy="FALLBACK_DISABLE", host=core_host())
     with pytest.raises(ortcore.UnsupportedModelError, match="aten::cummax"):
         model(torch.randn(5, 4))
     assert model.state_machine.counters.fallbacks == 0
@@ -122,14 +132,14 @@ def test_fallback_disable_argument_raises_naming_the_op():
 
 def test_fallback_disable_env_raises_naming_the_op(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
-    model = ORTModule(CumMax())
+    model = ORTModule(CumMax(), host=core_host())
     with pytest.raises(ortcore.UnsupportedModelError, match="aten::cummax"):
         model(torch.randn(5, 4))
 
 
 def test_fallback_policy_env_overrides_argument(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
-    model = ORTModule(CumMax(), fallback_policy="FALLBACK_UNSUPPORTED_TORCH_MODEL")
+    model = ORTModule(CumMax(), fallback_policy="FALLBACK_UNSUPPORTED_TORCH_MODEL", host=core_host())
     with pytest.raises(ortcore.UnsupportedModelError):
         model(torch.randn(5, 4))
 
@@ -292,3 +302,178 @@ def test_export_leaves_torch_rng_untouched(monkeypatch: pytest.MonkeyPatch, deep
     model(x)
     assert model.state_machine.counters.exports == 1
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# -- the model's own errors, fallback per kind of call, where the warning points ---------------------------------------
+
+
+def _eager_error(model: nn.Module, *args, **kwargs) -> BaseException:
+    with pytest.raises(Exception) as raised:
+        model(*args, **kwargs)
+    return raised.value
+
+
+def _assert_raised_as_pytorch(raised: BaseException, eager: BaseException) -> None:
+    assert type(raised) is type(eager)
+    assert str(raised) == str(eager)
+    assert raised.__cause__ is None and raised.__context__ is None  # not chained to any ortcore error
+    last = raised.__traceback__
+    while last.tb_next is not None:
+        last = last.tb_next
+    eager_last = eager.__traceback__
+    while eager_last.tb_next is not None:
+        eager_last = eager_last.tb_next
+    assert last.tb_frame.f_code is eager_last.tb_frame.f_code  # raised where PyTorch raises it
+
+
+@pytest.mark.parametrize("policy", [None, "FALLBACK_DISABLE"])
+@pytest.mark.parametrize(
+    "bad_call",
+    [
+        pytest.param(lambda: ([torch.randn(3, 4)],), id="list-instead-of-tensor"),
+        pytest.param(lambda: (torch.randn(3, 5),), id="wrong-feature-size"),
+    ],
+)
+def test_models_own_error_while_tracing_is_raised_as_pytorch_raises_it_and_nothing_falls_back(policy, bad_call):
+    reference = nn.Linear(4, 4)
+    model = ORTModule(copy.deepcopy(reference), fallback_policy=policy)
+    args = bad_call()
+    eager = _eager_error(reference, *args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(type(eager)) as raised:
+            model(*args)
+    _assert_raised_as_pytorch(raised.value, eager)
+    assert not isinstance(raised.value, ortcore.ORTCoreError)
+    assert _real_warnings(caught) == []
+    assert model.state_machine.counters.fallbacks == 0
+    assert model.fallback_reason is None
+    # The next, correct call runs in ORT and matches PyTorch.
+    train_side_by_side(model, reference, lambda: (torch.randn(3, 4),), steps=2)
+    assert model.state_machine.counters.exports == 1
+    assert model.state_machine.counters.fallbacks == 0
+
+
+@pytest.mark.parametrize("policy", [None, "FALLBACK_DISABLE"])
+def test_arguments_that_do_not_match_forward_raise_pytorchs_type_error(policy):
+    reference = nn.Linear(4, 4)
+    model = ORTModule(copy.deepcopy(reference), fallback_policy=policy)
+    x = torch.randn(3, 4)
+    eager = _eager_error(reference, x, scale=2.0)
+    with pytest.raises(TypeError) as raised:
+        model(x, scale=2.0)
+    _assert_raised_as_pytorch(raised.value, eager)
+    assert model.state_machine.counters.fallbacks == 0
+    assert_close(model(x), reference(x))
+    assert model.state_machine.counters.exports == 1
+
+
+class MaybeCumMax(nn.Module):
+    """Exports with ``op="linear"``; with ``op="cummax"`` the core's exporter cannot (``aten::cummax``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.cummax_enabled = True
+
+    def forward(self, x: torch.Tensor, op: str = "linear") -> torch.Tensor:
+        y = self.fc(x)
+        if op == "cummax" and self.cummax_enabled:
+            return torch.cummax(y, dim=1).values
+        return y
+
+
+def _train_calls(model: nn.Module, reference: nn.Module, op: str, steps: int = 1) -> None:
+    for _ in range(steps):
+        x = torch.randn(5, 4)
+        out, expected = model(x, op=op), reference(x, op=op)
+        assert_close(out, expected, msg=f"output of op={op}")
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        assert_grads_match(model, reference)
+
+
+def _export_attempts(model: ORTModule) -> int:
+    return sum(t.action == "export" for t in model.state_machine.history)
+
+
+def test_after_a_fallback_a_call_with_another_schema_runs_in_ort_and_the_failed_one_stays_in_pytorch():
+    reference = MaybeCumMax()
+    model = ORTModule(copy.deepcopy(reference), host=core_host())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_calls(model, reference, "cummax")
+        assert model.state_machine.counters.fallbacks == 1
+        assert "aten::cummax" in model.fallback_reason
+        _train_calls(model, reference, "linear", steps=2)  # another GraphKey: tries ORT, which runs it
+        assert model.fallback_reason is None
+        assert model.state_machine.counters.exports == 1
+        attempts = _export_attempts(model)
+        _train_calls(model, reference, "cummax", steps=2)  # the failed key: PyTorch, without exporting again
+        assert _export_attempts(model) == attempts
+        assert "aten::cummax" in model.fallback_reason
+        _train_calls(model, reference, "linear")
+    assert len(_real_warnings(caught)) == 1
+    counters = model.state_machine.counters
+    assert (counters.exports, counters.builds, counters.fallbacks) == (1, 1, 1)
+
+
+def test_fallback_retry_tries_ort_again_for_the_failed_call(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_RETRY", "1")
+    reference = MaybeCumMax()
+    model = ORTModule(copy.deepcopy(reference), host=core_host())
+    assert model.runtime_options.fallback_retry is True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_calls(model, reference, "cummax")
+        assert _export_attempts(model) == 1
+        _train_calls(model, reference, "cummax", steps=2)
+        assert _export_attempts(model) == 3  # every call tried ORT again
+    assert len(_real_warnings(caught)) == 1  # one warning for the kind of call, not one per retry
+    assert model.state_machine.counters.fallbacks == 1
+    assert model.state_machine.counters.exports == 0
+
+
+def test_changing_the_model_lets_a_call_that_fell_back_try_ort_again():
+    reference = MaybeCumMax()
+    model = ORTModule(copy.deepcopy(reference), host=core_host())
+    with pytest.warns(RuntimeWarning, match="aten::cummax"):
+        _train_calls(model, reference, "cummax")
+    model.cummax_enabled = False
+    reference.cummax_enabled = False
+    _train_calls(model, reference, "cummax", steps=2)
+    assert model.fallback_reason is None
+    assert model.state_machine.counters.exports == 1
+    assert any(t.action == "reset" and "cummax_enabled" in t.reason for t in model.state_machine.history)
+
+
+def test_fallback_warning_points_at_the_users_call():
+    model = ORTModule(CumMax(), host=core_host())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        model(torch.randn(3, 4))
+    (warning,) = _real_warnings(caught)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+
+
+class CallsInner(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2  # the line the fallback warning names
+
+
+def test_fallback_warning_inside_a_users_model_points_at_the_line_calling_the_ortmodule():
+    outer = CallsInner(ORTModule(CumMax(), host=core_host()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outer(torch.randn(3, 4))
+    (warning,) = _real_warnings(caught)
+    source_lines, start = inspect.getsourcelines(CallsInner.forward)
+    line = start + next(i for i, text in enumerate(source_lines) if "the line the fallback warning names" in text)
+    assert (warning.filename, warning.lineno) == (__file__, line)

@@ -122,6 +122,7 @@ class Counters:
     builds: int = 0
     reuses: int = 0
     fallbacks: int = 0
+    routed_ops: int = 0  # op kinds run on PyTorch's kernels inside ORT's graph, summed over exports
 
 
 @attrs.frozen
@@ -180,9 +181,21 @@ class ExportStateMachine:
         self._last = key
         return graph, session
 
+    @property
+    def current(self) -> tuple[Any, Any] | None:
+        """``(graph, session)`` of the last call that ran in ORT, or None."""
+        if self._last is None:
+            return None
+        return self._sessions.get(self._last.build_key)
+
     def _export(self, key: GraphKey, export: Callable[[], Any]) -> Any:
+        from .explain import routed_reasons
+
         graph = export()
         self.counters.exports += 1
+        model = getattr(graph, "model", None)
+        if model is not None:
+            self.counters.routed_ops += len(routed_reasons(model))
         self._put(self._graphs, key.export_key, graph)
         return graph
 

@@ -41,6 +41,7 @@ import torch
 
 from ortcore.config import Config, option
 from ortcore.errors import OptionError, UnsupportedModelError
+from ortcore.explain import ROUTED_METADATA_PREFIX
 from ortcore.exporter import TorchScriptExporter, custom_autograd_disabled
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
@@ -56,7 +57,7 @@ ENV_NEVER = "ORTCORE_OP_ROUTING_NEVER"
 WRAPPER_NAMESPACE = "ortcore_route"
 REASONS_PASS = "op_routing.reasons"
 TYPES_PASS = "op_routing.typed_outputs"
-METADATA_PREFIX = "ortcore.routed::"
+METADATA_PREFIX = ROUTED_METADATA_PREFIX
 EXPORTER_GAP = "the TorchScript exporter has no ONNX symbolic for it"
 FASTER_IN_TORCH = "PyTorch's kernel is faster on CPU (aten_fallback torch_kernels)"
 
@@ -480,6 +481,9 @@ _SPEED_OPS = {
 _REASONS = {r.op: r.reason for r in ROUTES}
 
 
+_CORE_OPS = {"detach_copy": "a detach() inside a gradient path: a stop-gradient, which ORT has no op for"}
+
+
 def add_reasons(model: onnx.ModelProto) -> None:
     """Record ``ortcore.routed::<op>`` = reason for every ATen node of the exported ``model``."""
     reasons: dict[str, str] = {}
@@ -491,7 +495,7 @@ def add_reasons(model: onnx.ModelProto) -> None:
             reasons.setdefault(_SPEED_OPS[operator], FASTER_IN_TORCH)
         else:
             op = _op_name(operator)
-            reasons.setdefault(op, _REASONS.get(op, EXPORTER_GAP))
+            reasons.setdefault(op, _REASONS.get(op) or _CORE_OPS.get(op) or EXPORTER_GAP)
     known = {p.key for p in model.metadata_props}
     for op, reason in sorted(reasons.items()):
         if METADATA_PREFIX + op not in known:
@@ -503,11 +507,6 @@ def _reasons_pass(model: onnx.ModelProto, context: PassContext | None = None) ->
     before = len(model.metadata_props)
     add_reasons(model)
     return len(model.metadata_props) - before
-
-
-def routed_reasons(model: onnx.ModelProto) -> dict[str, str]:
-    """``{op: reason}`` recorded in an exported model."""
-    return {p.key[len(METADATA_PREFIX) :]: p.value for p in model.metadata_props if p.key.startswith(METADATA_PREFIX)}
 
 
 # -- hooks ----------------------------------------------------------------------------------------------------------

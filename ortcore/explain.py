@@ -1,0 +1,99 @@
+"""Where each op kind of an ORTModule's current graph runs, and why.
+
+``model.explain()`` (and ``ortcore explain``) read the graph the last call ran: the training graph's nodes before
+ORT's ``YieldOp`` are the forward, the rest the backward. Nodes ORT runs are listed by their ONNX op type; an
+``org.pytorch.aten::ATen`` node runs PyTorch's kernel and is listed by the aten op it runs, with the reason a
+plugin recorded when it exported the op (model metadata ``ortcore.routed::<op>``)::
+
+    >>> print(model.explain())
+    op                      runs on   forward  backward  why
+    Gemm                    ORT             2         0
+    hardswish               PyTorch         1         1  ORT has no gradient builder for HardSwish
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+import onnx
+
+ROUTED_METADATA_PREFIX = "ortcore.routed::"
+ATEN_DOMAIN = "org.pytorch.aten"
+
+
+def routed_reasons(model: onnx.ModelProto) -> dict[str, str]:
+    """``{op: reason}`` of the ops an exported model runs on PyTorch's kernels."""
+    n = len(ROUTED_METADATA_PREFIX)
+    return {p.key[n:]: p.value for p in model.metadata_props if p.key.startswith(ROUTED_METADATA_PREFIX)}
+
+
+def aten_kind(operator: str) -> str:
+    """The op an ATen node's ``operator`` serves: ``ortcore_route::gru__input__<hash>`` and the gradient helper
+    ``ortcore_aten::fallback_grad__ortcore_route__gru__input__<hash>__default__0`` serve ``gru``;
+    ``ortcore_aten::layer_norm_backward_input`` serves ``layer_norm``; ``native_layer_norm`` serves ``layer_norm``."""
+    name = operator.rpartition("::")[2]
+    name = re.sub(r"^fallback_grad__", "", name)
+    name = re.sub(r"^ortcore_route__", "", name)
+    if operator.startswith("ortcore_route::") or "__" in name:
+        name = name.split("__")[0]
+    name = re.sub(r"_backward(_\w+)?$", "", name)
+    return {"native_layer_norm": "layer_norm", "linear_no_bias": "linear", "addmm": "linear"}.get(name, name)
+
+
+class Explanation(list):
+    """One dict per op kind: ``op``, ``runs_on`` ("ORT" or "PyTorch"), ``count``, ``forward``, ``backward``,
+    ``reason``. Printing it gives a table."""
+
+    def routed(self) -> dict[str, str]:
+        """``{op: reason}`` of the op kinds that run on PyTorch's kernels."""
+        return {row["op"]: row["reason"] for row in self if row["runs_on"] == "PyTorch"}
+
+    def __str__(self) -> str:
+        if not self:
+            return "no graph yet: call the model once"
+        width = max(len("op"), *(len(r["op"]) for r in self))
+        lines = [f"{'op':<{width}}  {'runs on':<8} {'forward':>7} {'backward':>8}  why"]
+        for r in self:
+            lines.append(
+                f"{r['op']:<{width}}  {r['runs_on']:<8} {r['forward']:>7} {r['backward']:>8}  {r['reason']}".rstrip()
+            )
+        return "\n".join(lines)
+
+
+def _operator(node: onnx.NodeProto) -> str:
+    return next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+
+
+def explain_graph(model: onnx.ModelProto, reasons: dict[str, str] | None = None) -> Explanation:
+    """Count ``model``'s nodes per op kind, forward and backward apart, and say where each kind runs."""
+    reasons = reasons if reasons is not None else routed_reasons(model)
+    forward: Counter[tuple[str, str]] = Counter()
+    backward: Counter[tuple[str, str]] = Counter()
+    side = forward
+    for node in model.graph.node:
+        if node.op_type == "YieldOp":
+            side = backward
+            continue
+        if node.op_type == "ATen" and node.domain == ATEN_DOMAIN:
+            side[(aten_kind(_operator(node)), "PyTorch")] += 1
+        else:
+            prefix = f"{node.domain}::" if node.domain not in ("", "ai.onnx") else ""
+            side[(f"{prefix}{node.op_type}", "ORT")] += 1
+    rows = Explanation()
+    for op, runs_on in sorted(set(forward) | set(backward), key=lambda k: (k[1] != "PyTorch", k[0])):
+        f, b = forward[(op, runs_on)], backward[(op, runs_on)]
+        reason = reasons.get(op, "routed by a plugin") if runs_on == "PyTorch" else ""
+        rows.append({"op": op, "runs_on": runs_on, "count": f + b, "forward": f, "backward": b, "reason": reason})
+    return rows
+
+
+def explain(module: Any) -> Explanation:
+    """Where each op kind of ``module``'s (an ORTModule's) current graph runs, and why; empty before the first call
+    that ran in ORT."""
+    current = module.state_machine.current
+    if current is None:
+        return Explanation()
+    graph, session = current
+    return explain_graph(session.model, routed_reasons(graph.model))

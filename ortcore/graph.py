@@ -375,7 +375,8 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def _scope(node: onnx.NodeProto) -> str:
-    return ".".join(node.name.strip("/").split("/")[1:-1]) or "the model itself"
+    module = ".".join(node.name.strip("/").split("/")[1:-1])
+    return f"module {module}" if module else "the model's own forward"
 
 
 def plan_stop_gradients(model: onnx.ModelProto, train_names: list[str], build_gradient: bool) -> StopGradientPlan:
@@ -537,10 +538,10 @@ def _require_aten_executor(scopes: list[str]) -> None:
         _executor_seen = False
     if not _executor_seen:
         raise UnsupportedModelError(
-            f"a detach() in module {', '.join(scopes)} stops a gradient that also flows on (as in y * y.detach()); "
-            "ONNX Runtime runs that stop-gradient as an ATen node, and no ATen executor is registered: enable the "
-            "aten_fallback plugin, which registers PyTorch's (it does so when it routes ops to PyTorch or has "
-            "fallback_ops)"
+            f"a detach() in {', '.join(scopes)} stops a gradient that also flows on (as in y * y.detach()); "
+            "ONNX Runtime runs that stop-gradient as an ATen node, and no ATen executor is registered in this "
+            "process: enable the aten_fallback plugin, which registers PyTorch's (op_routing and efficient_attention "
+            "do too)"
         )
 
 

@@ -349,13 +349,14 @@ _WITHOUT_EXECUTOR = textwrap.dedent(
 def test_without_an_aten_executor_a_stop_gradient_is_refused_naming_the_plugin_and_constants_still_train():
     # A fresh process: the ATen executor, once registered, stays for the life of the process.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ORTMODULE_", "ORTCORE_"))}
-    env["ORTCORE_DISABLE_PLUGINS"] = "aten_fallback,efficient_attention"  # both register PyTorch's executor
+    env["ORTCORE_DISABLE_PLUGINS"] = "aten_fallback,op_routing,efficient_attention"  # each registers the executor
     script = _WITHOUT_EXECUTOR.format(tests=str(Path(__file__).parent))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REFUSED:" in result.stdout, result.stdout + result.stderr[-3000:]
     message = result.stdout.split("REFUSED:", 1)[1]
-    assert "aten_fallback plugin" in message and "no ATen executor" in message, message
+    assert "detach() in the model's own forward" in message, message
+    assert "no ATen executor is registered" in message and "enable the aten_fallback plugin" in message, message
 
 
 # -- the plan, on hand-made graphs ----------------------------------------------------------------------------------------

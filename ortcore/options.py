@@ -140,7 +140,7 @@ def parse_opset(value: object, source: str) -> int:
 
 def _debug_log_level(value: object) -> LogLevel:
     try:
-        return LogLevel.parse(value, "DebugOptions(log_level)")
+        return LogLevel.parse(value, "log_level")
     except OptionError as e:
         raise OptionTypeError(f"Expected log_level of type LogLevel, got {type(value)}. {e}") from None
 

@@ -1,0 +1,316 @@
+"""op_routing: each op ORT cannot differentiate or run becomes one ATen node run by PyTorch; the rest stays in ORT.
+
+For every entry of the routing table, a small model using the op trains through ORTModule with ``FALLBACK_DISABLE``:
+outputs, a weighted loss, every parameter's gradient (and the input's, where it requires grad) and a 3-step AdamW loss
+curve match eager PyTorch (fp32, ``rtol=1e-4, atol=1e-5`` relative to the reference's scale), the op is an ATen node
+in the training graph, and ``explain()`` names it with its reason. Each entry is also checked against ORT itself:
+with the plugin off the same model fails to build or run, so a table entry ORT no longer needs fails a test.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ortcore_plugins.op_routing as plugin
+from ortcore import ORTModule
+from ortcore.config import Config
+from ortcore.errors import GraphBuildError, OptionError
+from ortcore.plugins import PluginHost
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class Apply(nn.Module):
+    """Linear -> f -> a second Linear over the flattened result (so every output element reaches a parameter)."""
+
+    def __init__(self, f: Callable[[torch.Tensor], torch.Tensor], n_in: int = 16, shape: tuple[int, ...] = (16,)):
+        super().__init__()
+        self.lin = nn.Linear(n_in, int(torch.tensor(shape).prod()))
+        self.shape = shape
+        self.f = f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(self.lin(x).view(x.shape[0], *self.shape))
+
+
+class Conv1dThen(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3)
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.conv(x))
+
+
+class Conv2dThen(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.conv(x))
+
+
+class RNNOut(nn.Module):
+    """An RNN's output sequence and final states, all in the loss."""
+
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out, state = self.rnn(x)
+        return (out, *state) if isinstance(state, tuple) else (out, state)
+
+
+# name -> (model factory, input factory, the op expected in explain())
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]] = {
+    "hardswish": (lambda: Apply(F.hardswish), lambda: torch.randn(6, 16) * 3, "hardswish"),
+    "hardsigmoid": (lambda: Apply(F.hardsigmoid), lambda: torch.randn(6, 16) * 3, "hardsigmoid"),
+    "einsum": (lambda: Apply(lambda h: torch.einsum("bij,bkj->bik", h, h), shape=(4, 4)), lambda: torch.randn(6, 16), "einsum"),
+    "cumsum": (lambda: Apply(lambda h: torch.cumsum(h, 1)), lambda: torch.randn(6, 16), "cumsum"),
+    "group_norm": (lambda: Conv1dThen(nn.GroupNorm(2, 8)), lambda: torch.randn(3, 4, 12), "group_norm"),
+    "instance_norm": (lambda: Conv1dThen(nn.InstanceNorm1d(8, affine=True)), lambda: torch.randn(3, 4, 12), "instance_norm"),
+    "amax": (lambda: Apply(lambda h: torch.amax(h, 1), shape=(4, 4)), lambda: torch.randn(6, 16), "amax"),
+    "max_dim": (lambda: Apply(lambda h: torch.max(h, 1).values, shape=(4, 4)), lambda: torch.randn(6, 16), "max"),
+    "min_all": (lambda: Apply(lambda h: torch.min(h)), lambda: torch.randn(6, 16), "min"),
+    "bidirectional_gru": (
+        lambda: RNNOut(nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True)),
+        lambda: torch.randn(3, 5, 8),
+        "gru",
+    ),
+    "bidirectional_lstm": (
+        lambda: RNNOut(nn.LSTM(8, 6, batch_first=True, bidirectional=True)),
+        lambda: torch.randn(3, 5, 8),
+        "lstm",
+    ),
+    "bidirectional_rnn": (lambda: RNNOut(nn.RNN(8, 6, bidirectional=True)), lambda: torch.randn(5, 3, 8), "rnn_tanh"),
+    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), lambda: torch.randn(2, 3, 6, 6), "_convolution"),
+    "conv_transpose1d": (lambda: Conv1dThen(nn.ConvTranspose1d(8, 4, 4, stride=2)), lambda: torch.randn(2, 4, 9), "_convolution"),
+    "upsample_nearest": (lambda: Conv2dThen(nn.Upsample(scale_factor=2)), lambda: torch.randn(2, 3, 7, 7), "upsample_nearest2d"),
+    "upsample_bilinear": (
+        lambda: Conv2dThen(nn.Upsample(scale_factor=2, mode="bilinear")),
+        lambda: torch.randn(2, 3, 7, 7),
+        "upsample_bilinear2d",
+    ),
+    "upsample_bicubic": (
+        lambda: Conv2dThen(nn.Upsample(size=(9, 11), mode="bicubic", align_corners=True)),
+        lambda: torch.randn(2, 3, 7, 7),
+        "upsample_bicubic2d",
+    ),
+    "flip": (lambda: Apply(lambda h: h * h.flip(1)), lambda: torch.randn(6, 16), "flip"),
+    "diagonal": (lambda: Apply(lambda h: torch.diagonal(h, 1, 1, 2), shape=(4, 4)), lambda: torch.randn(6, 16), "diagonal"),
+}
+
+
+def _weighted_loss(outputs: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A loss whose gradient is not zero by symmetry (a normalization's output summed has no gradient)."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    total = torch.zeros(())
+    for k, out in enumerate(outputs):
+        weights = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape) * (k + 1)
+        total = total + (out * weights).sum() + out.square().mean()
+    return total
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = max(expected.abs().max().item(), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{what}: {m}")
+
+
+def _compare(ort: nn.Module, ref: nn.Module, x: torch.Tensor, steps: int = 3) -> ORTModule:
+    wrapped = ORTModule(ort, fallback_policy="FALLBACK_DISABLE")
+    opt_o = torch.optim.AdamW(ort.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(steps):
+        xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_o, out_r = wrapped(xo), ref(xr)
+        for a, b in zip(out_o if isinstance(out_o, tuple) else (out_o,), out_r if isinstance(out_r, tuple) else (out_r,)):
+            _close(a, b, f"step {step} output")
+        loss_o, loss_r = _weighted_loss(out_o), _weighted_loss(out_r)
+        _close(loss_o, loss_r, f"step {step} loss")
+        loss_o.backward()
+        loss_r.backward()
+        _close(xo.grad, xr.grad, f"step {step} input gradient")
+        for (name, p), q in zip(ort.named_parameters(), ref.parameters()):
+            assert p.grad is not None and q.grad is not None, name
+            _close(p.grad, q.grad, f"step {step} gradient of {name}")
+        opt_o.step()
+        opt_r.step()
+        opt_o.zero_grad()
+        opt_r.zero_grad()
+    return wrapped
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_routed_op_trains_with_torch_gradients(case: str):
+    make_model, make_input, op = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    wrapped = _compare(model, copy.deepcopy(model), make_input())
+    assert wrapped.state_machine.counters.fallbacks == 0
+    assert wrapped.state_machine.counters.exports == 1
+    routed = wrapped.explain().routed()
+    assert op in routed, wrapped.explain()
+    expected = next(r.reason for r in plugin.ROUTES if r.op == op)
+    assert routed[op] == expected
+    assert wrapped.state_machine.counters.routed_ops >= 1
+
+
+def _fails_in_ort_without_routing(case: str) -> str:
+    """Run ``case`` with op_routing off in a child process (ORT may abort it): what went wrong."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
+        import torch
+        from test_op_routing import CASES, _weighted_loss
+        from ortcore import ORTModule
+        make_model, make_input, _ = CASES[{case!r}]
+        model = ORTModule(make_model(), fallback_policy="FALLBACK_DISABLE")
+        x = make_input().requires_grad_()
+        try:
+            _weighted_loss(model(x)).backward()
+        except Exception as e:
+            print("ERROR", type(e).__name__, str(e)[:300])
+        else:
+            print("RAN")
+        """
+    )
+    env = {"ORTCORE_OP_ROUTING": "0", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    if result.returncode < 0 or "Assertion" in result.stderr:
+        return f"crashed (signal {-result.returncode})"
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("ERROR", "RAN"))]
+    assert lines, result.stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.mark.parametrize("case", ["hardswish", "einsum", "group_norm", "amax", "bidirectional_lstm", "conv_transpose2d",
+                                  "upsample_bilinear", "flip"])
+def test_ort_still_cannot_run_what_the_table_routes(case: str):
+    outcome = _fails_in_ort_without_routing(case)
+    assert outcome != "RAN", f"ORT now trains {case} itself: remove its routing table entry"
+
+
+def test_diagonal_aborts_ort_without_routing():
+    code = textwrap.dedent(
+        """
+        import torch
+        from ortcore import ORTModule
+        class Diagonal(torch.nn.Module):
+            def forward(self, x):
+                return torch.diagonal(x, 1, 1, 2)
+        x = torch.randn(3, 4, 5, requires_grad=True)
+        ORTModule(Diagonal(), fallback_policy="FALLBACK_DISABLE")(x).sum().backward()
+        print("RAN", x.grad.sum().item())
+        """
+    )
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={"ORTCORE_OP_ROUTING": "0", "PATH": "/usr/bin:/bin"})
+    assert off.returncode != 0 and "RAN" not in off.stdout, "ORT no longer aborts on diagonal: revisit its routing"
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                        env={"PATH": "/usr/bin:/bin"})
+    assert on.returncode == 0 and "RAN 12.0" in on.stdout, on.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("model", "x"),
+    [
+        (lambda: RNNOut(nn.GRU(8, 6, batch_first=True)), lambda: torch.randn(3, 5, 8)),
+        (lambda: Conv2dThen(nn.Identity()), lambda: torch.randn(2, 3, 7, 7)),
+        (lambda: Apply(lambda h: torch.maximum(h, torch.zeros_like(h))), lambda: torch.randn(6, 16)),
+    ],
+    ids=["unidirectional_gru", "conv2d", "binary_maximum"],
+)
+def test_calls_ort_serves_stay_in_ort(model: Callable[[], nn.Module], x: Callable[[], torch.Tensor]):
+    torch.manual_seed(0)
+    m = model()
+    wrapped = _compare(m, copy.deepcopy(m), x(), steps=1)
+    assert wrapped.explain().routed() == {}
+
+
+def test_first_input_without_gradient_is_routed_with_its_weights_trained():
+    # GroupNorm straight on the input: the node's first tensor needs no gradient, its weight and bias do.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.GroupNorm(2, 4), nn.Conv1d(4, 3, 1))
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
+    x = torch.randn(3, 4, 10)
+    out, out_ref = wrapped(x), ref(x)
+    _close(out, out_ref, "output")
+    _weighted_loss(out).backward()
+    _weighted_loss(out_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.grad, q.grad, f"gradient of {name}")
+    assert "group_norm" in wrapped.explain().routed()
+
+
+def test_multinomial_draws_from_torchs_generator():
+    # ORT's Multinomial kernel takes only 2-D probabilities; routed, the draws are torch's own.
+    def sample(h: torch.Tensor) -> torch.Tensor:
+        probs = h.softmax(-1)
+        picks = torch.multinomial(probs[0, 0], 16, replacement=True)  # 1-D probabilities
+        return probs.view(h.shape[0], -1) * picks.float()
+
+    torch.manual_seed(0)
+    model = Apply(sample, shape=(4, 4))
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
+    x = torch.randn(6, 16)
+    wrapped(x)  # export (which restores the RNG state) and a first run
+    torch.manual_seed(1)
+    out = wrapped(x)
+    torch.manual_seed(1)
+    out_ref = ref(x)
+    _close(out, out_ref, "output")
+    _weighted_loss(out).backward()
+    _weighted_loss(out_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.grad, q.grad, f"gradient of {name}")
+    assert "multinomial" in wrapped.explain().routed()
+
+
+def test_op_without_onnx_symbolic_is_routed_by_default():
+    torch.manual_seed(0)
+    model = Apply(lambda h: h * torch.histc(h.detach(), bins=4, min=-2, max=2).sum() / 100)
+    wrapped = _compare(model, copy.deepcopy(model), torch.randn(6, 16), steps=2)
+    assert wrapped.explain().routed()["histc"] == plugin.EXPORTER_GAP
+
+
+def test_never_keeps_an_op_in_ort():
+    host = PluginHost(Config.from_table({"plugins": {"op_routing": {"never": ["hardswish"]}}}, env={}))
+    model = ORTModule(Apply(F.hardswish), host=host, fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(GraphBuildError, match="HardSwish"):
+        model(torch.randn(6, 16)).sum().backward()
+
+
+def test_disabled_routes_nothing():
+    host = PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING": "0"}))
+    model = ORTModule(Apply(F.hardswish), host=host, fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(GraphBuildError, match="gradient builder has not been registered: HardSwish"):
+        model(torch.randn(6, 16)).sum().backward()
+
+
+def test_never_names_a_bad_op():
+    with pytest.raises(OptionError, match=r"'hardswsh'.*allowed:.*Did you mean 'hardswish'"):
+        PluginHost(Config.from_table({"plugins": {"op_routing": {"never": ["hardswsh"]}}}, env={}))
+    with pytest.raises(OptionError, match="ORTCORE_OP_ROUTING.*not a boolean"):
+        PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING": "maybe"}))
+
+
+def test_routing_is_part_of_the_export_key():
+    on = PluginHost(Config.from_table({}, env={}))
+    off = PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING_NEVER": "flip"}))
+    assert on.hooks.export_key() != off.hooks.export_key()

@@ -213,3 +213,28 @@ def test_no_subcommand_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     err = capsys.readouterr().err
     assert "demo" in err and "bench" in err
+
+
+# -- explain -----------------------------------------------------------------------------------------------------
+def explain_factory():
+    """A model for ``ortcore explain test_cli:explain_factory``: a Linear (ORT) and a HardSwish (PyTorch)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Hardswish()), (torch.randn(2, 4),)
+
+
+def test_explain_lists_where_each_op_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["explain", "test_cli:explain_factory"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert rows["hardswish"].split()[1:4] == ["PyTorch", "1", "1"]
+    assert "ORT has no gradient builder for HardSwish" in rows["hardswish"]
+    assert rows["Gemm"].split()[1] == "ORT"
+    assert "1 op kind(s) run on PyTorch's kernels" in out
+
+
+@pytest.mark.parametrize("spec", ["no_such_module:f", "test_cli:no_such_function", "justaname"])
+def test_explain_names_a_bad_model(capsys: pytest.CaptureFixture[str], spec: str) -> None:
+    assert cli.main(["explain", spec]) == 2
+    assert spec in capsys.readouterr().err

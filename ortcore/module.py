@@ -110,7 +110,7 @@ class _OrtWrittenGraphs:
         opts = self.options
         final = os.path.join(opts.save_dir, f"{opts.onnx_prefix}_{name}_{self.mode}.onnx")
         if self.done:
-            return final  # a session created again later (a plugin's plan): nothing would rename a temporary file
+            return final  # the session created again (a plugin's plan): nothing would rename a temporary file then
         fd, tmp = tempfile.mkstemp(dir=opts.save_dir, prefix=f".{opts.onnx_prefix}_{name}.", suffix=".tmp.onnx")
         os.close(fd)
         self.pending.append((tmp, final))
@@ -550,13 +550,15 @@ class ORTModule(torch.nn.Module):
                     taps=[(tap.value, tap.output) for tap in graph.taps],
                 )
             )
-            hooks.session_created(session)
         except BaseException:
             if ort_written is not None:
                 ort_written.finish(keep=False)
             raise
         if ort_written is not None:
+            # Before the plugins see the session: one that creates it again (a memory plan) writes the newer file.
             ort_written.finish(keep=True)
+        hooks.session_created(session)
+        if ort_written is not None:
             if graph.raw_model is not None:  # None when the graph came from an export cache
                 _save_model(graph.raw_model, opts, f"torch_exported_{mode}")
             _save_model(session.model, opts, f"optimized_{mode}")

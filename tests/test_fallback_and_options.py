@@ -449,8 +449,12 @@ def test_changing_the_model_lets_a_call_that_fell_back_try_ort_again():
     assert any(t.action == "reset" and "cummax_enabled" in t.reason for t in model.state_machine.history)
 
 
-def test_fallback_warning_points_at_the_users_call():
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "with-forward-hooks"])
+def test_fallback_warning_points_at_the_users_call(hooked: bool):
     model = ORTModule(CumMax(), host=core_host())
+    if hooked:  # torch's slower call path, one frame deeper
+        model.register_forward_pre_hook(lambda module, args: None)
+        model.register_forward_hook(lambda module, args, output: None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = sys._getframe().f_lineno + 1

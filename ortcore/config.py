@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from .errors import OptionError
-from .options import DebugOptions, FallbackPolicy, LogLevel, parse_bool, parse_opset
+from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy, LogLevel, parse_bool, parse_opset
 
 CONFIG_FILE = "ortcore.toml"
 CONFIG_ENV = "ORTCORE_CONFIG"
@@ -60,7 +60,7 @@ def option(default: Any, parse: Callable[[object, str], Any], doc: str, env: str
 class CoreOptions:
     """The core's options; each field's metadata names its ``ORTMODULE_*`` twin."""
 
-    opset: int = option(17, parse_opset, "ONNX opset of the export (14-20)", "ORTMODULE_ONNX_OPSET_VERSION")
+    opset: int = option(ONNX_OPSET_VERSION, parse_opset, "ONNX opset of the export (14-20)", "ORTMODULE_ONNX_OPSET_VERSION")
     fallback_policy: FallbackPolicy = option(
         FallbackPolicy.default(),
         FallbackPolicy.parse,

@@ -601,7 +601,9 @@ def export_graph(
                 log_level=log_level,
             )
         except UnsupportedModelError as e:
-            raise UnsupportedModelError(str(e).replace("_FlatModule", type(module).__name__)) from e.__cause__
+            raise UnsupportedModelError(
+                str(e).replace("_FlatModule", type(module).__name__), raised_in_forward=e.raised_in_forward
+            ) from e.__cause__
     output_schema = flat.output_schema
     raw_model = onnx.ModelProto.FromString(model.SerializeToString()) if keep_raw else None
     # Outputs get the user's names; parameters and buffers lose the wrapper's "module." prefix.

@@ -88,15 +88,32 @@ def _dims(value: onnx.ValueInfoProto) -> Shape:
     return dims
 
 
-def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
-    """Every value's shape as ORT will see it: the exporter's value_info completed by ONNX shape inference."""
+def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, Shape], dict[str, Shape]]:
+    """Every value's shape: ``(inferred, as_ort_sees)``.
+
+    ``inferred`` is the exporter's value_info completed by ONNX shape inference, whose invented ``unk__`` names are
+    consistent (one name, one size) and so prove two dimensions equal. ORT infers shapes without inventing names:
+    in ``as_ort_sees`` a name the exported graph does not carry is an unknown dimension.
+    """
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
     except Exception as e:  # an op ONNX cannot infer (custom domains): keep what the exporter recorded
         logger.debug("shape inference failed (%s); using the exported value_info only", e)
         inferred = model
+    exported = model.graph
+    names = {
+        d.dim_param
+        for v in (*exported.input, *exported.value_info, *exported.output)
+        for d in v.type.tensor_type.shape.dim
+        if d.HasField("dim_param")
+    }
     graph = inferred.graph
-    return {v.name: _dims(v) for v in (*graph.input, *graph.value_info, *graph.output)}
+    shapes = {v.name: _dims(v) for v in (*graph.input, *graph.value_info, *graph.output)}
+    as_ort_sees = {
+        name: None if shape is None else [d if not isinstance(d, str) or d in names else None for d in shape]
+        for name, shape in shapes.items()
+    }
+    return shapes, as_ort_sees
 
 
 def _aligned(shape: Sequence[Dim], rank: int) -> list[Dim | str]:
@@ -215,7 +232,7 @@ def fix_broadcast_gradients(model: onnx.ModelProto, context: PassContext | None 
     targets = [n for n in graph.node if n.op_type in NO_REDUCTION or n.op_type in NAME_TRUSTING]
     if not targets or not any(n.domain in ("", "ai.onnx") for n in targets):
         return 0
-    shapes = infer_shapes(model)
+    shapes, ort_shapes = infer_shapes(model)
     differentiable = _differentiable_values(graph)
     editor = _Editor(graph)
     fixed = 0
@@ -223,9 +240,9 @@ def fix_broadcast_gradients(model: onnx.ModelProto, context: PassContext | None 
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type in NO_REDUCTION:
-            fixed += _fix_no_reduction(editor, position, node, shapes, differentiable)
+            fixed += _fix_no_reduction(editor, position, node, shapes, ort_shapes, differentiable)
         elif node.op_type in NAME_TRUSTING:
-            fixed += _fix_name_trusting(editor, position, node, shapes, differentiable)
+            fixed += _fix_name_trusting(editor, position, node, ort_shapes, differentiable)
     editor.apply()
     if fixed:
         logger.debug("gradient_fixes: rewrote %d broadcast inputs", fixed)
@@ -233,7 +250,12 @@ def fix_broadcast_gradients(model: onnx.ModelProto, context: PassContext | None 
 
 
 def _fix_no_reduction(
-    editor: _Editor, position: int, node: onnx.NodeProto, shapes: dict[str, Shape], differentiable: set[str]
+    editor: _Editor,
+    position: int,
+    node: onnx.NodeProto,
+    shapes: dict[str, Shape],
+    ort_shapes: dict[str, Shape],
+    differentiable: set[str],
 ) -> int:
     fixed = 0
     inputs = list(node.input)
@@ -243,7 +265,7 @@ def _fix_no_reduction(
         others = [name for k, name in enumerate(inputs) if k != i and name]
         value, shape = inputs[i], shapes.get(inputs[i])
         larger = [other for other in others if not _covers(shape, [shapes.get(other)])]
-        if larger and _trusts_a_name(shape, [shapes.get(other) for other in larger]):
+        if larger and _trusts_a_name(ort_shapes.get(value), [ort_shapes.get(other) for other in larger]):
             # The Expand below has ORT's name-trusting gradient too (its target shape may be constant-folded).
             value = editor.expand(position, node, value, value, "shape_hidden")
         for other in larger:
@@ -261,6 +283,7 @@ def _fix_no_reduction(
 def _fix_name_trusting(
     editor: _Editor, position: int, node: onnx.NodeProto, shapes: dict[str, Shape], differentiable: set[str]
 ) -> int:
+    """``shapes`` as ORT sees them: the op's static gradient path is taken only when it knows every dimension."""
     inputs = list(node.input)
     if node.op_type == "Expand":
         candidates, compared = (0,), {0: [shapes.get(node.output[0])]}

@@ -16,7 +16,15 @@ from typing import Any
 import onnx
 import pytest
 import torch
-from models import _quiet_transformers, assert_curves_match, assert_grads_match, assert_losses_match, train_curve
+from models import (
+    _quiet_transformers,
+    assert_curves_match,
+    assert_grads_match,
+    assert_losses_match,
+    gpt2_batch,
+    tiny_gpt2,
+    train_curve,
+)
 from onnx import TensorProto, helper
 from torch import nn
 
@@ -243,6 +251,27 @@ def test_integer_inputs_are_not_rewritten() -> None:
     assert plugin.fix_broadcast_gradients(model) == 0
 
 
+@pytest.fixture
+def rewrites(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many inputs each run of the pass rewrote."""
+    counts: list[int] = []
+    original = plugin.fix_broadcast_gradients
+
+    def counting(model: onnx.ModelProto, context: Any = None) -> int:
+        counts.append(original(model, context))
+        return counts[-1]
+
+    monkeypatch.setattr(plugin, "fix_broadcast_gradients", counting)
+    return counts
+
+
+def test_gpt2_graph_is_left_unchanged(host: PluginHost, rewrites: list[int]) -> None:
+    """GPT-2's Where (mask) and broadcasting Adds need no fix: the pass rewrites nothing."""
+    batch = gpt2_batch(torch.Generator().manual_seed(0))
+    ORTModule(tiny_gpt2(), host=host)(**batch).logits.sum().backward()
+    assert rewrites == [0]
+
+
 # -- T5 -------------------------------------------------------------------------------------------------------------
 
 
@@ -265,7 +294,7 @@ def _t5_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(2, 100, (3, 7), generator=gen)}
 
 
-def test_t5_trains_like_pytorch(host: PluginHost, checked_shapes: None) -> None:
+def test_t5_trains_like_pytorch(host: PluginHost, checked_shapes: None, rewrites: list[int]) -> None:
     """Gradients within rtol 1e-4 / atol 1e-5 (the parity suite's), three AdamW losses within 1e-4 relative."""
     model = _t5()
     reference = copy.deepcopy(model)
@@ -282,3 +311,4 @@ def test_t5_trains_like_pytorch(host: PluginHost, checked_shapes: None) -> None:
     step = lambda m, batch: m(**batch).loss  # noqa: E731
     assert_curves_match(train_curve(ort, batches[1:], step), train_curve(reference, batches[1:], step))
     assert ort.state_machine.counters.fallbacks == 0
+    assert len(rewrites) == 1 and rewrites[0] > 0  # the position bias's Where inputs

@@ -168,6 +168,17 @@ def _cumsum(g, input, dim, dtype=None):
     return symbolic_opset11.cumsum(g, input, dim, dtype)
 
 
+def _diagonal(g, *args):
+    # ORT 1.19.2 aborts the whole process (a std::vector bounds assertion) building or running diagonal's export:
+    # refuse it before ORT sees it. The op_routing plugin replaces this symbolic and runs the op on PyTorch.
+    from .errors import UnsupportedModelError
+
+    raise UnsupportedModelError(
+        "aten::diagonal: ONNX Runtime aborts the process on its exported graph; the 'op_routing' plugin runs it on "
+        "PyTorch's kernel inside the ORT graph (enable it, and do not list diagonal in its 'never' option)"
+    )
+
+
 STOP_GRADIENT_DOMAIN = "com.ortcore"
 STOP_GRADIENT = "StopGradient"
 
@@ -308,6 +319,7 @@ _SYMBOLICS = {
     "::cumsum": _cumsum,
     "::layer_norm": layer_norm,
     "::diff": _diff,
+    "::diagonal": _diagonal,
     "::max_pool1d": _max_pool(1),
     "::max_pool2d": _max_pool(2),
     "::max_pool3d": _max_pool(3),

@@ -101,6 +101,8 @@ class Route:
     reason: str
     when: Callable[[tuple, Any], bool] | None = None  # (traced args, schema) -> route this call?
     devices: frozenset[str] = frozenset({"cpu", "cuda"})  # where ORT lacks it
+    # ORT lacks only the gradient: a call on integers or booleans (a mask's cumsum) stays in ORT.
+    gradient_only: bool = True
 
 
 _NO_GRAD = "ORT has no gradient builder for {}"
@@ -150,8 +152,13 @@ ROUTES: tuple[Route, ...] = (
         )
     ),
     Route("flip", "Slice", "ORT's SliceGrad fails on the negative steps of flip (narrowing_error)"),
-    Route("multinomial", "Multinomial", "ORT's Multinomial kernel takes only 2-D probabilities"),
-    Route("diagonal", "Slice/Gather", "ORT aborts the process on some diagonal graphs (a bounds assertion)"),
+    Route("multinomial", "Multinomial", "ORT's Multinomial kernel takes only 2-D probabilities", gradient_only=False),
+    Route(
+        "diagonal",
+        "Slice/Gather",
+        "ORT aborts the process on some diagonal graphs (a bounds assertion)",
+        gradient_only=False,
+    ),
 )
 
 ROUTE_OPS: frozenset[str] = frozenset(r.op for r in ROUTES)
@@ -352,6 +359,32 @@ def _on(route: Route, args: tuple) -> bool:
     return True
 
 
+def _gradient_flows(args: tuple) -> bool:
+    """May a gradient flow through the call: has it a floating-point tensor input (or list item)?
+
+    Only element types are known while exporting (a traced value's requires_grad is not), so a float op is routed
+    even where nothing trains; integer and boolean calls (Hugging Face's mask cumsum) stay in ORT.
+    """
+    from torch.onnx import symbolic_helper as sh
+
+    values = []
+    for value in args:
+        if value is None or aten._is_none(value):
+            continue
+        values.extend(sh._unpack_list(value) if _is_list(value) else [value])
+    for value in values:
+        try:
+            t = value.type()
+            if t.kind() != "TensorType":
+                continue
+            scalar = t.scalarType()
+        except (AttributeError, RuntimeError):
+            continue
+        if scalar is None or scalar in aten._FLOAT_TYPES:
+            return True
+    return False
+
+
 def route_symbolic(route: Route) -> Callable[..., Any]:
     """The TorchScript symbolic of ``aten::<route.op>``: the call becomes an ATen node when the route applies (its
     condition holds and the op is not in ``never``), else the exporter's own symbolic exports it."""
@@ -359,7 +392,12 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
 
     def symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
         schema = match_overload(op, args)
-        if schema is None or (route.when is not None and not route.when(args, schema)) or not _on(route, args):
+        if (
+            schema is None
+            or (route.when is not None and not route.when(args, schema))
+            or not _on(route, args)
+            or (route.gradient_only and not _gradient_flows(args))
+        ):
             base = _base_symbolic(op, g.opset)
             if base is None:
                 raise UnsupportedModelError(f"the exporter has no symbolic for aten::{op}")

@@ -204,25 +204,50 @@ def test_ort_still_cannot_run_what_the_table_routes(case: str):
     assert outcome != "RAN", f"ORT now trains {case} itself: remove its routing table entry"
 
 
-def test_diagonal_aborts_ort_without_routing():
-    code = textwrap.dedent(
-        """
-        import torch
-        from ortcore import ORTModule
-        class Diagonal(torch.nn.Module):
-            def forward(self, x):
-                return torch.diagonal(x, 1, 1, 2)
-        x = torch.randn(3, 4, 5, requires_grad=True)
-        ORTModule(Diagonal(), fallback_policy="FALLBACK_DISABLE")(x).sum().backward()
+_DIAGONAL = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from ortcore import ORTModule
+    from ortcore.exporter import TorchScriptExporter
+    class Diagonal(torch.nn.Module):
+        def forward(self, x):
+            return torch.diagonal(x, 1, 1, 2)
+    exporter = None
+    if sys.argv[1] == "unguarded":  # the core's exporter without its diagonal guard
+        exporter = TorchScriptExporter()
+        del exporter.symbolics["::diagonal"]
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    try:
+        ORTModule(Diagonal(), fallback_policy="FALLBACK_DISABLE", exporter=exporter)(x).sum().backward()
+    except Exception as e:
+        print("ERROR", type(e).__name__, e)
+    else:
         print("RAN", x.grad.sum().item())
-        """
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("routing", "guard", "expected"),
+    [
+        ("0", "unguarded", "abort"),  # ORT itself: the whole process dies
+        ("0", "guarded", "ERROR UnsupportedModelError aten::diagonal: ONNX Runtime aborts the process"),
+        ("1", "guarded", "RAN 12.0"),  # routed: PyTorch's kernel and gradient
+    ],
+)
+def test_diagonal_never_reaches_ort(routing: str, guard: str, expected: str):
+    result = subprocess.run(
+        [sys.executable, "-c", _DIAGONAL, guard],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"ORTCORE_OP_ROUTING": routing, "PATH": "/usr/bin:/bin"},
     )
-    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={"ORTCORE_OP_ROUTING": "0", "PATH": "/usr/bin:/bin"})
-    assert off.returncode != 0 and "RAN" not in off.stdout, "ORT no longer aborts on diagonal: revisit its routing"
-    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                        env={"PATH": "/usr/bin:/bin"})
-    assert on.returncode == 0 and "RAN 12.0" in on.stdout, on.stderr[-2000:]
+    if expected == "abort":
+        assert result.returncode < 0 and "Assertion" in result.stderr, "ORT no longer aborts on diagonal: revisit"
+    else:
+        assert result.returncode == 0 and expected in result.stdout, (result.stdout, result.stderr[-2000:])
 
 
 @pytest.mark.parametrize(
@@ -231,8 +256,9 @@ def test_diagonal_aborts_ort_without_routing():
         (lambda: RNNOut(nn.GRU(8, 6, batch_first=True)), lambda: torch.randn(3, 5, 8)),
         (lambda: Conv2dThen(nn.Identity()), lambda: torch.randn(2, 3, 7, 7)),
         (lambda: Apply(lambda h: torch.maximum(h, torch.zeros_like(h))), lambda: torch.randn(6, 16)),
+        (lambda: Apply(lambda h: h * torch.cumsum((h > 0).long(), 1)), lambda: torch.randn(6, 16)),
     ],
-    ids=["unidirectional_gru", "conv2d", "binary_maximum"],
+    ids=["unidirectional_gru", "conv2d", "binary_maximum", "integer_cumsum"],
 )
 def test_calls_ort_serves_stay_in_ort(model: Callable[[], nn.Module], x: Callable[[], torch.Tensor]):
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import torch.utils.dlpack
 from onnxruntime.capi import _pybind_state as C
 
 from .errors import GraphBuildError, UnsupportedModelError
-from .graph import resolve_stop_gradients, through_identities, value_dependencies
+from .graph import plan_stop_gradients, through_identities, value_dependencies
 from .options import LogLevel
 
 logger = logging.getLogger("ortcore")
@@ -124,11 +124,12 @@ class TrainingSession:
         return "training" if self.request.build_gradient else "inference"
 
     def _build(self, r: BuildRequest) -> None:
-        model, no_grad_outputs = resolve_stop_gradients(r.model, r.train_names, r.build_gradient)
+        plan = plan_stop_gradients(r.model, r.train_names, r.build_gradient)
+        model, no_grad_outputs, train_names = plan.model, plan.no_grad_outputs, plan.train_names
         cfg = C.OrtModuleGraphBuilderConfiguration()
         cfg.initializer_names = list(r.input_names)
-        cfg.initializer_names_to_train = list(r.train_names)
-        cfg.input_names_require_grad = [n for n in r.user_input_names if n in set(r.train_names)]
+        cfg.initializer_names_to_train = list(train_names)
+        cfg.input_names_require_grad = [n for n in r.user_input_names if n in set(train_names)]
         cfg.build_gradient_graph = r.build_gradient
         cfg.enable_caching = False
         cfg.use_memory_efficient_gradient = False

@@ -81,7 +81,9 @@ def _dims(value: onnx.ValueInfoProto) -> Shape:
     for dim in tensor.shape.dim:
         if dim.HasField("dim_value") and dim.dim_value > 0:
             dims.append(dim.dim_value)
-        elif dim.HasField("dim_param") and dim.dim_param:
+        elif dim.HasField("dim_param") and dim.dim_param and not dim.dim_param.startswith("ATen"):
+            # "ATen<output>_dim_<i>" names are the exporter's invention for an ATen node's output: the ATen plugins'
+            # typing pass erases them, so ORT never sees them (and they prove nothing about sizes).
             dims.append(dim.dim_param)
         else:
             dims.append(None)

@@ -95,12 +95,24 @@ def describe_failure(result: dict[str, Any]) -> str:
     if status == "pass":
         return "pass"
     if status == "mismatch":
+        checks = result.get("checks", {})
         parts = [f"mismatch in {', '.join(result.get('failed_checks', []))}"]
-        for w in result.get("worst_grads", [])[:3]:
-            parts.append(f"{w['name']} max abs {w.get('max_abs')} (rel {w.get('max_rel')})")
-        loss = result.get("checks", {}).get("loss", {})
+        loss = checks.get("loss", {})
         if not loss.get("ok", True):
-            parts.append(f"loss max abs {loss.get('max_abs')}")
+            parts.append(f"loss {result['loss']['ortcore']:.7g} vs eager {result['loss']['eager']:.7g}")
+        for w in result.get("worst_grads", [])[:3]:
+            part = f"grad {w['name']} max abs {w.get('max_abs', float('nan')):.3g} (rel {w.get('max_rel', 0):.3g})"
+            if w.get("judged_by") == "float64":
+                part += f", from float64: ortcore {w['ortcore_vs_f64']:.3g} vs eager {w['eager_vs_f64']:.3g}"
+            parts.append(part)
+        curves = result.get("curves", {})
+        for i, c in enumerate(checks.get("curve", [])):
+            if not c.get("ok", True):
+                f64 = f", float64 {curves['float64'][i]:.7g}" if "float64" in curves else ""
+                parts.append(
+                    f"loss after AdamW update {i}: ortcore {curves['ortcore'][i]:.7g}, eager {curves['eager'][i]:.7g}"
+                    f"{f64} ({c.get('tol_ratio', float('nan')):.2f}x the float32 tolerance)"
+                )
         return "; ".join(parts)
     err = result.get("error", {})
     op = f" [op: {err['op']}]" if err.get("op") else ""

@@ -77,10 +77,16 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _worst_grad(result: dict[str, Any]) -> str:
-    grads = result.get("checks", {}).get("grads", {})
-    values = [c.get("max_rel") for c in grads.values() if isinstance(c.get("max_rel"), int | float)]
-    return _fmt(max(values)) if values else "-"
+def _margin(result: dict[str, Any]) -> str:
+    """The largest ``|diff| / (atol + rtol·|eager|)`` over the loss, gradients and curve (1 is the float32 limit);
+    ``f64`` marks that a value over 1 was then judged against float64."""
+    checks = result.get("checks")
+    if not checks:
+        return "-"
+    entries = [checks["loss"], *checks["grads"].values(), *checks["curve"]]
+    worst = max(entries, key=lambda c: c.get("tol_ratio") if isinstance(c.get("tol_ratio"), int | float) else 1e30)
+    text = _fmt(worst.get("tol_ratio"), ".2g")
+    return text + (" (f64)" if worst.get("judged_by") == "float64" else "")
 
 
 def _routed(result: dict[str, Any]) -> str:
@@ -111,9 +117,11 @@ def _git_commit() -> str:
             capture_output=True,
             text=True,
         ).stdout.strip()
+        if out.returncode != 0:
+            return "unknown commit (not a git checkout)"
         return out.stdout.strip() + (" (with uncommitted changes in ortcore/ or plugins/)" if dirty else "")
     except OSError:
-        return "unknown"
+        return "unknown commit"
 
 
 def _versions() -> str:
@@ -124,7 +132,7 @@ def _versions() -> str:
     return f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, transformers {transformers.__version__}"
 
 
-def render(results: list[dict[str, Any]], wall_s: float, how: str) -> str:
+def render(results: list[dict[str, Any]], wall_s: float, how: str, commit: str | None = None) -> str:
     """The markdown page for ``results``."""
     counts: dict[str, int] = {}
     for r in results:
@@ -154,6 +162,8 @@ def render(results: list[dict[str, Any]], wall_s: float, how: str) -> str:
         "(float32 itself is ill-conditioned there; e.g. batch norm over few values per channel).",
         f"- {TRAIN_STEPS} AdamW steps (lr {LR:g}): the loss before and after each update, judged the same way.",
         "- The step ran in ONNX Runtime (one export, no fallback).",
+        "- *worst diff / tol.*: the largest `|ortcore - eager| / (atol + rtol·|eager|)` over the loss, every "
+        "gradient and the curve; at most 1 passes in float32, `(f64)` marks a value then judged against float64.",
         "- *ops on PyTorch*: ops that run as PyTorch kernels inside ortcore's graph (ATen / PythonOp nodes, or "
         "`ORTModule.explain()` when available) and why.",
         f"- *step*: median of {TIMED_STEPS} interleaved steady training steps (forward, loss, backward, AdamW), "
@@ -162,15 +172,14 @@ def render(results: list[dict[str, Any]], wall_s: float, how: str) -> str:
         "",
         "## Results",
         "",
-        "| model | family | status | worst grad rel. diff | ops on PyTorch (why) | step eager / ortcore | first step |",
+        "| model | family | status | worst diff / tol. | ops on PyTorch (why) | step eager / ortcore | first step |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         status = "✅ pass" if r["status"] == "pass" else f"❌ {r['status']}"
         first = f"{r['ortcore_first_step_s']:.2f} s" if isinstance(r.get("ortcore_first_step_s"), float) else "-"
         lines.append(
-            f"| {r['model']} | {r['family']} | {status} | {_worst_grad(r)} | {_cell(_routed(r))} | {_step(r)} | "
-            f"{first} |"
+            f"| {r['model']} | {r['family']} | {status} | {_margin(r)} | {_cell(_routed(r))} | {_step(r)} | {first} |"
         )
     failing = [r for r in results if r["status"] != "pass"]
     if failing:
@@ -188,7 +197,7 @@ def render(results: list[dict[str, Any]], wall_s: float, how: str) -> str:
         f"{ratios[0]:.2f}-{ratios[-1]:.2f} over the {len(ratios)} models that ran."
         if ratios
         else "- No model ran to the timing phase.",
-        f"- ortcore at {_git_commit()}; {_versions()}; {platform.machine()}, {os.cpu_count()} cores.",
+        f"- ortcore at {commit or _git_commit()}; {_versions()}; {platform.machine()}, {os.cpu_count()} cores.",
         f"- Generated {datetime.date.today().isoformat()} by `python -m tests.zoo.report`. One model by hand: "
         "`python -m tests.zoo.run_model <name>`. As tests: `python -m pytest tests/zoo -m slow` "
         "(`ORTCORE_ZOO_RESULTS=DIR` keeps the JSON results for `--results DIR`).",
@@ -209,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, help="read results from this directory instead of running")
     parser.add_argument("--keep", type=Path, help="directory for the JSON results of this run (default: temporary)")
     parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--commit", help="the ortcore commit the results are from (default: this checkout's HEAD)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file to write (default: %(default)s)")
     args = parser.parse_args(argv)
     names = list(MODELS)
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
             results, wall = run_all(names, out_dir)
         how = "models run one after another, one process each"
-    write_atomic(args.out, render(results, wall, how))
+    write_atomic(args.out, render(results, wall, how, args.commit))
     print(
         f"wrote {args.out}: {sum(r['status'] == 'pass' for r in results)}/{len(results)} pass, {wall / 60:.1f} min",
         file=sys.stderr,

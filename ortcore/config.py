@@ -51,6 +51,16 @@ def _positive_int(value: object, source: str) -> int:
     return number
 
 
+def _tolerance(value: object, source: str) -> float:
+    try:
+        number = float(str(value).strip()) if not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or not 0.0 <= number < float("inf"):
+        raise OptionError(f"{source}={value!r} is not allowed; allowed: a finite number >= 0, e.g. 1e-3")
+    return number
+
+
 def option(default: Any, parse: Callable[[object, str], Any], doc: str, env: str | None = None, **meta: Any):
     """An ``attrs`` field of an options class: its parser, its doc line and its environment variable."""
     return attrs.field(default=default, metadata={"parse": parse, "doc": doc, "env": env, **meta})
@@ -76,6 +86,17 @@ class CoreOptions:
         True, parse_bool, "trace a deep copy of the model", "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT"
     )
     max_cached_graphs: int = option(8, _positive_int, "graphs and sessions kept per model (LRU)")
+    verify_gradients: bool = option(
+        False,
+        parse_bool,
+        "gradient audit: on the first step of each new training graph, compare outputs, loss and every gradient "
+        "with PyTorch's (docs/gradient_audit.md)",
+        "ORTCORE_VERIFY_GRADIENTS",
+    )
+    verify_gradients_rtol: float = option(
+        1e-3, _tolerance, "gradient audit: allowed difference, relative to the largest value of PyTorch's tensor"
+    )
+    verify_gradients_atol: float = option(1e-6, _tolerance, "gradient audit: allowed absolute difference")
 
     @property
     def save_dir(self) -> str:
@@ -214,7 +235,12 @@ class Config:
         )
 
     def with_code_options(
-        self, debug_options: DebugOptions | None, *, fallback_policy: object = None, opset: object = None
+        self,
+        debug_options: DebugOptions | None,
+        *,
+        fallback_policy: object = None,
+        opset: object = None,
+        verify_gradients: object = None,
     ) -> Config:
         """Apply an ORTModule's code arguments: above the file, below the environment."""
         layer: dict[str, Any] = {}
@@ -230,6 +256,8 @@ class Config:
             layer["fallback_policy"] = fallback_policy
         if opset is not None:
             layer["opset"] = opset
+        if verify_gradients is not None:
+            layer["verify_gradients"] = verify_gradients
         if not layer:
             return self
         core, sources = _core_options([(self._file_source, self.core_table), ("argument", layer)], self.env)

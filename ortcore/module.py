@@ -10,6 +10,7 @@ import os
 import sys
 import tempfile
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import onnx
 import torch
 from onnxruntime.capi import _pybind_state as C
 
+from .audit import AuditRequest, AuditResult, GradientMismatchError, audit
 from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
 from .exporter import Exporter
@@ -193,6 +195,9 @@ class _Runtime:
         self.failed: dict[Any, str] = {}
         self.step = 0
         self.phases = phase_callbacks(hooks.runtime_inspectors(module))
+        # The gradient audit's result per training session (docs/gradient_audit.md): each is audited once.
+        self.audited: weakref.WeakKeyDictionary[TrainingSession, AuditResult] = weakref.WeakKeyDictionary()
+        self.audits: list[AuditResult] = []
         try:
             self.signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -278,6 +283,9 @@ class ORTModule(torch.nn.Module):
         debug_options: logging and ONNX saving; ``ORTMODULE_LOG_LEVEL`` and ``ORTMODULE_SAVE_ONNX_PATH`` override.
         fallback_policy: a :class:`FallbackPolicy` or its names joined by ``|``; ``ORTMODULE_FALLBACK_POLICY`` wins.
         opset: ONNX opset (default 17); ``ORTMODULE_ONNX_OPSET_VERSION`` wins.
+        verify_gradients: audit the first step of each new training graph against PyTorch (outputs, loss, every
+            gradient) and raise :class:`ortcore.audit.GradientMismatchError` naming the first module that differs;
+            ``ORTCORE_VERIFY_GRADIENTS`` wins. See docs/gradient_audit.md.
         exporter: the exporter to use (default: the plugins' choice, else the TorchScript exporter).
         config: a :class:`ortcore.config.Config` (default: ``ortcore.toml`` and the environment).
         host: a :class:`ortcore.plugins.PluginHost` (default: the process-wide host); ``config`` then comes from it.
@@ -290,6 +298,7 @@ class ORTModule(torch.nn.Module):
         *,
         fallback_policy: FallbackPolicy | str | None = None,
         opset: int | None = None,
+        verify_gradients: bool | None = None,
         exporter: Exporter | None = None,
         config: Config | None = None,
         host: PluginHost | None = None,
@@ -310,7 +319,9 @@ class ORTModule(torch.nn.Module):
         host = host or (PluginHost(config) if config is not None else get_host())
         if opset is None:
             opset = _assigned_opset()
-        config = host.config.with_code_options(debug_options, fallback_policy=fallback_policy, opset=opset)
+        config = host.config.with_code_options(
+            debug_options, fallback_policy=fallback_policy, opset=opset, verify_gradients=verify_gradients
+        )
         if config.core.save_onnx and not os.access(config.core.save_dir, os.W_OK):
             raise OSError(
                 f"cannot save ONNX models: directory {config.core.save_dir!r} is not writable; set "
@@ -357,6 +368,11 @@ class ORTModule(torch.nn.Module):
         return self._ortcore.config
 
     @property
+    def gradient_audits(self) -> list[AuditResult]:
+        """The gradient audits this model ran, oldest first (``verify_gradients``; docs/gradient_audit.md)."""
+        return list(self._ortcore.audits)
+
+    @property
     def fallback_reason(self) -> str | None:
         """Why the model now runs in PyTorch, or None while it runs in ORT."""
         return self._ortcore.fallback_reason
@@ -391,6 +407,8 @@ class ORTModule(torch.nn.Module):
             else:
                 rt.failed.pop(key, None)  # a retry that now runs in ORT
                 rt.fallback_reason = None
+                if rt.options.verify_gradients and session.request.build_gradient:
+                    self._audit(graph, session, key, schema, tensors, params, buffers)
                 step_state = subscription.start_step("ortcore") if subscription is not None else None
                 return self._execute(graph, session, tensors, params, buffers, (args, kwargs), step_state)
         # Out of the except blocks: an exception the model raises in PyTorch reaches the user as PyTorch raised it,
@@ -443,6 +461,62 @@ class ORTModule(torch.nn.Module):
             for tap, i in zip(graph.taps, graph.tap_outputs):
                 deliver_forward(step_state, tap.name, outputs[i])
         return graph.output_schema.restore(outputs[:n])
+
+    def _audit(
+        self,
+        graph: ExportedGraph,
+        session: TrainingSession,
+        key: GraphKey,
+        schema: InputSchema,
+        tensors: list[torch.Tensor],
+        params: dict,
+        buffers: dict,
+    ) -> None:
+        """The gradient audit of a session's first step; a session that failed it fails every step."""
+        rt = self._ortcore
+        result = rt.audited.get(session)
+        if result is None:
+            result = audit(
+                AuditRequest(
+                    model=self._original_module,
+                    graph=graph,
+                    session=session,
+                    schema=schema,
+                    tensors=tensors,
+                    params=params,
+                    buffers=buffers,
+                    trainable=key.trainable,
+                    export=lambda tapper: self._export_for_audit(schema, tensors, tapper),
+                    build=lambda g: self._build(g, key, for_audit=True),
+                    rtol=rt.options.verify_gradients_rtol,
+                    atol=rt.options.verify_gradients_atol,
+                )
+            )
+            rt.audited[session] = result
+            rt.audits.append(result)
+            if result.status == "not audited":
+                logger.warning("%s", result.message())
+            elif result.status == "passed":
+                logger.info("%s", result.message())
+        if result.status == "mismatch":
+            raise GradientMismatchError(result)
+
+    def _export_for_audit(self, schema: InputSchema, tensors: list[torch.Tensor], tapper: Any) -> ExportedGraph:
+        """A graph of this call for the gradient audit: exported anew (no export cache), taps from ``tapper``."""
+        rt = self._ortcore
+        opts = rt.options
+        return export_graph(
+            self._original_module,
+            schema,
+            tensors,
+            exporter=rt.exporter,
+            opset=opts.opset,
+            log_level=opts.log_level,
+            deepcopy=opts.deepcopy_before_export,
+            graph_passes=rt.hooks.graph_passes(),
+            config=rt.config,
+            tapper=tapper,
+        )
 
     def _device(self, tensors: list[torch.Tensor], params: dict) -> torch.device:
         devices = {p.device for p in params.values()} | {t.device for t in tensors}
@@ -519,7 +593,9 @@ class ORTModule(torch.nn.Module):
             # graph.raw_model stays: each build saves it under upstream's name for its mode
         return graph
 
-    def _build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
+    def _build(self, graph: ExportedGraph, key: GraphKey, for_audit: bool = False) -> TrainingSession:
+        """The session of ``graph`` for ``key``. ``for_audit``: the gradient audit's own session, which is not saved
+        and not shown to the plugins' ``session_created`` hooks (it must compute exactly the gradient graph)."""
         opts = self._ortcore.options
         graph_names = dict(zip(graph.argument_names, graph.user_input_names))
         inputs_rg = {graph_names[n] for n in key.input_requires_grad}
@@ -530,7 +606,7 @@ class ORTModule(torch.nn.Module):
         hooks.graph_transformer_config(transformer_config, training=key.grad_enabled)
         configure_session = hooks.session_options
         mode = _upstream_mode(key.training)
-        ort_written = _OrtWrittenGraphs(opts, mode) if opts.save_onnx else None
+        ort_written = _OrtWrittenGraphs(opts, mode) if opts.save_onnx and not for_audit else None
         if ort_written is not None:
             transformer_config.optimized_pre_grad_filepath = ort_written.path("optimized_pre_grad")
             configure_session = ort_written.session_options(configure_session)
@@ -557,6 +633,8 @@ class ORTModule(torch.nn.Module):
         if ort_written is not None:
             # Before the plugins see the session: one that creates it again (a memory plan) writes the newer file.
             ort_written.finish(keep=True)
+        if for_audit:
+            return session
         hooks.session_created(session)
         if ort_written is not None:
             if graph.raw_model is not None:  # None when the graph came from an export cache

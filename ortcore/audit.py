@@ -1,0 +1,638 @@
+"""The gradient audit: the first training step of each newly built graph is checked against PyTorch.
+
+With ``verify_gradients`` on (``ortcore.toml``, ``ORTCORE_VERIFY_GRADIENTS=1`` or
+``ORTModule(model, verify_gradients=True)``), the first time a training step resolves to a session the audit has
+not seen, ortcore runs, before the user's step and independently of it:
+
+- ONNX Runtime's forward and backward of that graph on the step's inputs, parameters and buffers, with fixed
+  pseudo-random output gradients ``g``;
+- the wrapped model in PyTorch on the same inputs (parameters and buffers as detached aliases and copies, so no
+  ``.grad``, hook, batch-norm statistic or optimizer state of the user's changes), and ``torch.autograd.grad`` of
+  the same ``g`` with respect to every trained parameter and every input that requires grad;
+
+and compares the outputs, the loss ``sum(output * g)`` and every gradient. torch's RNG state is restored afterwards,
+so the user's step draws the same random numbers as without the audit.
+
+A graph with active random ops (a Dropout with a non-zero rate in training, ``Random*``, ``Bernoulli``, ATen random
+ops) cannot be compared directly: the audit then checks the same model with every ``torch.nn.Dropout`` module's
+``p`` set to 0 on both sides (a graph of its own, exported and built for the audit). If random ops remain, the graph
+is reported as not audited, never as passed.
+
+On a mismatch the audit exports the graph once more with every module's output as an extra graph output (the
+activation taps the subscribers use, :mod:`ortcore.hooks`), runs it, and compares each module's output and its
+gradient with PyTorch's forward and tensor hooks: it names the first module, in execution order, whose output
+differs, or else the first quantity, in backward order, whose gradient differs, and the ORT ops of that module.
+Then :class:`GradientMismatchError` is raised. See docs/gradient_audit.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import onnx
+import onnx.numpy_helper
+import torch
+
+from .errors import ORTCoreError
+from .hooks._subscribers import Tapper, subscription_of, tapping
+from .schema import InputSchema, flatten_outputs
+
+logger = logging.getLogger("ortcore")
+
+# The seed of the audit's output gradients: fixed, so an audit is reproducible; drawn from a private generator, so
+# torch's global RNG stream is not touched.
+OUTPUT_GRADIENT_SEED = 20240917
+
+# Ops that draw random numbers (ONNX, ORT contrib), and ATen operators (run by PyTorch inside the graph) that do.
+RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+)
+_DROPOUT_INPUTS = {  # op type -> (index of ratio, index of training_mode)
+    "Dropout": (1, 2),
+    "BitmaskDropout": (1, 2),
+    "BiasDropout": (3, 4),
+    "BitmaskBiasDropout": (3, 4),
+}
+ATEN_RANDOM_OPS = frozenset(
+    {
+        "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "bernoulli",
+        "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "multinomial", "normal",
+        "uniform", "exponential", "geometric", "cauchy", "log_normal", "poisson", "rrelu", "rrelu_with_noise",
+    }
+)
+_LEAF = "|"  # separates a module's path from the pytree path of a leaf of its output in tap names
+
+
+class GradientMismatchError(ORTCoreError, RuntimeError):
+    """The gradient audit found an output, the loss or a gradient of ONNX Runtime that differs from PyTorch's.
+
+    ``result`` is the :class:`AuditResult`; ``result.location`` names the module.
+    """
+
+    def __init__(self, result: AuditResult):
+        super().__init__(result.message())
+        self.result = result
+
+
+@attrs.frozen
+class Difference:
+    """How one of ORT's tensors differs from PyTorch's."""
+
+    kind: str  # "output", "loss", "gradient of parameter", "gradient of input", "module output", ...
+    name: str
+    max_abs: float
+    max_rel: float  # max_abs over the largest magnitude of PyTorch's tensor
+    exceeds: bool
+    detail: str = ""  # a shape or dtype difference
+
+    def describe(self) -> str:
+        what = f"{self.kind} {self.name!r}"
+        if self.detail:
+            return f"{what}: {self.detail}"
+        return f"{what}: max abs difference {self.max_abs:.3g} (relative to its largest value {self.max_rel:.3g})"
+
+
+@attrs.frozen
+class Location:
+    """The module the audit names: the first whose output or gradient differs."""
+
+    module: str  # module path ("" for the model itself)
+    module_type: str
+    difference: Difference
+    ort_ops: tuple[str, ...]  # op types of the module's own nodes in the exported graph
+    note: str = ""
+
+    def describe(self) -> str:
+        name = repr(self.module) if self.module else "the model's own forward"
+        ops = f"; its ONNX Runtime ops: {', '.join(self.ort_ops)}" if self.ort_ops else ""
+        return f"module {name} ({self.module_type}): {self.difference.describe()}{ops}{self.note}"
+
+
+@attrs.frozen
+class AuditResult:
+    """What one audit found. ``status`` is ``"passed"``, ``"mismatch"`` or ``"not audited"``."""
+
+    status: str
+    graph: str  # which graph was audited: "the step's graph" or "the step's graph with dropout off"
+    reason: str = ""  # why it was not audited
+    compared: int = 0  # tensors compared
+    worst: Difference | None = None  # the largest relative difference among the compared tensors
+    differences: tuple[Difference, ...] = ()  # those beyond the tolerance, in the order compared
+    location: Location | None = None
+    seconds: float = 0.0
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    def message(self) -> str:
+        if self.status == "not audited":
+            return f"gradient audit: not audited ({self.reason})"
+        tolerance = f"rtol {self.rtol:g} of the largest value, atol {self.atol:g}"
+        if self.status == "passed":
+            worst = f"; largest difference: {self.worst.describe()}" if self.worst else ""
+            return (
+                f"gradient audit passed on {self.graph}: outputs, loss and {self.compared - 1} tensors match PyTorch "
+                f"({tolerance}){worst} [{self.seconds:.2f} s]"
+            )
+        where = f"first difference in {self.location.describe()}" if self.location else "no single module named"
+        listed = "; ".join(d.describe() for d in self.differences[:5])
+        more = f" (and {len(self.differences) - 5} more)" if len(self.differences) > 5 else ""
+        return (
+            f"gradient audit: ONNX Runtime differs from PyTorch on {self.graph} ({tolerance}): {where}. "
+            f"Beyond the tolerance: {listed}{more}. What to do: run this model (or that module) in PyTorch for now "
+            "(leave it unwrapped, or ORTMODULE_FALLBACK_POLICY cannot help: nothing failed); if the op is one of "
+            "embedding, gelu, layer_norm, cross_entropy, linear, run it with PyTorch's kernel "
+            "([plugins.aten_fallback] torch_kernels); keep the gradient_fixes plugin enabled; save the graphs "
+            "(ORTMODULE_SAVE_ONNX_PATH) and report the module and its ops; raise verify_gradients_rtol/atol only "
+            "if the difference is rounding (docs/gradient_audit.md)"
+        )
+
+
+@attrs.define
+class AuditRequest:
+    """One training step to audit, as ORTModule resolved it."""
+
+    model: torch.nn.Module  # the wrapped model
+    graph: Any  # the step's ExportedGraph
+    session: Any  # the step's TrainingSession
+    schema: InputSchema
+    tensors: list[torch.Tensor]  # the step's tensor inputs, in schema order
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    trainable: tuple[str, ...]  # parameters that require grad
+    export: Callable[[Tapper | None], Any]  # a fresh ExportedGraph of the same call (no export cache)
+    build: Callable[[Any], Any]  # a TrainingSession of the step's build key for a graph (no plugin session hooks)
+    rtol: float = 1e-3
+    atol: float = 1e-6
+
+
+# -- randomness -----------------------------------------------------------------------------------------------------
+
+
+def _constants(model: onnx.ModelProto) -> dict[str, Any]:
+    values: dict[str, Any] = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            values[node.output[0]] = node.attribute[0].t
+    return values
+
+
+def _constant(values: dict[str, Any], name: str) -> Any:
+    tensor = values.get(name)
+    if tensor is None:
+        return None
+    try:
+        return onnx.numpy_helper.to_array(tensor)
+    except Exception:  # an external or odd tensor: unknown, so treated as not constant
+        return None
+
+
+def random_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes of ``model`` that draw random numbers when run (a zero-rate or inference Dropout does not)."""
+    values = _constants(model)
+    found = []
+    for node in model.graph.node:
+        if node.op_type in _DROPOUT_INPUTS:
+            ratio_at, mode_at = _DROPOUT_INPUTS[node.op_type]
+            mode = node.input[mode_at] if len(node.input) > mode_at else ""
+            training = _constant(values, mode) if mode else False
+            ratio_name = node.input[ratio_at] if len(node.input) > ratio_at else ""
+            ratio = _constant(values, ratio_name) if ratio_name else 0.5
+            if (training is not None and not bool(training)) or (ratio is not None and float(ratio) == 0.0):
+                continue
+            found.append(node)
+        elif node.op_type in RANDOM_OPS:
+            found.append(node)
+        elif node.op_type == "ATen":
+            operator = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+            if operator.removeprefix("aten::").rstrip("_") in ATEN_RANDOM_OPS:
+                found.append(node)
+    return found
+
+
+@contextlib.contextmanager
+def dropout_off(model: torch.nn.Module) -> Iterator[int]:
+    """Set ``p`` of every ``torch.nn.Dropout``-like module to 0 (restored afterwards); yields how many."""
+    changed = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p != 0]
+    saved = [m.p for m in changed]
+    for m in changed:
+        m.p = 0.0
+    try:
+        yield len(changed)
+    finally:
+        for m, p in zip(changed, saved):
+            m.p = p
+
+
+# -- module paths of ONNX nodes -------------------------------------------------------------------------------------
+
+
+def node_module(node_name: str, module_paths: set[str]) -> str | None:
+    """The module path of an exported node (``/module/encoder/layer.0/attention/MatMul`` -> ``encoder.layer.0
+    .attention``), matched against the model's module paths; None if the name carries no scope."""
+    start = node_name.find("/module/")
+    if start < 0:
+        return None
+    parts = node_name[start + len("/module/") :].split("/")[:-1]
+    path = ""
+    for part in parts:
+        candidates = [f"{path}.{part}" if path else part]
+        if "." in part:  # the tracer names numbered children "<parent attribute>.<index>"
+            tail = part.split(".", 1)[1]
+            candidates.append(f"{path}.{tail}" if path else tail)
+        found = next((c for c in candidates if c in module_paths), None)
+        if found is None:
+            break
+        path = found
+    return path
+
+
+def _module_ops(model: onnx.ModelProto, module: str, module_paths: set[str]) -> tuple[str, ...]:
+    owned = [n.op_type for n in model.graph.node if node_module(n.name, module_paths) == module]
+    if not owned:  # nothing of its own: its descendants' ops
+        prefix = f"{module}." if module else ""
+        owned = [
+            n.op_type for n in model.graph.node if (node_module(n.name, module_paths) or "\0").startswith(prefix)
+        ]
+    return tuple(sorted(set(owned) - {"Constant", "Identity"}))
+
+
+# -- comparison -----------------------------------------------------------------------------------------------------
+
+
+def compare(kind: str, name: str, ort: torch.Tensor | None, ref: torch.Tensor | None, rtol: float, atol: float) -> Difference:
+    """Compare ORT's tensor with PyTorch's: beyond tolerance when ``max|ort - ref| > atol + rtol * max|ref|``.
+
+    A missing gradient (None) counts as zeros; NaNs must sit at the same places; for half-precision tensors rtol is
+    at least 8 ulp of their dtype.
+    """
+    if ort is None and ref is None:
+        return Difference(kind, name, 0.0, 0.0, False)
+    if ort is None:
+        ort = torch.zeros_like(ref)
+    if ref is None:
+        ref = torch.zeros_like(ort)
+    if ort.shape != ref.shape:
+        detail = f"shape {tuple(ort.shape)} in ONNX Runtime, {tuple(ref.shape)} in PyTorch"
+        return Difference(kind, name, float("inf"), float("inf"), True, detail)
+    if not (ort.is_floating_point() or ort.is_complex()):
+        differ = int((ort.to(ref.dtype) != ref).sum()) if ort.numel() else 0
+        detail = f"{differ} of {ref.numel()} values differ" if differ else ""
+        return Difference(kind, name, float(differ > 0), float(differ > 0), differ > 0, detail)
+    a, b = ort.detach().double(), ref.detach().double()
+    both_nan = a.isnan() & b.isnan()
+    if bool((a.isnan() ^ b.isnan()).any()):
+        return Difference(kind, name, float("inf"), float("inf"), True, "NaN in one and not the other")
+    diff = torch.where(both_nan | (a == b), 0.0, (a - b).abs())
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    finite = b[b.isfinite()].abs()
+    scale = float(finite.max()) if finite.numel() else 0.0
+    if ref.dtype in (torch.float16, torch.bfloat16):
+        rtol = max(rtol, 8 * torch.finfo(ref.dtype).eps)
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    return Difference(kind, name, max_abs, max_rel, max_abs > atol + rtol * scale)
+
+
+# -- the two sides --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _subscribers_paused(model: torch.nn.Module) -> Iterator[None]:
+    """The audit's PyTorch run is no step of the model's subscribers: it neither starts a step nor records one."""
+    subscription = subscription_of(model)
+    if subscription is None:
+        yield
+        return
+    saved = subscription.current
+    # A call inside another call of the root starts no step; with no current step nothing is recorded.
+    subscription.depth += 1
+    subscription.current = None
+    try:
+        yield
+    finally:
+        subscription.depth -= 1
+        subscription.current = saved
+
+
+@contextlib.contextmanager
+def _module_taps(model: torch.nn.Module, tapper: Tapper) -> Iterator[None]:
+    """Collect every module's output (each tensor leaf) into ``tapper``, named ``<module path>|<leaf path>``."""
+
+    def hook_for(path: str) -> Callable[..., None]:
+        # A closure, not a partial: a deep copy of the model (traced by the exporter) keeps calling this tapper.
+        def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            tapper.tap_output(path + _LEAF, output)
+
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(path)) for path, m in model.named_modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@attrs.define
+class _Side:
+    outputs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor | None]  # by parameter name or graph input name
+    tap_names: list[str] = attrs.Factory(list)
+    tap_values: list[torch.Tensor | None] = attrs.Factory(list)
+    tap_grads: dict[int, torch.Tensor] = attrs.Factory(dict)
+
+
+def _output_gradients(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(OUTPUT_GRADIENT_SEED)
+    grads: list[torch.Tensor | None] = []
+    for o in outputs:
+        if o.requires_grad and o.is_floating_point():
+            g = torch.randn(o.shape, generator=generator, dtype=torch.float32)
+            grads.append(g.to(dtype=o.dtype, device=o.device))
+        else:
+            grads.append(None)
+    return grads
+
+
+def _run_torch(req: AuditRequest, record: bool) -> tuple[_Side, list[torch.Tensor | None], Any]:
+    """The model in PyTorch on the step's inputs; gradients of the audit's output gradients."""
+    inputs = [t.detach().requires_grad_(t.requires_grad) for t in req.tensors]
+    params = {n: p.detach().requires_grad_(p.requires_grad) for n, p in req.params.items()}
+    buffers = {n: b.clone() for n, b in req.buffers.items()}  # batch-norm statistics move in the copies
+    args, kwargs = req.schema.rebuild(inputs)
+    collector = Tapper(None)
+    taps = _module_taps(req.model, collector) if record else contextlib.nullcontext()
+    with _subscribers_paused(req.model), torch.enable_grad(), taps:
+        result = torch.func.functional_call(req.model, (params, buffers), args, kwargs, tie_weights=True, strict=False)
+    output_schema, outputs = flatten_outputs(result)
+    side = _Side(outputs=outputs, grads={})
+    if record:
+        side.tap_names = list(collector.names)
+        side.tap_values = list(collector.tensors)
+        for i, tensor in enumerate(collector.tensors):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, i=i: side.tap_grads.__setitem__(i, grad))
+    output_grads = _output_gradients(outputs)
+    targets = [(n, params[n]) for n in req.trainable if n in params]
+    targets += [(name, t) for name, t in zip(req.graph.user_input_names, inputs) if t.requires_grad]
+    used = [i for i, g in enumerate(output_grads) if g is not None]
+    if used and targets:
+        grads = torch.autograd.grad(
+            [outputs[i] for i in used],
+            [t for _, t in targets],
+            [output_grads[i] for i in used],
+            allow_unused=True,
+        )
+        side.grads = {name: g for (name, _), g in zip(targets, grads)}
+    return side, output_grads, output_schema
+
+
+def _feeds(req: AuditRequest, session: Any) -> list[torch.Tensor]:
+    by_name = dict(zip(req.graph.user_input_names, req.tensors))
+    by_name.update(req.params)
+    by_name.update({n: b.clone() for n, b in req.buffers.items()})  # ORT's batch norm writes its statistics inputs
+    return [by_name[name] for name in session.feed_names]
+
+
+def _run_ort(req: AuditRequest, graph: Any, session: Any, output_grads: list[torch.Tensor | None]) -> _Side:
+    outputs, state = session.run_forward(_feeds(req, session))
+    n = graph.n_user_outputs
+    grads_in = list(output_grads[:n]) + [None] * (len(outputs) - n)
+    tap_grads: list[tuple[int, torch.Tensor]] = []
+    grads = session.run_backward(grads_in, [(o.shape, o.dtype) for o in outputs], state, tap_gradients=tap_grads)
+    del state
+    side = _Side(outputs=outputs[:n], grads=dict(zip(session.feed_names, grads)))
+    if graph.taps:
+        side.tap_names = [t.name for t in graph.taps]
+        side.tap_values = [outputs[i] for i in graph.tap_outputs]
+        side.tap_grads = dict(tap_grads)
+    return side
+
+
+def _loss(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, float]:
+    """``sum(output * g)`` in float64, and the sum of ``|output * g|`` (its scale)."""
+    terms = [(o.detach().double() * g.double()) for o, g in zip(outputs, grads) if g is not None and o.shape == g.shape]
+    total = sum((t.sum() for t in terms), torch.zeros((), dtype=torch.float64))
+    scale = sum((float(t.abs().sum()) for t in terms), 0.0)
+    return total, scale
+
+
+def _compare_sides(req: AuditRequest, ort: _Side, ref: _Side, output_grads: list, names: Sequence[str]) -> list[Difference]:
+    rtol, atol = req.rtol, req.atol
+    found = [compare("output", name, a, b, rtol, atol) for name, a, b in zip(names, ort.outputs, ref.outputs)]
+    ort_loss, _ = _loss(ort.outputs, output_grads)
+    ref_loss, scale = _loss(ref.outputs, output_grads)
+    loss_diff = abs(float(ort_loss) - float(ref_loss))
+    found.append(
+        Difference(
+            "loss",
+            "sum(outputs * g)",
+            loss_diff,
+            loss_diff / scale if scale else 0.0,
+            loss_diff > atol + rtol * scale,
+        )
+    )
+    inputs = set(req.graph.user_input_names)
+    for name in ref.grads:
+        kind = "gradient of input" if name in inputs else "gradient of parameter"
+        found.append(compare(kind, name, ort.grads.get(name), ref.grads[name], rtol, atol))
+    return found
+
+
+# -- locating -------------------------------------------------------------------------------------------------------
+
+
+def _split(tap_name: str) -> tuple[str, str]:
+    module, _, leaf = tap_name.partition(_LEAF)
+    return module, leaf
+
+
+def _occurrences(names: Sequence[str]) -> list[tuple[str, int]]:
+    seen: dict[str, int] = {}
+    keys = []
+    for name in names:
+        keys.append((name, seen.get(name, 0)))
+        seen[name] = seen.get(name, 0) + 1
+    return keys
+
+
+def _locate(req: AuditRequest, differences: list[Difference], variant: bool) -> Location | None:
+    """Export the graph with every module's output tapped, run both sides again, and name the first module."""
+    model = req.model
+    module_types = {path: type(m).__name__ for path, m in model.named_modules()}
+    paths = set(module_types)
+    with contextlib.ExitStack() as stack:
+        if variant:
+            stack.enter_context(dropout_off(model))
+        with tapping(None) as tapper, _module_taps(model, tapper):
+            graph = req.export(tapper)
+        session = req.build(graph)
+        ref, output_grads, _ = _run_torch(req, record=True)
+        ort = _run_ort(req, graph, session, output_grads)
+
+    def location(module: str, difference: Difference, note: str = "") -> Location:
+        return Location(
+            module, module_types.get(module, "?"), difference, _module_ops(graph.model, module, paths), note
+        )
+
+    ref_index = {key: i for i, key in enumerate(_occurrences(ref.tap_names))}
+    pairs = []  # (ORT tap index, torch tap index) in execution order
+    for k, key in enumerate(_occurrences(ort.tap_names)):
+        if key in ref_index:
+            pairs.append((k, ref_index[key]))
+
+    def tap_label(name: str) -> str:
+        module, leaf = _split(name)
+        return (module or type(model).__name__) + leaf
+
+    # Forward: the first module, in execution order (children before their parent), whose output differs.
+    for k, j in pairs:
+        d = compare("output of module", tap_label(ort.tap_names[k]), ort.tap_values[k], ref.tap_values[j], req.rtol, req.atol)
+        if d.exceeds:
+            return location(_split(ort.tap_names[k])[0], d)
+    # Backward: gradients in the order autograd computes them (the last module's output first).
+    last_index: dict[str, int] = {}
+    for k, _ in pairs:
+        last_index[_split(ort.tap_names[k])[0]] = k
+    candidates: list[tuple[float, str, Difference]] = []
+    for k, j in pairs:
+        if k in ort.tap_grads and j in ref.tap_grads:
+            d = compare("gradient of the output of module", tap_label(ort.tap_names[k]), ort.tap_grads[k], ref.tap_grads[j], req.rtol, req.atol)
+            candidates.append((k, ort.tap_names[k], d))
+    inputs = set(req.graph.user_input_names)
+    for name, ref_grad in ref.grads.items():
+        if name in inputs:
+            d = compare("gradient of input", name, ort.grads.get(name), ref_grad, req.rtol, req.atol)
+            candidates.append((-1.0, name, d))
+        else:
+            owner = name.rpartition(".")[0]
+            d = compare("gradient of parameter", name, ort.grads.get(name), ref_grad, req.rtol, req.atol)
+            # A module's parameters get their gradients in its backward: after its output's gradient.
+            candidates.append((last_index.get(owner, len(ort.tap_names)) - 0.5, name, d))
+    candidates.sort(key=lambda c: -c[0])
+    for _key, name, d in candidates:
+        if not d.exceeds:
+            continue
+        if d.kind == "gradient of parameter":
+            return location(name.rpartition(".")[0], d)
+        # The gradient of a value is computed by the backward of the ops that read it: name their module.
+        value = name if d.kind == "gradient of input" else next(t.value for t in graph.taps if t.name == name)
+        exposures = {t.output for t in graph.taps}
+        readers = [
+            node_module(n.name, paths)
+            for n in graph.model.graph.node
+            if value in n.input and not (n.op_type == "Identity" and n.output[0] in exposures)
+        ]
+        readers = list(dict.fromkeys(r for r in readers if r is not None))
+        module = readers[0] if readers else ""
+        others = f"; also read by {', '.join(repr(r) for r in readers[1:])}" if len(readers) > 1 else ""
+        return location(module, d, f" (its backward computes this gradient{others})")
+    worst = next((d for d in differences if d.exceeds), None)
+    if worst is not None and worst.kind == "gradient of parameter":
+        return location(worst.name.rpartition(".")[0], worst, " (the graph with every module tapped did not show it)")
+    return None
+
+
+# -- the audit ------------------------------------------------------------------------------------------------------
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _describe_nodes(nodes: list[onnx.NodeProto], model: torch.nn.Module) -> str:
+    paths = {path for path, _ in model.named_modules()}
+    where = sorted({f"{n.op_type} in {node_module(n.name, paths) or 'the model'}" for n in nodes})
+    return ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
+
+
+def audit(req: AuditRequest) -> AuditResult:
+    """Audit one training step's graph against PyTorch (see the module docstring). Never changes the user's state."""
+    start = time.perf_counter()
+    rng = _rng_state()
+    graph, session = req.graph, req.session
+    label = "the step's graph"
+    common = {"rtol": req.rtol, "atol": req.atol}
+    try:
+        random = random_nodes(graph.model) + random_nodes(session.model)
+        variant = bool(random)
+        separate = variant or bool(session.grads_handed_over)
+        with dropout_off(req.model) if variant else contextlib.nullcontext() as changed:
+            if variant:
+                label = "the step's graph with dropout off"
+                if not changed:
+                    return AuditResult(
+                        "not audited",
+                        label,
+                        reason=f"the graph draws random numbers ({_describe_nodes(random, req.model)}) outside "
+                        "torch.nn.Dropout modules",
+                        seconds=time.perf_counter() - start,
+                        **common,
+                    )
+            if separate:
+                # Its own graph: dropout off, or no plugin session hooks (gradients handed to torch would reach
+                # the user's .grad).
+                graph = req.export(None)
+                left = random_nodes(graph.model)
+                if left:
+                    return AuditResult(
+                        "not audited",
+                        label,
+                        reason=f"random ops remain with every torch.nn.Dropout at p=0 ({_describe_nodes(left, req.model)})",
+                        seconds=time.perf_counter() - start,
+                        **common,
+                    )
+                session = req.build(graph)
+                req = attrs.evolve(req, graph=graph, session=session)
+            ref, output_grads, output_schema = _run_torch(req, record=False)
+            _set_rng_state(rng)
+            if not any(g is not None for g in output_grads) or not ref.grads:
+                return AuditResult(
+                    "not audited",
+                    label,
+                    reason="no output of the model needs a gradient, or nothing is trained",
+                    seconds=time.perf_counter() - start,
+                    **common,
+                )
+            if tuple(output_schema.names) != tuple(graph.output_schema.names):
+                raise RuntimeError(
+                    f"PyTorch's outputs {output_schema.names} are not the graph's {graph.output_schema.names}"
+                )
+            ort = _run_ort(req, graph, session, output_grads)
+            _set_rng_state(rng)
+            found = _compare_sides(req, ort, ref, output_grads, graph.output_schema.names)
+        beyond = tuple(d for d in found if d.exceeds)
+        worst = max(found, key=lambda d: d.max_rel)
+        location = None
+        if beyond:
+            try:
+                location = _locate(req, list(beyond), variant)
+            except Exception as e:  # the mismatch is reported either way; only the module stays unnamed
+                logger.warning("gradient audit: could not locate the difference (%s: %s)", type(e).__name__, e)
+        return AuditResult(
+            "mismatch" if beyond else "passed",
+            label,
+            compared=len(found),
+            worst=worst,
+            differences=beyond,
+            location=location,
+            seconds=time.perf_counter() - start,
+            **common,
+        )
+    except Exception as e:  # the audit must never pass silently, nor stop training for its own failure
+        return AuditResult(
+            "not audited", label, reason=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - start, **common
+        )
+    finally:
+        _set_rng_state(rng)

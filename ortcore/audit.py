@@ -609,7 +609,16 @@ def audit(req: AuditRequest) -> AuditResult:
                 raise RuntimeError(
                     f"PyTorch's outputs {output_schema.names} are not the graph's {graph.output_schema.names}"
                 )
-            ort = _run_ort(req, graph, session, output_grads)
+            try:
+                ort = _run_ort(req, graph, session, output_grads)
+            except Exception as e:  # pybind's errors: ORT cannot run this graph on these inputs
+                return AuditResult(
+                    "not audited",
+                    label,
+                    reason=f"ONNX Runtime failed to run it ({type(e).__name__}: {e}); the step itself fails the same way",
+                    seconds=time.perf_counter() - start,
+                    **common,
+                )
             _set_rng_state(rng)
             found = _compare_sides(req, ort, ref, output_grads, graph.output_schema.names)
         beyond = tuple(d for d in found if d.exceeds)

@@ -145,6 +145,7 @@ def doctor(host: PluginHost | None, load_error: Exception | None = None, env: Ma
         )
     if load_error is not None:
         findings.append(Finding("error", f"configuration: {load_error}", "fix the named key or variable"))
+    findings.append(_gradient_audit_finding(host))
     if host is not None:
         for var, suggestion in host.unread_env_vars(env):
             findings.append(
@@ -164,6 +165,19 @@ def doctor(host: PluginHost | None, load_error: Exception | None = None, env: Ma
                     )
                 )
     return findings
+
+
+def _gradient_audit_finding(host: PluginHost | None) -> Finding:
+    """A recommendation, not a problem: audit a new model's gradients against PyTorch once."""
+    if host is not None and host.config.core.verify_gradients:
+        source = host.config.sources.get("core.verify_gradients", "default")
+        return Finding("ok", f"gradient audit on (verify_gradients, from {source}): each new training graph is checked once")
+    return Finding(
+        "ok",
+        "gradient audit off: for a new model, check once that ONNX Runtime's gradients are PyTorch's",
+        "ORTCORE_VERIFY_GRADIENTS=1 (or verify_gradients = true in ortcore.toml, ORTModule(..., verify_gradients=True))"
+        " for its first steps; see docs/gradient_audit.md",
+    )
 
 
 def _installed(distribution: str) -> bool:

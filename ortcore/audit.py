@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -89,12 +90,16 @@ class Difference:
     max_rel: float  # max_abs over the largest magnitude of PyTorch's tensor
     exceeds: bool
     detail: str = ""  # a shape or dtype difference
+    used: float = 0.0  # max_abs over the allowed difference: above 1 is beyond the tolerance
 
     def describe(self) -> str:
         what = f"{self.kind} {self.name!r}"
         if self.detail:
             return f"{what}: {self.detail}"
-        return f"{what}: max abs difference {self.max_abs:.3g} (relative to its largest value {self.max_rel:.3g})"
+        return (
+            f"{what}: max abs difference {self.max_abs:.3g} (relative to its largest value {self.max_rel:.3g}; "
+            f"{self.used:.2g} of the tolerance)"
+        )
 
 
 @attrs.frozen
@@ -282,19 +287,26 @@ def compare(kind: str, name: str, ort: torch.Tensor | None, ref: torch.Tensor | 
     if not (ort.is_floating_point() or ort.is_complex()):
         differ = int((ort.to(ref.dtype) != ref).sum()) if ort.numel() else 0
         detail = f"{differ} of {ref.numel()} values differ" if differ else ""
-        return Difference(kind, name, float(differ > 0), float(differ > 0), differ > 0, detail)
-    a, b = ort.detach().double(), ref.detach().double()
-    both_nan = a.isnan() & b.isnan()
-    if bool((a.isnan() ^ b.isnan()).any()):
-        return Difference(kind, name, float("inf"), float("inf"), True, "NaN in one and not the other")
-    diff = torch.where(both_nan | (a == b), 0.0, (a - b).abs())
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    finite = b[b.isfinite()].abs()
-    scale = float(finite.max()) if finite.numel() else 0.0
+        return Difference(kind, name, float(differ > 0), float(differ > 0), differ > 0, detail, float("inf") * differ)
     if ref.dtype in (torch.float16, torch.bfloat16):
         rtol = max(rtol, 8 * torch.finfo(ref.dtype).eps)
+    a, b = ort.detach().to(ref.dtype), ref.detach()
+    if not a.numel():
+        return Difference(kind, name, 0.0, 0.0, False)
+    max_abs = float((a - b).abs().max())
+    scale = float(b.abs().max())
+    if not (math.isfinite(max_abs) and math.isfinite(scale)):  # NaN or infinity somewhere: the careful way
+        a, b = a.double(), b.double()
+        if bool((a.isnan() ^ b.isnan()).any()):
+            return Difference(kind, name, float("inf"), float("inf"), True, "NaN in one and not the other", float("inf"))
+        same = (a.isnan() & b.isnan()) | (a == b)
+        max_abs = float(torch.where(same, 0.0, (a - b).abs()).max())
+        finite = b[b.isfinite()].abs()
+        scale = float(finite.max()) if finite.numel() else 0.0
+    allowed = atol + rtol * scale
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    return Difference(kind, name, max_abs, max_rel, max_abs > atol + rtol * scale)
+    used = max_abs / allowed if allowed > 0 else (0.0 if max_abs == 0 else float("inf"))
+    return Difference(kind, name, max_abs, max_rel, max_abs > allowed, used=used)
 
 
 # -- the two sides --------------------------------------------------------------------------------------------------
@@ -427,13 +439,15 @@ def _compare_sides(req: AuditRequest, ort: _Side, ref: _Side, output_grads: list
     ort_loss, _ = _loss(ort.outputs, output_grads)
     ref_loss, scale = _loss(ref.outputs, output_grads)
     loss_diff = abs(float(ort_loss) - float(ref_loss))
+    allowed = atol + rtol * scale
     found.append(
         Difference(
             "loss",
             "sum(outputs * g)",
             loss_diff,
             loss_diff / scale if scale else 0.0,
-            loss_diff > atol + rtol * scale,
+            loss_diff > allowed,
+            used=loss_diff / allowed if allowed else 0.0,
         )
     )
     inputs = set(req.graph.user_input_names)
@@ -622,7 +636,7 @@ def audit(req: AuditRequest) -> AuditResult:
             _set_rng_state(rng)
             found = _compare_sides(req, ort, ref, output_grads, graph.output_schema.names)
         beyond = tuple(d for d in found if d.exceeds)
-        worst = max(found, key=lambda d: d.max_rel)
+        worst = max(found, key=lambda d: d.used)
         location = None
         if beyond:
             try:

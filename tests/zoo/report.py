@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -84,7 +85,11 @@ def _margin(result: dict[str, Any]) -> str:
     if not checks:
         return "-"
     entries = [checks["loss"], *checks["grads"].values(), *checks["curve"]]
-    worst = max(entries, key=lambda c: c.get("tol_ratio") if isinstance(c.get("tol_ratio"), int | float) else 1e30)
+    # A gradient both sides leave as None has no ratio; a non-finite one is stored as a string and is the worst.
+    entries = [c for c in entries if "tol_ratio" in c]
+    if not entries:
+        return "-"
+    worst = max(entries, key=lambda c: c["tol_ratio"] if isinstance(c["tol_ratio"], int | float) else math.inf)
     text = _fmt(worst.get("tol_ratio"), ".2g")
     return text + (" (f64)" if worst.get("judged_by") == "float64" else "")
 

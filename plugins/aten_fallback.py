@@ -739,29 +739,77 @@ def op_packet(operator: str) -> Any:
     return getattr(getattr(torch.ops, namespace or "aten"), name)
 
 
-def _make_vjp(overload_packet: Any, schema: Any, n_grads: int, differentiable: tuple[int, ...], index: int) -> Any:
-    """The helper's implementation: d(op outputs)/d(input ``index``), applied to the output gradients."""
+# Gradients of one backward run, computed once for every input of a node (see _make_vjp); cleared around each run.
+# Each entry also holds the node's arguments: while it exists their buffers cannot be reused, so a key (buffer
+# addresses) that matches is the same tensors.
+_vjp_results: dict[tuple, tuple[list[Any], dict[int, torch.Tensor]]] = {}
+
+
+def clear_vjp_results() -> None:
+    """Forget gradients computed for other helper nodes: called before each ORT run (buffers are then reused)."""
+    _vjp_results.clear()
+
+
+def _tensor_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("t", value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
+    if isinstance(value, list):
+        return tuple(_tensor_key(v) for v in value)
+    return value
+
+
+def _make_vjp(
+    overload_packet: Any,
+    schema: Any,
+    n_grads: int,
+    differentiable: tuple[int, ...],
+    index: int,
+    float_inputs: tuple[int, ...] = (),
+) -> Any:
+    """The helper's implementation: d(op outputs)/d(input ``index``), applied to the output gradients.
+
+    ORT keeps one output per gradient node, so an op with several floating-point inputs has one helper node per
+    input. The first of them to run differentiates the op once with respect to all of them and leaves the other
+    gradients for their nodes (keyed by the arguments' buffers): one recomputed forward and one backward per op and
+    step, not one per input (a 2-layer bidirectional GRU has 18).
+    """
     names = [a.name for a in schema.arguments]
     kwarg_only = {a.name for a in schema.arguments if a.kwarg_only}
+    targets = tuple(float_inputs) if index in float_inputs and len(float_inputs) > 1 else (index,)
 
     def vjp(*values: Any) -> torch.Tensor:
         grads, args = values[:n_grads], list(values[n_grads:])
-        target = args[index]
+        key = (id(overload_packet), _tensor_key(list(values)))
+        if len(targets) > 1:
+            _, done = _vjp_results.get(key, (None, {}))
+            if index in done:
+                result = done.pop(index)
+                if not done:
+                    del _vjp_results[key]
+                return result
+        present = [i for i in targets if isinstance(args[i], torch.Tensor)]
         with torch.enable_grad():
-            leaf = target.detach().requires_grad_(True)
-            args[index] = leaf
+            leaves = {}
+            for i in present:
+                leaves[i] = args[i].detach().requires_grad_(True)
+                args[i] = leaves[i]
             positional = [v for n, v in zip(names, args, strict=True) if n not in kwarg_only]
             keywords = {n: v for n, v in zip(names, args, strict=True) if n in kwarg_only}
             result = overload_packet(*positional, **keywords)
             results = result if isinstance(result, tuple | list) else (result,)
             outputs = [results[i] for i in differentiable]
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
-            if not pairs:
-                return torch.zeros_like(target)
-            (grad,) = torch.autograd.grad(
-                [o for o, _ in pairs], [leaf], [g.expand_as(o) for o, g in pairs], allow_unused=True
-            )
-        return torch.zeros_like(target) if grad is None else grad
+            computed: tuple[torch.Tensor | None, ...] = (None,) * len(present)
+            if pairs:
+                computed = torch.autograd.grad(
+                    [o for o, _ in pairs], [leaves[i] for i in present], [g.expand_as(o) for o, g in pairs],
+                    allow_unused=True,
+                )
+        gradients = {i: torch.zeros_like(leaves[i]) if g is None else g for i, g in zip(present, computed, strict=True)}
+        mine = gradients.pop(index)
+        if gradients:
+            _vjp_results[key] = (list(values), gradients)
+        return mine
 
     return vjp
 
@@ -789,7 +837,7 @@ def _register_fallback_gradient(
             # CompositeImplicitAutograd: the kernel is called above autograd, so it can record and differentiate.
             _helper_library.define(f"{name}({', '.join([*grad_args, *arguments])}) -> Tensor")
             _helper_library.impl(
-                name, _make_vjp(packet, schema, len(differentiable), differentiable, i), "CompositeImplicitAutograd"
+                name, _make_vjp(packet, schema, len(differentiable), differentiable, i, float_inputs), "CompositeImplicitAutograd"
             )
             inputs = [f"GO({j})" for j in differentiable] + [f"I({k})" for k in range(len(schema.arguments))]
             nodes.append(_aten_node(_helper(name), inputs, f"GI({i})"))
@@ -1211,15 +1259,18 @@ def _raising_errors(run: Callable[..., Any], what: str) -> Callable[..., Any]:
     @functools.wraps(run)
     def checked(*args: Any, **kwargs: Any) -> Any:
         executor.take_pending_error()  # a failure of an earlier, unrelated run must not be blamed on this one
+        clear_vjp_results()  # ORT reuses buffers across runs: gradients keyed by them must not outlive the run
         try:
             result = run(*args, **kwargs)
         except Exception as e:
+            clear_vjp_results()
             failure = executor.take_pending_error()
             if failure is None:
                 raise
             if failure.interrupted:
                 raise KeyboardInterrupt from e
             raise ATenExecutorError(f"{failure.describe()} (during the ORT {what}; ORT said: {e})") from e
+        clear_vjp_results()
         failure = executor.take_pending_error()
         if failure is not None:  # a failure that did not stop the run (a query ORT made of the executor, say)
             if failure.interrupted:

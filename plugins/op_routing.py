@@ -92,6 +92,10 @@ def _is_reduction(args: tuple, schema: Any) -> bool:
     return schema.overload_name != "other"
 
 
+def _is_grouped_query(args: tuple, schema: Any) -> bool:
+    return bool(_const(args, schema, "enable_gqa"))
+
+
 @attrs.frozen
 class Route:
     """An aten op ORT cannot serve, why, and (if only some calls are affected) which ones."""
@@ -152,6 +156,13 @@ ROUTES: tuple[Route, ...] = (
         )
     ),
     Route("flip", "Slice", "ORT's SliceGrad fails on the negative steps of flip (narrowing_error)"),
+    Route(
+        "scaled_dot_product_attention",
+        "(no export)",
+        "the TorchScript exporter cannot export grouped-query attention (enable_gqa=True)",
+        _is_grouped_query,
+        gradient_only=False,
+    ),
     Route("multinomial", "Multinomial", "ORT's Multinomial kernel takes only 2-D probabilities", gradient_only=False),
     Route(
         "diagonal",
@@ -300,11 +311,13 @@ def _flatten_call(op: str, schema: Any, args: tuple) -> list[_Flat]:
     return flat
 
 
-def _wrapper(op: str, schema: Any, flat: list[_Flat], order: list[int]) -> str:
+def _wrapper(
+    op: str, schema: Any, flat: list[_Flat], order: list[int], differentiable: tuple[int, ...], float_inputs: tuple[int, ...]
+) -> str:
     """Define (once) the ``ortcore_route::`` op taking ``flat`` inputs in ``order`` and calling ``aten::<op>``."""
     global _wrapper_library
     overload = schema.overload_name
-    signature = f"{op}.{overload}|{[(f.argument, f.item, f.kind) for f in flat]}|{order}"
+    signature = f"{op}.{overload}|{[(f.argument, f.item, f.kind) for f in flat]}|{order}|{differentiable}|{float_inputs}"
     name = f"{op}__{overload or 'default'}__{hashlib.sha1(signature.encode()).hexdigest()[:10]}"
     with _wrapper_lock:
         if name in _wrappers:
@@ -427,8 +440,6 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
         # ORT builds an ATen node's gradient only when its first input needs one: that input goes first.
         order.remove(needs[0])
         order.insert(0, needs[0])
-    aliases = any(r.alias_info is not None for r in schema.returns)
-    wrapped = order != list(range(len(flat))) or any(f.item is not None for f in flat) or aliases
     seen: set[str] = set()
     for k, f in enumerate(flat):
         if f.kind in ("Tensor", "Tensor?") and not aten._is_none(f.value):
@@ -439,17 +450,16 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     for f in flat:
         if f.kind == "Tensor" and aten._is_none(f.value):
             raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: a tensor argument is None")
-    if wrapped:
-        operator, overload = _wrapper(op, schema, flat, order), ""
-        packet_schema = aten.op_packet(operator).default._schema
-        ordered = [flat[i] for i in order]
-    else:
-        operator, overload = op, schema.overload_name
-        packet_schema = schema
-        ordered = [flat[i] for i in order]
-    position = {id(f): k for k, f in enumerate(ordered)}
-    float_inputs = tuple(position[id(flat[i])] for i in floats)
-    differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in aten._FLOAT_TYPES)
+    ordered = [flat[i] for i in order]
+    float_inputs = tuple(k for k, i in enumerate(order) if i in floats)
+    # An output nothing reads gets no gradient from ORT: the gradient definition must not ask for it (an RNN's h_n).
+    differentiable = tuple(
+        j for j, v in enumerate(outputs_traced) if v.type().scalarType() in aten._FLOAT_TYPES and v.uses()
+    )
+    # Always a wrapper op: its name carries this call's signature, so its gradient definition (registered once per
+    # name, process-wide) fits this call's inputs and outputs.
+    operator, overload = _wrapper(op, schema, flat, order, differentiable, float_inputs), ""
+    packet_schema = aten.op_packet(operator).default._schema
     inputs = [
         f.value if f.kind in ("Tensor", "Tensor?") else aten._constant_argument(g, f.value, f.kind, op, f"a{k}")
         for k, f in enumerate(ordered)
@@ -585,3 +595,11 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 def ortcore_export_key(config: Config) -> dict[str, Any]:
     options = _options(config)
     return {"op_routing": {"enabled": options.enabled, "never": sorted(options.never)}}
+
+
+@hookimpl
+def ortcore_session_created(config: Config, session: Any) -> None:
+    """Executor failures in a graph with ATen nodes are raised from the run (the ``aten_fallback`` plugin's check,
+    which also clears the gradients a routed op's helper nodes share), also when that plugin is disabled."""
+    if _options(config).enabled:
+        aten.ortcore_session_created(config, session)

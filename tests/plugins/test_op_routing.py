@@ -74,6 +74,32 @@ class RNNOut(nn.Module):
         return (out, *state) if isinstance(state, tuple) else (out, state)
 
 
+class OutputOnly(nn.Module):
+    """An RNN whose final state nothing reads (ORT gives that output no gradient)."""
+
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+class GroupedQueryAttention(nn.Module):
+    """Four query heads sharing two key/value heads, as Llama, Mistral and Qwen2 attend."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 32)
+        self.kv = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, 16).transpose(1, 2).split(8, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 # name -> (model factory, input factory, the op expected in explain())
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]] = {
     "hardswish": (lambda: Apply(F.hardswish), lambda: torch.randn(6, 16) * 3, "hardswish"),
@@ -95,6 +121,12 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]
         lambda: torch.randn(3, 5, 8),
         "lstm",
     ),
+    "bidirectional_gru_output_only": (
+        lambda: OutputOnly(nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True)),
+        lambda: torch.randn(3, 5, 8),
+        "gru",
+    ),
+    "grouped_query_attention": (GroupedQueryAttention, lambda: torch.randn(2, 6, 16), "scaled_dot_product_attention"),
     "bidirectional_rnn": (lambda: RNNOut(nn.RNN(8, 6, bidirectional=True)), lambda: torch.randn(5, 3, 8), "rnn_tanh"),
     "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), lambda: torch.randn(2, 3, 6, 6), "_convolution"),
     "conv_transpose1d": (lambda: Conv1dThen(nn.ConvTranspose1d(8, 4, 4, stride=2)), lambda: torch.randn(2, 4, 9), "_convolution"),

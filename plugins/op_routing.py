@@ -422,6 +422,18 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
     return symbolic
 
 
+def _may_need_grad(value: Any) -> bool:
+    """May ORT be asked for this input's gradient? Not for a constant, nor for a graph input traced without
+    requires_grad (a user's input); a value computed in the graph may (the exporter does not say: values earlier
+    symbolics made carry no requires_grad flag)."""
+    kind = value.node().kind()
+    if kind in ("onnx::Constant", "prim::Constant"):
+        return False
+    if kind == "prim::Param":
+        return aten._requires_grad(value) is not False
+    return True
+
+
 def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     """Export one call of ``aten::<op>`` as an ATen node run by PyTorch, with its VJP gradient."""
     aten._prepare_runtime()
@@ -434,7 +446,7 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     floats = [
         i for i in tensors if not aten._is_none(flat[i].value) and flat[i].value.type().scalarType() in aten._FLOAT_TYPES
     ]
-    needs = [i for i in floats if aten._requires_grad(flat[i].value) is not False]
+    needs = [i for i in floats if _may_need_grad(flat[i].value)]
     order = [i for i, f in enumerate(flat) if f.kind != ABSENT]
     if needs and order[0] not in needs:
         # ORT builds an ATen node's gradient only when its first input needs one: that input goes first.

@@ -100,11 +100,24 @@ class GroupedQueryAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+class BufferFirst(nn.Module):
+    """``einsum`` whose first operand is a buffer (no gradient) and whose second is trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mix", torch.randn(8, 16))
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ij,bj->bi", self.mix, self.lin(x))
+
+
 # name -> (model factory, input factory, the op expected in explain())
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]] = {
     "hardswish": (lambda: Apply(F.hardswish), lambda: torch.randn(6, 16) * 3, "hardswish"),
     "hardsigmoid": (lambda: Apply(F.hardsigmoid), lambda: torch.randn(6, 16) * 3, "hardsigmoid"),
     "einsum": (lambda: Apply(lambda h: torch.einsum("bij,bkj->bik", h, h), shape=(4, 4)), lambda: torch.randn(6, 16), "einsum"),
+    "einsum_buffer_first": (BufferFirst, lambda: torch.randn(6, 16), "einsum"),
     "cumsum": (lambda: Apply(lambda h: torch.cumsum(h, 1)), lambda: torch.randn(6, 16), "cumsum"),
     "group_norm": (lambda: Conv1dThen(nn.GroupNorm(2, 8)), lambda: torch.randn(3, 4, 12), "group_norm"),
     "instance_norm": (lambda: Conv1dThen(nn.InstanceNorm1d(8, affine=True)), lambda: torch.randn(3, 4, 12), "instance_norm"),

@@ -102,6 +102,20 @@ def test_active_dropout_is_audited_with_dropout_off() -> None:
     assert wrapped.module.drop.p == 0.3  # restored
 
 
+def test_hf_bert_with_dropout_is_audited_with_dropout_off() -> None:
+    """BERT's attention reads its dropout rate from an nn.Dropout module (``self.dropout.p``): switched off too."""
+    pytest.importorskip("transformers")
+    model = models.tiny_bert(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    rates = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    assert 0.1 in rates
+    wrapped = _audited(model)
+    wrapped(**models.bert_batch(torch.Generator().manual_seed(3))).loss.backward()
+    result = _only_audit(wrapped)
+    assert result.status == "passed", result.message()
+    assert result.graph == "the step's graph with dropout off"
+    assert [m.p for m in model.modules() if isinstance(m, nn.Dropout)] == rates  # restored
+
+
 class FunctionalNoise(nn.Module):
     """Random numbers outside any nn.Dropout module: nothing the audit can make deterministic."""
 

@@ -13,6 +13,7 @@ if "torch" not in _sys.modules:
     _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from . import hf as _hf  # noqa: E402, F401  (registers the Hugging Face cache adapter)
+from .audit import GradientMismatchError  # noqa: E402
 from .errors import (  # noqa: E402
     GraphBuildError,
     OptionError,
@@ -40,4 +41,5 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedDeviceError",
     "GraphBuildError",
+    "GradientMismatchError",
 ]

@@ -319,15 +319,8 @@ def _subscribers_paused(model: torch.nn.Module) -> Iterator[None]:
     if subscription is None:
         yield
         return
-    saved = subscription.current
-    # A call inside another call of the root starts no step; with no current step nothing is recorded.
-    subscription.depth += 1
-    subscription.current = None
-    try:
+    with subscription.paused():
         yield
-    finally:
-        subscription.depth -= 1
-        subscription.current = saved
 
 
 @contextlib.contextmanager

@@ -237,7 +237,9 @@ class _ORTFunction(torch.autograd.Function):
             logger.info("second backward through one forward (retain_graph=True): recomputing the forward in ORT")
             _, state = session.run_forward(ctx.feeds)
         tap_grads: list[tuple[int, torch.Tensor]] | None = [] if ctx.recording is not None else None
-        grads = session.run_backward(grad_outputs, ctx.meta, state, tap_gradients=tap_grads)
+        grads = session.run_backward(
+            grad_outputs, ctx.meta, state, tap_gradients=tap_grads, feed_shapes=[f.shape for f in ctx.feeds]
+        )
         del state
         if tap_grads:
             step_state, taps = ctx.recording
@@ -494,6 +496,7 @@ class ORTModule(torch.nn.Module):
             )
             rt.audited[session] = result
             rt.audits.append(result)
+            rt.state.counters.audits += 1
             if result.status == "not audited":
                 logger.warning("%s", result.message())
             elif result.status == "passed":

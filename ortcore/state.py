@@ -123,6 +123,7 @@ class Counters:
     reuses: int = 0
     fallbacks: int = 0
     routed_ops: int = 0  # op kinds run on PyTorch's kernels inside ORT's graph, summed over exports
+    audits: int = 0  # gradient audits run (verify_gradients), one per newly built training graph
 
 
 @attrs.frozen

@@ -68,7 +68,7 @@ def wrong_host() -> Iterator[PluginHost]:
 
 
 def _session(model: ORTModule) -> TrainingSession:
-    model(torch.randn(3, 4)).sum().backward()  # builds the training session
+    model(torch.randn(3, 4, requires_grad=True))  # builds the training session (no backward: it would raise)
     return model.state_machine.current[1]
 
 
@@ -135,8 +135,17 @@ def test_the_input_kind_is_named_for_a_user_input(wrong_host: PluginHost) -> Non
     module = Scaled()
     model = ORTModule(module, host=wrong_host)
     bias = torch.randn(4, requires_grad=True)
-    model(bias).sum().backward()
+    model(bias)
     session = model.state_machine.current[1]
     feeds = [bias if name == "bias" else module.w for name in session.feed_names]
     with pytest.raises(GraphBuildError, match=r"input 'bias' has shape \(3, 4\), but 'bias' has shape \(4,\)"):
         _forward_backward(session, feeds, feed_shapes=[f.shape for f in feeds])
+
+
+def test_ortmodule_backward_raises_on_a_wrong_shaped_gradient(wrong_host: PluginHost) -> None:
+    """The check is on in every ORTModule backward: torch never sees the [3, 4] gradient of the [4] bias."""
+    module = Biased()
+    model = ORTModule(module, host=wrong_host)
+    with pytest.raises(GraphBuildError, match=r"parameter 'bias' has shape \(3, 4\), but 'bias' has shape \(4,\)"):
+        model(torch.randn(3, 4)).sum().backward()
+    assert module.bias.grad is None

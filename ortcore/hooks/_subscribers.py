@@ -164,6 +164,17 @@ class _Subscription:
         self.handles.append(model.register_forward_hook(self._root_post_hook, always_call=True))
 
     # -- steps ------------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Calls of the model inside are no step: none starts, nothing is recorded."""
+        saved, self.current = self.current, None
+        self.depth += 1  # a call inside another call of the root starts no step
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            self.current = saved
     def _root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         self.depth += 1
         if self.depth > 1 or _tracing():

@@ -393,4 +393,5 @@ def test_bench_runs_every_setting_and_the_plugin_fires() -> None:
     spec = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64, "batch": 2, "seq": 16, "steps": 2}
     results = plugin.bench_efficient_attention(spec=spec)
     assert [(r["setting"], r["replaced"]) for r in results] == [("torch", None), ("off", 0), ("on", 2)]
-    assert len({round(r["loss"], 4) for r in results}) == 1, results
+    losses = [r["loss"] for r in results]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), results  # rounding, not rounded digits

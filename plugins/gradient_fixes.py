@@ -20,6 +20,21 @@ The pass :func:`fix_broadcast_gradients` edits the forward graph before the grad
 
 Only inputs that may carry a gradient (computed from a floating-point graph input) and that need it are changed:
 a graph without such ops is left as it was.
+
+A second pass, :func:`fix_grouped_conv_gradients`, works around a bug of ORT's CPU ``ConvGrad`` *kernel*: for a
+grouped convolution (``group > 1``) whose kernel is not 2-D, the input gradient of each group is computed by
+``Col2imNd``, which first zeroes ``C * spatial`` elements from the group's start instead of ``C / group * spatial``.
+The gradient itself comes out right, but the last group of the last image zeroes ``(group - 1) / group * C *
+spatial`` elements *past the end* of ``dX``: whatever ORT or PyTorch keeps there (another gradient still to be read)
+is silently corrupted. Wav2Vec2's positional convolution (``Conv1d`` with 16 groups in the base model) is one. The
+pass gives ORT no such node to differentiate:
+
+* a 1-D grouped ``Conv`` becomes a 2-D one on ``Unsqueeze``d input and weight (kernel ``[1, k]``), then ``Squeeze``:
+  ORT's 2-D path zeroes only the group's own elements;
+* a grouped ``Conv`` with a 3-D (or unknown-rank) kernel is split into one ``Conv`` per group (``Split`` of input,
+  weight and bias, ``Concat`` of the outputs).
+
+Only convolutions whose input may need a gradient are rewritten (``dX`` is computed only then).
 """
 
 from __future__ import annotations
@@ -39,8 +54,10 @@ logger = logging.getLogger("ortcore.gradient_fixes")
 
 NAME = "gradient_fixes"
 PASS_NAME = "gradient_fixes.broadcast"
-# Bumped whenever the pass's output changes, so export caches do not serve graphs made by an older pass.
+CONV_PASS_NAME = "gradient_fixes.grouped_conv"
+# Bumped whenever a pass's output changes, so export caches do not serve graphs made by an older pass.
 PASS_VERSION = 1
+CONV_PASS_VERSION = 1
 
 # Ops whose ORT gradient never reduces a broadcast input (input indices that get a gradient).
 NO_REDUCTION: dict[str, tuple[int, ...]] = {"Where": (1, 2), "Pow": (0,)}
@@ -307,6 +324,141 @@ def _fix_name_trusting(
     return fixed
 
 
+# -- grouped convolutions ---------------------------------------------------------------------------------------------
+
+
+def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _kernel_rank(node: onnx.NodeProto, attributes: dict[str, Any], shapes: dict[str, Shape]) -> int | None:
+    """The number of spatial dimensions of a ``Conv``: from ``kernel_shape``, else the weight's or input's rank."""
+    if attributes.get("kernel_shape"):
+        return len(attributes["kernel_shape"])
+    for name in (node.input[1], node.input[0]):
+        shape = shapes.get(name)
+        if shape is not None and len(shape) > 2:
+            return len(shape) - 2
+    return None
+
+
+class _ConvRewriter:
+    """Builds the replacement nodes of grouped ``Conv`` nodes, with unique value names."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.taken = {name for node in graph.node for name in (*node.input, *node.output)}
+        self.taken.update(i.name for i in graph.input)
+        self.taken.update(i.name for i in graph.initializer)
+
+    def fresh(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def _int64s(self, scope: str, what: str, values: list[int]) -> tuple[str, onnx.NodeProto]:
+        name = self.fresh(f"{scope}/{what}")
+        tensor = onnx.helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+        return name, onnx.helper.make_node("Constant", [], [name], name=name, value=tensor)
+
+    def as_2d(self, node: onnx.NodeProto, attributes: dict[str, Any]) -> list[onnx.NodeProto]:
+        """``Squeeze(Conv2d(Unsqueeze(x, 2), Unsqueeze(w, 2)), 2)``: the same values, ORT's 2-D gradient kernel."""
+        scope = f"ortcore.gradient_fixes/{node.name or 'Conv'}"
+        axes, constant = self._int64s(scope, "axis_2", [2])
+        nodes = [constant]
+        inputs = list(node.input)
+        for i in (0, 1):
+            unsqueezed = self.fresh(f"{scope}/{inputs[i]}_2d")
+            nodes.append(onnx.helper.make_node("Unsqueeze", [inputs[i], axes], [unsqueezed], name=unsqueezed))
+            inputs[i] = unsqueezed
+        out_2d = self.fresh(f"{scope}/{node.output[0]}_2d")
+        lifted: dict[str, Any] = {"group": attributes["group"]}
+        if "kernel_shape" in attributes:
+            lifted["kernel_shape"] = [1, *attributes["kernel_shape"]]
+        if "strides" in attributes:
+            lifted["strides"] = [1, *attributes["strides"]]
+        if "dilations" in attributes:
+            lifted["dilations"] = [1, *attributes["dilations"]]
+        if "pads" in attributes:
+            begin, end = attributes["pads"]
+            lifted["pads"] = [0, begin, 0, end]  # ONNX order: every dimension's begin, then every end
+        if "auto_pad" in attributes:
+            # A size-1 dimension with a size-1 kernel and stride 1 needs no padding under any auto_pad.
+            lifted["auto_pad"] = attributes["auto_pad"]
+        conv = onnx.helper.make_node("Conv", inputs, [out_2d], name=node.name, **lifted)
+        squeeze = onnx.helper.make_node("Squeeze", [out_2d, axes], [node.output[0]], name=self.fresh(f"{scope}/Squeeze"))
+        return [*nodes, conv, squeeze]
+
+    def per_group(self, node: onnx.NodeProto, attributes: dict[str, Any], opset: int) -> list[onnx.NodeProto]:
+        """``Concat(Conv(x_g, w_g, b_g) for each group g)`` along channels, every ``Conv`` ungrouped."""
+        groups = attributes["group"]
+        scope = f"ortcore.gradient_fixes/{node.name or 'Conv'}"
+        nodes: list[onnx.NodeProto] = []
+        parts: list[list[str]] = []
+        for i, name in enumerate(node.input):
+            if not name:
+                continue
+            outputs = [self.fresh(f"{scope}/{name}_group{g}") for g in range(groups)]
+            # Equal parts of the input's channels (axis 1) or of the weight's and bias's output channels (axis 0).
+            # Opset 18 names the number of parts; earlier opsets split equally into as many outputs as there are.
+            split = {"num_outputs": groups} if opset >= 18 else {}
+            nodes.append(onnx.helper.make_node("Split", [name], outputs, name=outputs[0], axis=1 if i == 0 else 0, **split))
+            parts.append(outputs)
+        plain = {k: v for k, v in attributes.items() if k != "group"}
+        results = []
+        for g in range(groups):
+            result = self.fresh(f"{scope}/{node.output[0]}_group{g}")
+            name = node.name if g == 0 else self.fresh(f"{node.name or 'Conv'}_group{g}")
+            nodes.append(onnx.helper.make_node("Conv", [part[g] for part in parts], [result], name=name, **plain))
+            results.append(result)
+        concat = self.fresh(f"{scope}/Concat")
+        nodes.append(onnx.helper.make_node("Concat", results, [node.output[0]], name=concat, axis=1))
+        return nodes
+
+
+def fix_grouped_conv_gradients(model: onnx.ModelProto, context: PassContext | None = None) -> int:
+    """Rewrite grouped ``Conv`` nodes whose kernel is not 2-D so that ORT's CPU ``ConvGrad`` never writes past its
+    input gradient (see the module docstring); returns how many ``Conv`` nodes were rewritten. A graph without such
+    convolutions is left unchanged."""
+    graph = model.graph
+    grouped = [
+        (position, node, _attributes(node))
+        for position, node in enumerate(graph.node)
+        if node.op_type == "Conv" and node.domain in ("", "ai.onnx")
+    ]
+    grouped = [(position, node, attributes) for position, node, attributes in grouped if attributes.get("group", 1) > 1]
+    if not grouped:
+        return 0
+    differentiable = _differentiable_values(graph)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    rewriter = _ConvRewriter(graph)
+    shapes: dict[str, Shape] | None = None
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for position, node, attributes in grouped:
+        if node.input[0] not in differentiable:
+            continue  # ORT computes no input gradient, the only output written out of bounds
+        if not attributes.get("kernel_shape") and shapes is None:
+            shapes = infer_shapes(model)[0]  # only when the exporter left kernel_shape out
+        rank = _kernel_rank(node, attributes, shapes or {})
+        if rank == 2:
+            continue  # ORT's 2-D path zeroes only the group's own elements
+        if rank == 1:
+            replaced[position] = rewriter.as_2d(node, attributes)
+        else:
+            replaced[position] = rewriter.per_group(node, attributes, opset)
+    if not replaced:
+        return 0
+    nodes: list[onnx.NodeProto] = []
+    for position, node in enumerate(graph.node):
+        nodes.extend(replaced.get(position, [node]))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    logger.debug("gradient_fixes: rewrote %d grouped convolutions", len(replaced))
+    return len(replaced)
+
+
 # -- hooks ----------------------------------------------------------------------------------------------------------
 
 
@@ -314,11 +466,15 @@ def _run(model: onnx.ModelProto, context: PassContext) -> None:
     fix_broadcast_gradients(model, context)
 
 
+def _run_conv(model: onnx.ModelProto, context: PassContext) -> None:
+    fix_grouped_conv_gradients(model, context)
+
+
 @hookimpl
 def ortcore_graph_passes(config: Config) -> list[GraphPass]:
-    return [GraphPass(PASS_NAME, run=_run, plugin=NAME)]
+    return [GraphPass(PASS_NAME, run=_run, plugin=NAME), GraphPass(CONV_PASS_NAME, run=_run_conv, plugin=NAME)]
 
 
 @hookimpl
 def ortcore_export_key(config: Config) -> dict[str, Any]:
-    return {"gradient_fixes.broadcast": PASS_VERSION}
+    return {"gradient_fixes.broadcast": PASS_VERSION, "gradient_fixes.grouped_conv": CONV_PASS_VERSION}

@@ -7,8 +7,8 @@ The step runs with ``ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE`` (any failure r
 Checked after one step: the loss and every parameter's gradient against eager PyTorch on a deep copy with the same
 initial weights, each ``|ortcore - eager| <= ATOL + RTOL * |eager|`` elementwise. Where float32 itself is
 ill-conditioned that check can fail for eager float32 too, so a tensor that fails it passes if ortcore is within
-``F64_FACTOR`` times as far from a float64 eager run (max abs) as float32 eager is. Then three AdamW steps: the four
-losses (before and after each update) are compared the same way.
+``F64_FACTOR`` times as far from a float64 eager run (max abs) as float32 eager is. Then three AdamW steps (lr ``LR``,
+or the model's own ``lr`` in the catalog): the four losses (before and after each update) are compared the same way.
 """
 
 from __future__ import annotations
@@ -268,12 +268,14 @@ def _run(spec: ZooModel, result: dict[str, Any]) -> None:
         result["grads_farthest_from_f64"] = _farthest_from_exact(g_ort, g_ref, g_exact)
 
     result["phase"] = "AdamW steps"
+    lr = spec.lr if spec.lr is not None else LR
+    result["lr"] = lr
     curves: dict[str, list[float]] = {"ortcore": [loss.item()], "eager": [loss_ref.item()]}
-    opts = {"ortcore": torch.optim.AdamW(ort.parameters(), lr=LR), "eager": torch.optim.AdamW(ref.parameters(), lr=LR)}
+    opts = {"ortcore": torch.optim.AdamW(ort.parameters(), lr=lr), "eager": torch.optim.AdamW(ref.parameters(), lr=lr)}
     models = {"ortcore": ort, "eager": ref}
     if exact is not None:
         curves["float64"] = [loss_exact.item()]
-        opts["float64"] = torch.optim.AdamW(exact.parameters(), lr=LR)
+        opts["float64"] = torch.optim.AdamW(exact.parameters(), lr=lr)
         models["float64"] = exact
     for step in range(TRAIN_STEPS):
         for side in models:

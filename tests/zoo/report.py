@@ -165,7 +165,8 @@ def render(results: list[dict[str, Any]], wall_s: float, how: str, commit: str |
         f"`|ortcore - eager| <= {ATOL:g} + {RTOL:g}·|eager|` (float32). A tensor failing that passes only if "
         f"ortcore is within {F64_FACTOR:g}× as far (max abs) from a float64 eager run as float32 eager is "
         "(float32 itself is ill-conditioned there; e.g. batch norm over few values per channel).",
-        f"- {TRAIN_STEPS} AdamW steps (lr {LR:g}): the loss before and after each update, judged the same way.",
+        f"- {TRAIN_STEPS} AdamW steps (lr {LR:g} unless a model's description names its own): the loss before and "
+        "after each update, judged the same way.",
         "- The step ran in ONNX Runtime (one export, no fallback).",
         "- *worst diff / tol.*: the largest `|ortcore - eager| / (atol + rtol·|eager|)` over the loss, every "
         "gradient and the curve; at most 1 passes in float32, `(f64)` marks a value then judged against float64.",

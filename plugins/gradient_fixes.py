@@ -54,7 +54,7 @@ logger = logging.getLogger("ortcore.gradient_fixes")
 
 NAME = "gradient_fixes"
 PASS_NAME = "gradient_fixes.broadcast"
-CONV_PASS_NAME = "gradient_fixes.grouped_conv"
+CONV_PASS_NAME = "gradient_fixes.conv"
 # Bumped whenever a pass's output changes, so export caches do not serve graphs made by an older pass.
 PASS_VERSION = 1
 CONV_PASS_VERSION = 1
@@ -388,7 +388,8 @@ class _ConvRewriter:
             # A size-1 dimension with a size-1 kernel and stride 1 needs no padding under any auto_pad.
             lifted["auto_pad"] = attributes["auto_pad"]
         conv = onnx.helper.make_node("Conv", inputs, [out_2d], name=node.name, **lifted)
-        squeeze = onnx.helper.make_node("Squeeze", [out_2d, axes], [node.output[0]], name=self.fresh(f"{scope}/Squeeze"))
+        squeeze_name = self.fresh(f"{scope}/Squeeze")
+        squeeze = onnx.helper.make_node("Squeeze", [out_2d, axes], [node.output[0]], name=squeeze_name)
         return [*nodes, conv, squeeze]
 
     def per_group(self, node: onnx.NodeProto, attributes: dict[str, Any], opset: int) -> list[onnx.NodeProto]:
@@ -404,7 +405,8 @@ class _ConvRewriter:
             # Equal parts of the input's channels (axis 1) or of the weight's and bias's output channels (axis 0).
             # Opset 18 names the number of parts; earlier opsets split equally into as many outputs as there are.
             split = {"num_outputs": groups} if opset >= 18 else {}
-            nodes.append(onnx.helper.make_node("Split", [name], outputs, name=outputs[0], axis=1 if i == 0 else 0, **split))
+            axis = 1 if i == 0 else 0
+            nodes.append(onnx.helper.make_node("Split", [name], outputs, name=outputs[0], axis=axis, **split))
             parts.append(outputs)
         plain = {k: v for k, v in attributes.items() if k != "group"}
         results = []
@@ -418,36 +420,91 @@ class _ConvRewriter:
         return nodes
 
 
-def fix_grouped_conv_gradients(model: onnx.ModelProto, context: PassContext | None = None) -> int:
-    """Rewrite grouped ``Conv`` nodes whose kernel is not 2-D so that ORT's CPU ``ConvGrad`` never writes past its
-    input gradient (see the module docstring); returns how many ``Conv`` nodes were rewritten. A graph without such
-    convolutions is left unchanged."""
+def _explicit_pads(attributes: dict[str, Any], x_shape: Shape) -> list[int] | None:
+    """The ``pads`` equal to a ``SAME_UPPER``/``SAME_LOWER`` ``auto_pad``, or None when they depend on a spatial size
+    that is not static (only with a stride above 1)."""
+    kernel = attributes["kernel_shape"]
+    strides = attributes.get("strides") or [1] * len(kernel)
+    dilations = attributes.get("dilations") or [1] * len(kernel)
+    begins, ends = [], []
+    for axis, (k, stride, dilation) in enumerate(zip(kernel, strides, dilations, strict=True)):
+        extent = dilation * (k - 1) + 1
+        if stride == 1:
+            total = extent - 1  # output size = input size, whatever the input size
+        else:
+            size = x_shape[2 + axis] if x_shape is not None and len(x_shape) == 2 + len(kernel) else None
+            if not isinstance(size, int):
+                return None
+            total = max((-(-size // stride) - 1) * stride + extent - size, 0)
+        small, large = total // 2, total - total // 2
+        # SAME_UPPER puts the odd element of padding at the end, SAME_LOWER at the beginning (ONNX Conv).
+        begin, end = (small, large) if attributes["auto_pad"] == b"SAME_UPPER" else (large, small)
+        begins.append(begin)
+        ends.append(end)
+    return begins + ends
+
+
+def _with_attributes(node: onnx.NodeProto, attributes: dict[str, Any]) -> onnx.NodeProto:
+    return onnx.helper.make_node(node.op_type, list(node.input), list(node.output), name=node.name, **attributes)
+
+
+def fix_conv_gradients(model: onnx.ModelProto, context: PassContext | None = None) -> int:
+    """Rewrite ``Conv`` nodes whose gradient ORT's CPU ``ConvGrad`` gets wrong (see the module docstring): ``SAME``
+    auto-padding becomes explicit ``pads``, and grouped convolutions whose kernel is not 2-D are rewritten so that
+    ``ConvGrad`` never writes past its input gradient. Returns how many ``Conv`` nodes were rewritten; a graph without
+    such convolutions is left unchanged."""
     graph = model.graph
-    grouped = [
+    convs = [
         (position, node, _attributes(node))
         for position, node in enumerate(graph.node)
         if node.op_type == "Conv" and node.domain in ("", "ai.onnx")
     ]
-    grouped = [(position, node, attributes) for position, node, attributes in grouped if attributes.get("group", 1) > 1]
-    if not grouped:
+    convs = [
+        (position, node, attributes)
+        for position, node, attributes in convs
+        if attributes.get("group", 1) > 1 or attributes.get("auto_pad", b"NOTSET") in (b"SAME_UPPER", b"SAME_LOWER")
+    ]
+    if not convs:
         return 0
     differentiable = _differentiable_values(graph)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     rewriter = _ConvRewriter(graph)
     shapes: dict[str, Shape] | None = None
     replaced: dict[int, list[onnx.NodeProto]] = {}
-    for position, node, attributes in grouped:
-        if node.input[0] not in differentiable:
-            continue  # ORT computes no input gradient, the only output written out of bounds
-        if not attributes.get("kernel_shape") and shapes is None:
-            shapes = infer_shapes(model)[0]  # only when the exporter left kernel_shape out
+    for position, node, attributes in convs:
+        if not any(name in differentiable for name in node.input[:2]):
+            continue  # no gradient to compute
+        if shapes is None and (not attributes.get("kernel_shape") or attributes.get("strides", [1]) != [1]):
+            shapes = infer_shapes(model)[0]  # only when kernel_shape or a strided SAME padding needs them
         rank = _kernel_rank(node, attributes, shapes or {})
-        if rank == 2:
-            continue  # ORT's 2-D path zeroes only the group's own elements
-        if rank == 1:
-            replaced[position] = rewriter.as_2d(node, attributes)
-        else:
-            replaced[position] = rewriter.per_group(node, attributes, opset)
+        rewritten = [node]
+        if attributes.get("auto_pad", b"NOTSET") in (b"SAME_UPPER", b"SAME_LOWER"):
+            if rank is not None and "kernel_shape" not in attributes:
+                weight = (shapes or {}).get(node.input[1])
+                if weight is not None and all(isinstance(d, int) for d in weight[2:]):
+                    attributes["kernel_shape"] = list(weight[2:])
+            x_shape = (shapes or {}).get(node.input[0])
+            pads = _explicit_pads(attributes, x_shape) if "kernel_shape" in attributes else None
+            if pads is None:
+                logger.warning(
+                    "gradient_fixes: Conv %r pads itself with auto_pad=%s on a strided dimension of unknown size: "
+                    "ORT's ConvGrad ignores auto_pad, so its gradients may be wrong",
+                    node.name,
+                    attributes["auto_pad"].decode(),
+                )
+            else:
+                # ORT's CPU ConvGrad reads only ``pads``: with SAME auto-padding it differentiates an unpadded Conv.
+                del attributes["auto_pad"]
+                attributes["pads"] = pads
+                rewritten = [_with_attributes(node, attributes)]
+        # Only the input gradient is written out of bounds; ORT's 2-D path zeroes only the group's own elements.
+        if attributes.get("group", 1) > 1 and node.input[0] in differentiable and rank != 2:
+            if rank == 1:
+                rewritten = rewriter.as_2d(node, attributes)
+            else:
+                rewritten = rewriter.per_group(node, attributes, opset)
+        if rewritten != [node]:
+            replaced[position] = rewritten
     if not replaced:
         return 0
     nodes: list[onnx.NodeProto] = []
@@ -455,7 +512,7 @@ def fix_grouped_conv_gradients(model: onnx.ModelProto, context: PassContext | No
         nodes.extend(replaced.get(position, [node]))
     del graph.node[:]
     graph.node.extend(nodes)
-    logger.debug("gradient_fixes: rewrote %d grouped convolutions", len(replaced))
+    logger.debug("gradient_fixes: rewrote %d convolutions", len(replaced))
     return len(replaced)
 
 
@@ -467,7 +524,7 @@ def _run(model: onnx.ModelProto, context: PassContext) -> None:
 
 
 def _run_conv(model: onnx.ModelProto, context: PassContext) -> None:
-    fix_grouped_conv_gradients(model, context)
+    fix_conv_gradients(model, context)
 
 
 @hookimpl
@@ -477,4 +534,4 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 
 @hookimpl
 def ortcore_export_key(config: Config) -> dict[str, Any]:
-    return {"gradient_fixes.broadcast": PASS_VERSION, "gradient_fixes.grouped_conv": CONV_PASS_VERSION}
+    return {"gradient_fixes.broadcast": PASS_VERSION, "gradient_fixes.conv": CONV_PASS_VERSION}

@@ -21,20 +21,18 @@ The pass :func:`fix_broadcast_gradients` edits the forward graph before the grad
 Only inputs that may carry a gradient (computed from a floating-point graph input) and that need it are changed:
 a graph without such ops is left as it was.
 
-A second pass, :func:`fix_grouped_conv_gradients`, works around a bug of ORT's CPU ``ConvGrad`` *kernel*: for a
-grouped convolution (``group > 1``) whose kernel is not 2-D, the input gradient of each group is computed by
-``Col2imNd``, which first zeroes ``C * spatial`` elements from the group's start instead of ``C / group * spatial``.
-The gradient itself comes out right, but the last group of the last image zeroes ``(group - 1) / group * C *
-spatial`` elements *past the end* of ``dX``: whatever ORT or PyTorch keeps there (another gradient still to be read)
-is silently corrupted. Wav2Vec2's positional convolution (``Conv1d`` with 16 groups in the base model) is one. The
-pass gives ORT no such node to differentiate:
+A second pass, :func:`fix_conv_gradients`, works around two bugs of ORT's CPU ``ConvGrad`` *kernel*:
 
-* a 1-D grouped ``Conv`` becomes a 2-D one on ``Unsqueeze``d input and weight (kernel ``[1, k]``), then ``Squeeze``:
-  ORT's 2-D path zeroes only the group's own elements;
-* a grouped ``Conv`` with a 3-D (or unknown-rank) kernel is split into one ``Conv`` per group (``Split`` of input,
-  weight and bias, ``Concat`` of the outputs).
-
-Only convolutions whose input may need a gradient are rewritten (``dX`` is computed only then).
+* for a grouped convolution (``group > 1``) whose kernel is not 2-D, the input gradient of each group is computed by
+  ``Col2imNd``, which first zeroes ``C * spatial`` elements from the group's start instead of ``C / group *
+  spatial``. The gradient itself comes out right, but the last group of the last image zeroes ``(group - 1) / group
+  * C * spatial`` elements *past the end* of ``dX``: whatever ORT keeps there (another gradient still to be read) is
+  silently corrupted. Wav2Vec2's positional convolution is one. A 1-D grouped ``Conv`` becomes a 2-D one on
+  ``Unsqueeze``d input and weight (kernel ``[1, k]``), then ``Squeeze``: ORT's 2-D path zeroes only the group's own
+  elements. A grouped ``Conv`` with a 3-D (or unknown-rank) kernel is split into one ``Conv`` per group. Only
+  convolutions whose input may need a gradient are rewritten (``dX`` is computed only then);
+* ``auto_pad`` is ignored (only ``pads`` is read), so ``padding="same"`` (exported as ``SAME_UPPER``) is
+  differentiated as an unpadded convolution. ``SAME_UPPER``/``SAME_LOWER`` become the explicit ``pads`` ONNX defines.
 """
 
 from __future__ import annotations

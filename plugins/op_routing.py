@@ -423,15 +423,37 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
 
 
 def _may_need_grad(value: Any) -> bool:
-    """May ORT be asked for this input's gradient? Not for a constant, nor for a graph input traced without
-    requires_grad (a user's input); a value computed in the graph may (the exporter does not say: values earlier
-    symbolics made carry no requires_grad flag)."""
-    kind = value.node().kind()
-    if kind in ("onnx::Constant", "prim::Constant"):
-        return False
-    if kind == "prim::Param":
-        return aten._requires_grad(value) is not False
-    return True
+    """May ORT be asked for this input's gradient: does a floating-point path lead to it from a graph input traced
+    with ``requires_grad`` (a trained parameter, an input that requires grad)?
+
+    Read from the graph being exported (values earlier symbolics made carry no requires_grad flag of their own): a
+    constant, a user's input traced without requires_grad, or a value computed only from those or through integers
+    (an RNN's zero initial state, built from the input's shape) needs none.
+    """
+    seen: set[str] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if v.debugName() in seen:
+            continue
+        seen.add(v.debugName())
+        try:
+            t = v.type()
+            scalar = t.scalarType() if t.kind() == "TensorType" else None
+        except (AttributeError, RuntimeError):
+            scalar = None
+        if scalar is not None and scalar not in aten._FLOAT_TYPES:
+            continue  # an integer or boolean value carries no gradient (a shape, indices, a mask)
+        node = v.node()
+        kind = node.kind()
+        if kind in ("onnx::Constant", "prim::Constant"):
+            continue
+        if kind == "prim::Param":
+            if aten._requires_grad(v) is not False:
+                return True
+            continue
+        stack.extend(node.inputs())
+    return False
 
 
 def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:

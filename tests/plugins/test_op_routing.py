@@ -385,3 +385,19 @@ def test_routing_is_part_of_the_export_key():
     on = PluginHost(Config.from_table({}, env={}))
     off = PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING_NEVER": "flip"}))
     assert on.hooks.export_key() != off.hooks.export_key()
+
+
+def test_rnn_on_an_input_without_gradient_trains_its_weights():
+    # The input needs no gradient and the zero initial state is built from its shape: a weight goes first.
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.rnn = OutputOnly(nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True))
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
+    x = torch.randn(3, 5, 8)
+    out, out_ref = wrapped(x), ref(x)
+    _close(out, out_ref, "output")
+    _weighted_loss(out).backward()
+    _weighted_loss(out_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.grad, q.grad, f"gradient of {name}")

@@ -880,6 +880,22 @@ def _constant_argument(g: Any, value: Any, kind: str, op: str, name: str) -> Any
     return _constant(g, int(number), torch.int64)
 
 
+def aten_node(g: Any, operator: str, overload: str, inputs: list[Any], outputs_traced: list[Any]) -> Any:
+    """One ATen node running ``operator``, its outputs typed as traced: element type and rank, every dimension
+    unknown (the op decides its output shape; ORT cannot infer an ATen node's types)."""
+    results = g.op(
+        f"{ATEN_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=overload, outputs=len(outputs_traced)
+    )
+    results = list(results) if len(outputs_traced) > 1 else [results]
+    for result, traced in zip(results, outputs_traced, strict=True):
+        t = traced.type()
+        sizes = t.varyingSizes()
+        result.setType(
+            t.with_sizes([None] * len(sizes)) if sizes is not None else torch._C.TensorType.get().with_dtype(t.dtype())
+        )
+    return results[0] if len(results) == 1 else tuple(results)
+
+
 def fallback_symbolic(op: str) -> Callable[..., Any]:
     """The TorchScript symbolic exporting ``aten::<op>`` as an ATen node run by PyTorch, with a gradient."""
 
@@ -926,20 +942,7 @@ def fallback_symbolic(op: str) -> Callable[..., Any]:
             for kind, value, a in zip(kinds, args, parsed.arguments, strict=True)
         ]
         _register_fallback_gradient(operator, overload, parsed, differentiable, float_inputs)
-        results = g.op(
-            f"{ATEN_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=overload, outputs=len(outputs_traced)
-        )
-        results = list(results) if len(outputs_traced) > 1 else [results]
-        for result, traced in zip(results, outputs_traced, strict=True):
-            # Element type and rank as traced; every dimension unknown (the op decides its output shape).
-            t = traced.type()
-            sizes = t.varyingSizes()
-            result.setType(
-                t.with_sizes([None] * len(sizes))
-                if sizes is not None
-                else torch._C.TensorType.get().with_dtype(t.dtype())
-            )
-        return results[0] if len(results) == 1 else tuple(results)
+        return aten_node(g, operator, overload, inputs, outputs_traced)
 
     symbolic.__name__ = f"aten_fallback_{op}"
     return symbolic

@@ -499,18 +499,9 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
         for k, f in enumerate(ordered)
     ]
     aten._register_fallback_gradient(operator, overload, packet_schema, differentiable, float_inputs)
-    results = g.op(
-        f"{aten.ATEN_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=overload, outputs=len(outputs_traced)
-    )
-    results = list(results) if len(outputs_traced) > 1 else [results]
-    for result, traced in zip(results, outputs_traced, strict=True):
-        t = traced.type()
-        sizes = t.varyingSizes()
-        result.setType(
-            t.with_sizes([None] * len(sizes)) if sizes is not None else torch._C.TensorType.get().with_dtype(t.dtype())
-        )
+    results = aten.aten_node(g, operator, overload, inputs, outputs_traced)
     _note_routed(op, reason)
-    return results[0] if len(results) == 1 else tuple(results)
+    return results
 
 
 _logged: set[tuple[str, str]] = set()

@@ -377,7 +377,8 @@ class TrainingSession:
 
     def _check_grad_shapes(self, grads: list[torch.Tensor], feed_shapes: Sequence[torch.Size]) -> None:
         for i, j in enumerate(self.grad_index):
-            if j is not None and grads[j].shape != feed_shapes[i]:
+            # A handed-over gradient went to torch during the run (checked there); its output is a placeholder.
+            if j is not None and i not in self.grads_handed_over and grads[j].shape != feed_shapes[i]:
                 name = self.feed_names[i]
                 kind = "input" if name in self.request.user_input_names else "parameter"
                 node = self._grad_producers.get(i)

@@ -36,9 +36,14 @@ def explain_ort_error(error: Exception) -> str:
     text = re.sub(r"^\d+ : \w+ : ", "", text.strip()) or original
     node = re.search(r"node (/\S+)", text)
     if node:
-        scope = node.group(1).strip("/").split("/")[1:-1]  # "/module/encoder/layer.0/Det" -> encoder.layer.0
-        text += f" (in module {'.'.join(scope) or 'the model itself'})"
+        text += module_of(node.group(1))
     return text
+
+
+def module_of(node_name: str) -> str:
+    """`` (in module encoder.layer.0)`` for the exporter's node name ``/module/encoder/layer.0/Det``."""
+    scope = node_name.strip("/").split("/")[1:-1]
+    return f" (in module {'.'.join(scope) or 'the model itself'})"
 
 
 def _ort_device(device: torch.device) -> C.OrtDevice:
@@ -126,6 +131,8 @@ class TrainingSession:
     def _build(self, r: BuildRequest) -> None:
         plan = plan_stop_gradients(r.model, r.train_names, r.build_gradient)
         model, no_grad_outputs, train_names = plan.model, plan.no_grad_outputs, plan.train_names
+        if r.build_gradient:
+            _refuse_differentiated_control_flow(model)
         cfg = C.OrtModuleGraphBuilderConfiguration()
         cfg.initializer_names = list(r.input_names)
         cfg.initializer_names_to_train = list(train_names)
@@ -388,6 +395,23 @@ class TrainingSession:
                     f"shape {tuple(feed_shapes[i])}{made_by}: the gradient graph does not reduce a broadcast back to "
                     "the input's shape; a graph pass must fix this op's gradient (see the gradient_fixes plugin)"
                 )
+
+
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+def _refuse_differentiated_control_flow(model: onnx.ModelProto) -> None:
+    """ORT 1.19.2 aborts the whole process (a std::vector bounds assertion in its gradient builder) building a
+    training graph that holds an If/Loop/Scan node, whether or not a gradient crosses it (seen with torch.diagonal's
+    export and Reformer's LSH attention). Refuse such a graph first, naming the node and its module, so the user's
+    process lives and the fallback policy applies; inference graphs run control flow as usual."""
+    for node in model.graph.node:
+        if node.op_type in _CONTROL_FLOW and node.domain in ("", "ai.onnx"):
+            raise GraphBuildError(
+                f"ONNX Runtime cannot build a training graph holding control flow: the {node.op_type} node "
+                f"{node.name!r}{module_of(node.name)} would make ORT 1.19.2 abort the process (route the op that "
+                "exported it: see docs/plugins/op_routing.md)"
+            )
 
 
 def _grad_producers(model: onnx.ModelProto, feed_names: list[str], grad_index: list[int | None]) -> dict[int, tuple]:

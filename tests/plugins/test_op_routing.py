@@ -259,9 +259,12 @@ _DIAGONAL = textwrap.dedent(
         def forward(self, x):
             return torch.diagonal(x, 1, 1, 2)
     exporter = None
-    if sys.argv[1] == "unguarded":  # the core's exporter without its diagonal guard
+    if sys.argv[1] in ("unguarded", "raw"):  # the core's exporter without its diagonal guard
         exporter = TorchScriptExporter()
         del exporter.symbolics["::diagonal"]
+    if sys.argv[1] == "raw":  # nor the session's refusal of control flow: ORT itself builds the graph
+        import ortcore.session
+        ortcore.session._refuse_differentiated_control_flow = lambda model: None
     x = torch.randn(3, 4, 5, requires_grad=True)
     try:
         ORTModule(Diagonal(), fallback_policy="FALLBACK_DISABLE", exporter=exporter)(x).sum().backward()
@@ -276,7 +279,8 @@ _DIAGONAL = textwrap.dedent(
 @pytest.mark.parametrize(
     ("routing", "guard", "expected"),
     [
-        ("0", "unguarded", "abort"),  # ORT itself: the whole process dies
+        ("0", "raw", "abort"),  # ORT itself: the whole process dies
+        ("0", "unguarded", "ERROR GraphBuildError ONNX Runtime cannot build a training graph holding control flow"),
         ("0", "guarded", "ERROR UnsupportedModelError aten::diagonal: ONNX Runtime aborts the process"),
         ("1", "guarded", "RAN 12.0"),  # routed: PyTorch's kernel and gradient
     ],

@@ -201,14 +201,13 @@ def _differentiable_values(graph: onnx.GraphProto) -> set[str]:
 # -- the pass -------------------------------------------------------------------------------------------------------
 
 
-class _Editor:
-    """Collects the nodes to insert before each node and hands out unique value names."""
+class _Names:
+    """Hands out value names no node, input or initializer of a graph uses yet."""
 
     def __init__(self, graph: onnx.GraphProto):
-        self.graph = graph
         self.taken = {name for node in graph.node for name in (*node.input, *node.output)}
         self.taken.update(i.name for i in graph.input)
-        self.inserted: dict[int, list[onnx.NodeProto]] = {}
+        self.taken.update(i.name for i in graph.initializer)
 
     def fresh(self, base: str) -> str:
         name, k = base, 0
@@ -217,6 +216,15 @@ class _Editor:
             name = f"{base}_{k}"
         self.taken.add(name)
         return name
+
+
+class _Editor(_Names):
+    """Collects the nodes to insert before each node and hands out unique value names."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        super().__init__(graph)
+        self.graph = graph
+        self.inserted: dict[int, list[onnx.NodeProto]] = {}
 
     def expand(self, position: int, node: onnx.NodeProto, value: str, target: str, why: str) -> str:
         """Insert ``Expand(value, Shape(target))`` before ``node``; return the expanded value's name."""
@@ -340,21 +348,8 @@ def _kernel_rank(node: onnx.NodeProto, attributes: dict[str, Any], shapes: dict[
     return None
 
 
-class _ConvRewriter:
+class _ConvRewriter(_Names):
     """Builds the replacement nodes of grouped ``Conv`` nodes, with unique value names."""
-
-    def __init__(self, graph: onnx.GraphProto):
-        self.taken = {name for node in graph.node for name in (*node.input, *node.output)}
-        self.taken.update(i.name for i in graph.input)
-        self.taken.update(i.name for i in graph.initializer)
-
-    def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
 
     def _int64s(self, scope: str, what: str, values: list[int]) -> tuple[str, onnx.NodeProto]:
         name = self.fresh(f"{scope}/{what}")

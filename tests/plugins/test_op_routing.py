@@ -198,6 +198,20 @@ def _compare(ort: nn.Module, ref: nn.Module, x: torch.Tensor, steps: int = 3) ->
     return wrapped
 
 
+def _one_step_on_plain_input(model: nn.Module, x: torch.Tensor) -> ORTModule:
+    """One step on an input that needs no gradient: outputs and every parameter's gradient match eager."""
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
+    out, out_ref = wrapped(x), ref(x)
+    _close(out, out_ref, "output")
+    _weighted_loss(out).backward()
+    _weighted_loss(out_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None, name
+        _close(p.grad, q.grad, f"gradient of {name}")
+    return wrapped
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_routed_op_trains_with_torch_gradients(case: str):
     make_model, make_input, op = CASES[case]
@@ -319,16 +333,7 @@ def test_calls_ort_serves_stay_in_ort(model: Callable[[], nn.Module], x: Callabl
 def test_first_input_without_gradient_is_routed_with_its_weights_trained():
     # GroupNorm straight on the input: the node's first tensor needs no gradient, its weight and bias do.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.GroupNorm(2, 4), nn.Conv1d(4, 3, 1))
-    ref = copy.deepcopy(model)
-    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
-    x = torch.randn(3, 4, 10)
-    out, out_ref = wrapped(x), ref(x)
-    _close(out, out_ref, "output")
-    _weighted_loss(out).backward()
-    _weighted_loss(out_ref).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        _close(p.grad, q.grad, f"gradient of {name}")
+    wrapped = _one_step_on_plain_input(nn.Sequential(nn.GroupNorm(2, 4), nn.Conv1d(4, 3, 1)), torch.randn(3, 4, 10))
     assert "group_norm" in wrapped.explain().routed()
 
 
@@ -394,14 +399,6 @@ def test_routing_is_part_of_the_export_key():
 def test_rnn_on_an_input_without_gradient_trains_its_weights():
     # The input needs no gradient and the zero initial state is built from its shape: a weight goes first.
     torch.manual_seed(0)
-    model = nn.Sequential()
-    model.rnn = OutputOnly(nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True))
-    ref = copy.deepcopy(model)
-    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
-    x = torch.randn(3, 5, 8)
-    out, out_ref = wrapped(x), ref(x)
-    _close(out, out_ref, "output")
-    _weighted_loss(out).backward()
-    _weighted_loss(out_ref).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        _close(p.grad, q.grad, f"gradient of {name}")
+    model = OutputOnly(nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True))
+    wrapped = _one_step_on_plain_input(model, torch.randn(3, 5, 8))
+    assert "gru" in wrapped.explain().routed()

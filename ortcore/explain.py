@@ -62,7 +62,8 @@ class Explanation(list):
         return "\n".join(lines)
 
 
-def _operator(node: onnx.NodeProto) -> str:
+def operator_of(node: onnx.NodeProto) -> str:
+    """The ``operator`` attribute of an ATen node (the op it runs)."""
     return next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
 
 
@@ -77,7 +78,7 @@ def explain_graph(model: onnx.ModelProto, reasons: dict[str, str] | None = None)
             side = backward
             continue
         if node.op_type == "ATen" and node.domain == ATEN_DOMAIN:
-            side[(aten_kind(_operator(node)), "PyTorch")] += 1
+            side[(aten_kind(operator_of(node)), "PyTorch")] += 1
         else:
             prefix = f"{node.domain}::" if node.domain not in ("", "ai.onnx") else ""
             side[(f"{prefix}{node.op_type}", "ORT")] += 1

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from .errors import GraphBuildError
+from .explain import routed_reasons
 
 logger = logging.getLogger("ortcore")
 
@@ -190,8 +191,6 @@ class ExportStateMachine:
         return self._sessions.get(self._last.build_key)
 
     def _export(self, key: GraphKey, export: Callable[[], Any]) -> Any:
-        from .explain import routed_reasons
-
         graph = export()
         self.counters.exports += 1
         model = getattr(graph, "model", None)

@@ -41,7 +41,7 @@ import torch
 
 from ortcore.config import Config, option
 from ortcore.errors import OptionError, UnsupportedModelError
-from ortcore.explain import ROUTED_METADATA_PREFIX
+from ortcore.explain import ROUTED_METADATA_PREFIX, aten_kind, operator_of
 from ortcore.exporter import TorchScriptExporter, custom_autograd_disabled
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
@@ -528,29 +528,6 @@ class RoutingExporter(aten.FallbackExporter):
     """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``)."""
 
 
-def _operator_of(node: onnx.NodeProto) -> str:
-    return next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
-
-
-def _op_name(operator: str) -> str:
-    """The aten op an ATen node runs: ``ortcore_route::gru__input__<hash>`` runs ``gru``."""
-    namespace, _, name = operator.rpartition("::")
-    if namespace == WRAPPER_NAMESPACE:
-        return name.split("__")[0]
-    return name
-
-
-_SPEED_OPS = {
-    "embedding": "embedding",
-    "gelu": "gelu",
-    "native_layer_norm": "layer_norm",
-    "ortcore_aten::cross_entropy": "cross_entropy",
-    "linear": "linear",
-    "ortcore_aten::linear_no_bias": "linear",
-    "addmm": "linear",
-}
-
-
 _REASONS = {r.op: r.reason for r in ROUTES}
 
 
@@ -563,12 +540,11 @@ def add_reasons(model: onnx.ModelProto) -> None:
     for node in model.graph.node:
         if node.op_type != "ATen" or node.domain != aten.ATEN_DOMAIN:
             continue
-        operator = _operator_of(node)
-        if operator in _SPEED_OPS:
-            reasons.setdefault(_SPEED_OPS[operator], FASTER_IN_TORCH)
-        else:
-            op = _op_name(operator)
-            reasons.setdefault(op, _REASONS.get(op) or _CORE_OPS.get(op) or EXPORTER_GAP)
+        # Keyed as explain() reads it: the op kind the node serves (a wrapper's or helper's op, layer_norm for
+        # native_layer_norm, linear for addmm).
+        op = aten_kind(operator_of(node))
+        speed = FASTER_IN_TORCH if op in aten.ROUTABLE_OPS else None
+        reasons.setdefault(op, _REASONS.get(op) or _CORE_OPS.get(op) or speed or EXPORTER_GAP)
     known = {p.key for p in model.metadata_props}
     for op, reason in sorted(reasons.items()):
         if METADATA_PREFIX + op not in known:

@@ -6,7 +6,18 @@ passes) it is declared explicitly, never left to registration order. The core ca
 :class:`ortcore.plugins.Hooks`, and per-step paths never go through pluggy: inspectors and subscribers are
 collected once per model and then called directly.
 
-Lifecycle: configure → export → graph build → session → step → teardown.
+The build pipeline (docs/architecture.md), in the order data flows, with the hook at each stage:
+
+    export (ortcore_exporter, ortcore_export_symbolics, ortcore_load_export / ortcore_export_done)
+      → pre-gradient graph passes (ortcore_graph_passes)
+      → gradient build (ortcore_graph_transformer_config)
+      → gradient-graph passes (ortcore_gradient_graph_passes)
+      → session plan (ortcore_session_plan, ortcore_session_options, ortcore_provider_options)
+      → session created once (ortcore_session_created: inspect only; the session is immutable)
+      → steps (ortcore_runtime_inspectors, ortcore_activation_subscribers; run wrappers from the plan)
+
+Only the core creates sessions; what needs another session asks the state machine (``ORTModule.state_machine``),
+which counts and logs every build with its cause.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ if TYPE_CHECKING:
     from .graph import ExportedGraph
     from .graph_passes import GraphPass
     from .inspectors import RuntimeInspector
+    from .pipeline import BuiltGraph, SessionPlan
+    from .session import TrainingSession
 
 hookspec = pluggy.HookspecMarker("ortcore")
 hookimpl = pluggy.HookimplMarker("ortcore")
@@ -114,7 +127,36 @@ def ortcore_graph_transformer_config(config: Config, transformer_config: Any, tr
     """
 
 
+@hookspec
+def ortcore_gradient_graph_passes(config: Config) -> list[GraphPass] | None:
+    """Passes over the graph ONNX Runtime's gradient builder made (forward and backward for a training build, the
+    optimized forward for an inference build), run before the session is created: the same :class:`GraphPass`
+    objects as ``ortcore_graph_passes``, with ``run(model: onnx.ModelProto, graph: BuiltGraph) -> None`` editing
+    ``model`` in place. ``graph`` (:class:`ortcore.pipeline.BuiltGraph`) says what was built (``graph.kind``,
+    ``graph.purpose``, ``graph.request``, the feeds) and takes the pass's declarations
+    (``graph.hand_over_gradient(feed_index)``).
+
+    Called once per build; the contributions are sorted by their ``before``/``after`` names among themselves (a
+    cycle, an unknown or a duplicate name is an error).
+    """
+
+
 # -- session --------------------------------------------------------------------------------------------------------
+@hookspec
+def ortcore_session_plan(config: Config, graph: BuiltGraph, plan: SessionPlan) -> None:
+    """Contribute to the session the core is about to create for ``graph`` (after the gradient-graph passes):
+    ``plan.config_entries`` (ORT session config entries), ``plan.execution_order``, ``plan.providers`` (a list of
+    ``(name, options)``), ``plan.add_run_wrapper(name, wrapper)`` (a context manager factory entered around every
+    forward, backward and inference run: ``wrapper(what)`` with ``what`` one of ``"forward"``, ``"backward"``,
+    ``"inference"``), ``plan.temporary_file(text, suffix)`` (a file that lives until the session exists) and
+    ``plan.probe()`` (a throw-away session of the graph as planned so far, for analysis; counted by the state
+    machine as a probe).
+
+    Called once per build, before ``ortcore_session_options`` and ``ortcore_provider_options``. Return value
+    ignored.
+    """
+
+
 @hookspec
 def ortcore_session_options(config: Config, session_options: onnxruntime.SessionOptions, device: torch.device) -> None:
     """Adjust the ``onnxruntime.SessionOptions`` of a new session in place (config entries, threads, EP options).
@@ -133,8 +175,14 @@ def ortcore_provider_options(config: Config, device: torch.device, providers: li
 
 
 @hookspec
-def ortcore_session_created(config: Config, session: Any) -> None:
-    """A :class:`ortcore.session.TrainingSession` was built; inspect its graph or its memory plan here."""
+def ortcore_session_created(config: Config, session: TrainingSession) -> None:
+    """A :class:`ortcore.session.TrainingSession` was created for the model's steps: inspect its graph
+    (``session.model``) or its memory plan, or remember it (a runtime inspector keyed by session).
+
+    The session is immutable: setting an attribute raises. A plugin that needs a different graph edits it in a
+    gradient-graph pass; one that needs other session settings contributes them to the session plan. Not called
+    for the sessions the gradient audit and plan probes create. Return value ignored.
+    """
 
 
 # -- step -----------------------------------------------------------------------------------------------------------
@@ -178,9 +226,15 @@ def ortcore_autograd_function_handler(config: Config, function: type) -> Any | N
     """
 
 
+# -- command line --------------------------------------------------------------------------------------------------
 @hookspec
-def ortcore_optimizers() -> dict[str, type] | None:
-    """Optimizers this plugin provides, by name: ``{"FusedAdam": FusedAdam}`` (see ``ortcore.optim``)."""
+def ortcore_commands(subparsers: Any) -> None:
+    """Add ``ortcore`` subcommands: ``subparsers`` is the ``argparse`` sub-parser action of the ``ortcore`` command;
+    a plugin calls ``subparsers.add_parser(name, help=...)``, declares its arguments and binds
+    ``set_defaults(run=function)`` where ``function(args) -> int`` is the exit status.
+
+    Called when the command line is built; ``ortcore --help`` lists the commands. Return value ignored.
+    """
 
 
 # -- teardown -------------------------------------------------------------------------------------------------------

@@ -313,6 +313,19 @@ class Hooks:
     def provider_options(self, device: Any, providers: list) -> None:
         self._hook.ortcore_provider_options(config=self.config, device=device, providers=providers)
 
+    def gradient_graph_passes(self) -> list[GraphPass]:
+        passes = []
+        for impl in reversed(self._hook.ortcore_gradient_graph_passes.get_hookimpls()):
+            for p in impl.function(*[{"config": self.config}[a] for a in impl.argnames]) or []:
+                passes.append(attrs.evolve(p, plugin=impl.plugin_name))
+        return order_passes(passes)
+
+    def session_plan(self, graph: Any, plan: Any) -> None:
+        self._hook.ortcore_session_plan(config=self.config, graph=graph, plan=plan)
+
+    def commands(self, subparsers: Any) -> None:
+        self._hook.ortcore_commands(subparsers=subparsers)
+
     def session_created(self, session: Any) -> None:
         self._hook.ortcore_session_created(config=self.config, session=session)
 
@@ -334,12 +347,6 @@ class Hooks:
 
     def autograd_function_handler(self, function: type) -> Any:
         return self._hook.ortcore_autograd_function_handler(config=self.config, function=function)
-
-    def optimizers(self) -> dict[str, type]:
-        merged: dict[str, type] = {}
-        for contribution in self._hook.ortcore_optimizers():
-            merged.update(contribution or {})
-        return merged
 
 
 _default_host: PluginHost | None = None

@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if spec["steps"] < 3:
         parser.error(f"--steps {spec['steps']}: at least 3 (the first two steps are not timed)")
     print("GPT-2 " + ", ".join(f"{k}={v}" for k, v in spec.items()), flush=True)
-    from ortcore_plugins.runtime_inspector import format_table
+    from ortcore.tables import format_table
 
     rows = []
     for r in run(engines, spec):

@@ -847,7 +847,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     print("GPT-2 " + ", ".join(f"{k}={v}" for k, v in spec.items()), flush=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results = bench_efficient_attention(args.settings.split(","), args.attn.split(","), spec)
-    from ortcore_plugins.runtime_inspector import format_table
+    from ortcore.tables import format_table
 
     header = (
         "attn",

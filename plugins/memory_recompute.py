@@ -269,7 +269,7 @@ def opportunity_table(
     options: MemoryRecomputeOptions, opportunities: Sequence[Opportunity], applied: Sequence[RecomputeEntry]
 ) -> str:
     """The table logged at INFO: every plan ORT found, ON or OFF, its frequency and its saving."""
-    from ortcore_plugins.runtime_inspector import format_table
+    from ortcore.tables import format_table
 
     on = sum(plan_is_on(o, applied) for o in opportunities)
     head = f"memory recompute: level {options.level} ({LEVELS[options.level]}), {on} of {len(opportunities)} plans ON"
@@ -501,7 +501,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     spec = {key: getattr(args, key) for key in BENCH_CONFIG}
     print("GPT-2 " + ", ".join(f"{k}={v}" for k, v in spec.items()), flush=True)
     results = bench_memory_recompute(args.settings.split(","), spec)
-    from ortcore_plugins.runtime_inspector import format_table
+    from ortcore.tables import format_table
 
     torch_peak = next((r["peak_rss_mib"] for r in results if r["setting"] == "torch"), None)
     rows = []

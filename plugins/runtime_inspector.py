@@ -28,11 +28,10 @@ at INFO, so the tables appear at the default log level too, with or without a te
 from __future__ import annotations
 
 import logging
-import re
 import resource
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -47,8 +46,10 @@ from ortcore.config import option
 from ortcore.hookspecs import hookimpl
 from ortcore.inspectors import ForwardInputs, RuntimeInspector
 from ortcore.options import parse_bool
+from ortcore.tables import format_table
 
 NAME = "runtime_inspector"
+
 logger = logging.getLogger("ortcore.runtime_inspector")
 
 MIB = float(1 << 20)
@@ -99,22 +100,6 @@ def _enable_logger() -> None:
     # The user asked for these tables explicitly: show them even when ortcore's log level is WARNING.
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-
-
-def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "  ") -> str:
-    """A plain-text table, numbers right-aligned, text left-aligned: readable in a log file, no terminal needed."""
-    cells = [[str(c) for c in header], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    numeric = [all(_is_number(row[i]) for row in cells[1:]) and len(cells) > 1 for i in range(len(header))]
-    lines = []
-    for row in cells:
-        parts = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)]
-        lines.append(indent + "  ".join(parts).rstrip())
-    return "\n".join(lines)
-
-
-def _is_number(text: str) -> bool:
-    return re.fullmatch(r"[-+]?\d+(\.\d+)?(/\d+)?", text) is not None or text == "-"
 
 
 # -- input density: finding what embeddings and losses consume -----------------------------------------------------

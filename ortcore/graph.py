@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import logging
 import pickle
 import warnings
@@ -640,20 +638,3 @@ def export_graph(
     if unknown:
         raise UnsupportedModelError(f"exported graph has inputs that are neither arguments nor state: {unknown}")
     return graph
-
-
-def fingerprint(parts: dict[str, Any]) -> str:
-    """A stable hash of everything that shapes an exported graph (for export caches)."""
-    text = json.dumps(parts, sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def module_signature(module: torch.nn.Module) -> dict[str, Any]:
-    """The module's structure: its printed form, and every parameter's and buffer's name, shape, dtype and
-    requires_grad (the printed form alone misses shapes and frozen parameters)."""
-    return {
-        "class": f"{type(module).__module__}.{type(module).__qualname__}",
-        "repr": repr(module),
-        "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()],
-        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()],
-    }

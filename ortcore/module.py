@@ -22,8 +22,9 @@ from .audit import AuditRequest, AuditResult, GradientMismatchError, audit
 from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
 from .exporter import Exporter
-from .graph import ExportedGraph, export_graph, fingerprint, module_signature, update_batch_norm
+from .graph import ExportedGraph, export_graph, update_batch_norm
 from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of, tapping
+from .identity import graph_fingerprint
 from .inspectors import ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .plugins import Hooks, PluginHost, get_host
@@ -153,27 +154,6 @@ def _save_model(model: onnx.ModelProto, options: CoreOptions, suffix: str) -> No
         os.unlink(tmp)
         raise
     logger.info("saved %s", path)
-
-
-def _exporter_identity(exporter: Exporter) -> dict[str, Any]:
-    """What of the exporter shapes graphs: its name, which symbolic serves each op (plugins add some), and the
-    settings an exporter declares through an optional ``fingerprint()`` method."""
-    symbolics = getattr(exporter, "symbolics", {}) or {}
-    declared = getattr(exporter, "fingerprint", None)
-    return {
-        "name": exporter.name,
-        "symbolics": sorted(f"{op}={fn.__module__}.{fn.__qualname__}" for op, fn in symbolics.items()),
-        "settings": declared() if callable(declared) else None,
-    }
-
-
-@functools.cache
-def _versions() -> dict[str, str]:
-    import onnxruntime
-
-    from . import __version__
-
-    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "ortcore": __version__}
 
 
 class _Runtime:
@@ -561,15 +541,8 @@ class ORTModule(torch.nn.Module):
         rt = self._ortcore
         opts = rt.options
         passes = rt.hooks.graph_passes()
-        fp = fingerprint(
-            {
-                "key": key.export_key,
-                "module": module_signature(self._original_module),
-                "passes": [p.name for p in passes],
-                "exporter": _exporter_identity(rt.exporter),
-                "plugins": rt.hooks.export_key(),
-                "versions": _versions(),
-            }
+        fp = graph_fingerprint(
+            key, self._original_module, passes=passes, exporter=rt.exporter, plugin_keys=rt.hooks.export_key()
         )
         cached = rt.hooks.load_export(self._original_module, fp)
         if cached is not None:

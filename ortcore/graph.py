@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
-import pickle
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +29,7 @@ logger = logging.getLogger("ortcore")
 
 BN_INPUT_PREFIX = "ortcore.batch_norm_input::"
 TAP_OUTPUT_PREFIX = "ortcore.tap::"
-GRAPH_FORMAT = 1  # bump when ExportedGraph.to_bytes changes
+GRAPH_FORMAT = 2  # bump when ExportedGraph.to_bytes changes (2: JSON and ONNX bytes; 1 was a pickle)
 
 
 class _FlatModule(torch.nn.Module):
@@ -99,45 +98,80 @@ class ExportedGraph:
         return [index[tap.output] for tap in self.taps]
 
     def to_bytes(self) -> bytes:
-        """Serialise for an export cache (pickle: load only from a directory you trust)."""
+        """Serialise for an export cache as data only: one line of JSON (names, output schema, batch norms, taps),
+        then the ONNX model's bytes. Nothing in it runs code when read back.
+
+        Raises ValueError naming the part that cannot be stored as data (an output type that cannot be found again
+        by its import path, a constant of another type): such a graph is not cached.
+        """
         state = {
             "format": GRAPH_FORMAT,
-            "model": self.model.SerializeToString(),
-            "input_names": self.input_names,
-            "argument_names": self.argument_names,
-            "user_input_names": self.user_input_names,
-            "output_schema": self.output_schema,
-            "training": self.training,
-            "batch_norms": [(b.module_path, b.output_name, b.buffer_names) for b in self.batch_norms],
-            "taps": [(t.name, t.value, t.output) for t in self.taps],
+            "input_names": list(self.input_names),
+            "argument_names": list(self.argument_names),
+            "user_input_names": list(self.user_input_names),
+            "output_schema": self.output_schema.to_json(),
+            "training": bool(self.training),
+            "batch_norms": [
+                {"module": b.module_path, "output": b.output_name, "buffers": list(b.buffer_names)}
+                for b in self.batch_norms
+            ],
+            "taps": [{"name": t.name, "value": t.value, "output": t.output} for t in self.taps],
         }
-        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        # ensure_ascii: the JSON line holds no raw newline, so the first newline ends it
+        header = json.dumps(state, sort_keys=True, ensure_ascii=True, allow_nan=True).encode()
+        return header + b"\n" + self.model.SerializeToString()
 
     @classmethod
     def from_bytes(cls, data: bytes, module: torch.nn.Module) -> ExportedGraph:
         """Inverse of :meth:`to_bytes`; raises ValueError for data of another format or another model."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch's LeafSpec pickles warn about their own format
-            state = pickle.loads(data)
+        line, newline, model_bytes = bytes(data).partition(b"\n")
+        try:
+            state = json.loads(line) if newline else None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not an ortcore exported graph ({e})") from e
         if not isinstance(state, dict) or state.get("format") != GRAPH_FORMAT:
-            raise ValueError("not an ortcore exported graph of this format")
-        state["output_schema"].register_types()
+            raise ValueError(f"not an ortcore exported graph of format {GRAPH_FORMAT}")
+        names = {k: _strings(state.get(k), k) for k in ("input_names", "argument_names", "user_input_names")}
+        if not isinstance(state.get("training"), bool):
+            raise ValueError("an exported graph's 'training' must be true or false")
         modules = dict(module.named_modules())
         batch_norms = []
-        for path, output_name, buffer_names in state["batch_norms"]:
+        for entry in _records(state.get("batch_norms"), "batch_norms", ("module", "output", "buffers")):
+            path, output_name, buffer_names = entry["module"], entry["output"], _strings(entry["buffers"], "buffers")
+            if not isinstance(path, str) or not isinstance(output_name, str) or len(buffer_names) != 2:
+                raise ValueError(f"malformed batch-norm record {str(entry)[:80]!r}")
             if not isinstance(modules.get(path), torch.nn.modules.batchnorm._BatchNorm):
                 raise ValueError(f"the model has no batch-norm module {path!r}")
-            batch_norms.append(BatchNormStats(modules[path], output_name, tuple(buffer_names), path))
+            batch_norms.append(BatchNormStats(modules[path], output_name, (buffer_names[0], buffer_names[1]), path))
+        taps = []
+        for entry in _records(state.get("taps"), "taps", ("name", "value", "output")):
+            taps.append(TapPoint(*_strings([entry["name"], entry["value"], entry["output"]], "taps")))
+        try:
+            model = onnx.load_model_from_string(model_bytes)
+        except Exception as e:  # protobuf's DecodeError, whatever the garbling
+            raise ValueError(f"the ONNX model does not parse ({type(e).__name__}: {e})") from e
         return cls(
-            model=onnx.load_model_from_string(state["model"]),
-            input_names=list(state["input_names"]),
-            argument_names=tuple(state["argument_names"]),
-            user_input_names=list(state["user_input_names"]),
-            output_schema=state["output_schema"],
-            training=bool(state["training"]),
+            model=model,
+            input_names=names["input_names"],
+            argument_names=tuple(names["argument_names"]),
+            user_input_names=names["user_input_names"],
+            output_schema=OutputSchema.from_json(state.get("output_schema")),
+            training=state["training"],
             batch_norms=batch_norms,
-            taps=[TapPoint(*t) for t in state.get("taps", ())],
+            taps=taps,
         )
+
+
+def _strings(value: Any, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"an exported graph's {what!r} must be a list of strings")
+    return list(value)
+
+
+def _records(value: Any, what: str, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) and set(v) == set(keys) for v in value):
+        raise ValueError(f"an exported graph's {what!r} must be a list of objects with keys {list(keys)}")
+    return value
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ import dataclasses
 import enum
 import inspect
 import re
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -198,6 +200,42 @@ class OutputSchema:
         leaves = [next(it) if t is None else t.value for t in self.template]
         return pytree.tree_unflatten(leaves, self.spec)
 
+    def to_json(self) -> dict[str, Any]:
+        """The schema as JSON-able data (for an export cache: data, never code to run).
+
+        Raises ValueError naming what cannot be stored as data: a container type that cannot be found again by its
+        import path (a class defined inside a function), a tree context that is not plain data, a constant of
+        another type. Example::
+
+            OutputSchema.from_json(json.loads(json.dumps(schema.to_json())))
+        """
+        data = {
+            "spec": treespec_to_json(self.spec),
+            "template": [None if t is None else _constant_to_json(t.value) for t in self.template],
+            "names": list(self.names),
+        }
+        if treespec_from_json(data["spec"]) != self.spec:
+            raise ValueError(f"the output structure {self.spec} does not survive a round trip through JSON")
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> OutputSchema:
+        """Inverse of :meth:`to_json`. Imports nothing: every container type must already be imported in this
+        process (the model's own module imports it). Raises ValueError for malformed data or unknown types."""
+        if not isinstance(data, dict) or not isinstance(data.get("template"), list):
+            raise ValueError("an output schema must be an object with 'spec', 'template' and 'names'")
+        names = data.get("names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("an output schema's 'names' must be a list of strings")
+        template = tuple(None if t is None else Constant(_constant_from_json(t)) for t in data["template"])
+        spec = treespec_from_json(data.get("spec"))
+        if spec.num_leaves != len(template) or sum(t is None for t in template) != len(names):
+            raise ValueError(
+                f"an output schema with {spec.num_leaves} leaves, {len(template)} template slots and {len(names)} "
+                "tensor names is inconsistent"
+            )
+        return cls(spec, template, tuple(names))
+
 
 def flatten_outputs(outputs: Any) -> tuple[OutputSchema, list[torch.Tensor]]:
     """Flatten a module's outputs into tensors and a schema that restores them."""
@@ -211,3 +249,120 @@ def flatten_outputs(outputs: Any) -> tuple[OutputSchema, list[torch.Tensor]]:
         else:
             template.append(Constant(value))
     return OutputSchema(spec, tuple(template), _unique(names)), tensors
+
+
+# -- JSON form of tree specs and constants (export caches store data only) --------------------------------------------
+# torch's treespec_dumps needs a serialized_type_name on every registration (dataclasses registered by
+# register_dataclass have none) and imports the module of any enum it reads back; this form names types by import
+# path and resolves them only among modules already imported.
+_JSON_SCALARS = (type(None), bool, int, float, str)
+
+
+def type_path(cls: type) -> str:
+    """``module:qualname`` of a class that can be found again by that path; ValueError otherwise."""
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    try:
+        found = resolve_type(path)
+    except ValueError:
+        found = None
+    if found is not cls:
+        raise ValueError(f"the type {cls.__module__}.{cls.__qualname__} cannot be found again by its import path")
+    return path
+
+
+def resolve_type(path: Any) -> type:
+    """The class named ``module:qualname`` in a module this process has already imported (nothing is imported)."""
+    if not isinstance(path, str) or path.count(":") != 1:
+        raise ValueError(f"{path!r} is not a type path 'module:qualname'")
+    module_name, qualname = path.split(":")
+    found: Any = sys.modules.get(module_name)
+    if found is None:
+        raise ValueError(f"the type {path!r} belongs to module {module_name!r}, which this process has not imported")
+    for part in qualname.split("."):
+        # The namespace itself, not getattr: a module's __getattr__ (lazy packages) could import more code.
+        found = vars(found).get(part) if isinstance(found, type | types.ModuleType) else None
+    if not isinstance(found, type):
+        raise ValueError(f"the type {path!r} is not a class of module {module_name!r}")
+    return found
+
+
+def _context_to_json(value: Any) -> Any:
+    if isinstance(value, _JSON_SCALARS):
+        return {"v": value}
+    if isinstance(value, list | tuple):
+        return {type(value).__name__: [_context_to_json(v) for v in value]}
+    if isinstance(value, dict) and type(value) is dict:
+        return {"dict": [[_context_to_json(k), _context_to_json(v)] for k, v in value.items()]}
+    if isinstance(value, type):
+        return {"type": type_path(value)}
+    raise ValueError(f"a tree context holds a {type(value).__qualname__}, which is not plain data")
+
+
+def _context_from_json(data: Any) -> Any:
+    if not isinstance(data, dict) or len(data) != 1:
+        raise ValueError(f"malformed tree context {str(data)[:80]!r}")
+    [(tag, value)] = data.items()
+    if tag == "v" and isinstance(value, _JSON_SCALARS):
+        return value
+    if tag in ("list", "tuple") and isinstance(value, list):
+        items = [_context_from_json(v) for v in value]
+        return items if tag == "list" else tuple(items)
+    if tag == "dict" and isinstance(value, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in value):
+        return {_context_from_json(k): _context_from_json(v) for k, v in value}
+    if tag == "type":
+        return resolve_type(value)
+    raise ValueError(f"malformed tree context {str(data)[:80]!r}")
+
+
+def treespec_to_json(spec: pytree.TreeSpec) -> Any:
+    """A pytree spec as JSON-able data: each node's type path, context and children (None for a leaf)."""
+    if spec.is_leaf():
+        return None
+    return {
+        "type": type_path(spec.type),
+        "context": _context_to_json(spec._context),  # TreeSpec keeps the flatten context there; no public accessor
+        "children": [treespec_to_json(c) for c in spec.children()],
+    }
+
+
+def treespec_from_json(data: Any) -> pytree.TreeSpec:
+    """Inverse of :func:`treespec_to_json`; container types are registered with pytree through the leaf adapters
+    (a process that loads a spec never flattened them). Raises ValueError for malformed data or unknown types."""
+    if data is None:
+        return pytree.tree_structure(0)
+    if not isinstance(data, dict) or set(data) != {"type", "context", "children"}:
+        raise ValueError(f"malformed tree spec {str(data)[:80]!r}")
+    if not isinstance(data["children"], list):
+        raise ValueError(f"malformed tree spec {str(data)[:80]!r}")
+    cls = resolve_type(data["type"])
+    if not adapt(cls):
+        raise ValueError(f"the output type {data['type']!r} is not registered with torch.utils._pytree")
+    return pytree.TreeSpec(cls, _context_from_json(data["context"]), [treespec_from_json(c) for c in data["children"]])
+
+
+def _constant_to_json(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return {"enum": type_path(type(value)), "name": value.name}
+    if isinstance(value, _JSON_SCALARS):
+        return {"v": value}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    raise ValueError(f"an output constant of type {type(value).__qualname__} cannot be stored as data")
+
+
+def _constant_from_json(data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"malformed output constant {str(data)[:80]!r}")
+    if set(data) == {"v"} and isinstance(data["v"], _JSON_SCALARS):
+        return data["v"]
+    if set(data) == {"dtype"} and isinstance(getattr(torch, str(data["dtype"]), None), torch.dtype):
+        return getattr(torch, data["dtype"])
+    if set(data) == {"device"} and isinstance(data["device"], str):
+        return torch.device(data["device"])
+    if set(data) == {"enum", "name"}:
+        cls = resolve_type(data["enum"])
+        if issubclass(cls, enum.Enum) and data["name"] in cls.__members__:
+            return cls[data["name"]]
+    raise ValueError(f"malformed output constant {str(data)[:80]!r}")

@@ -1,5 +1,6 @@
 """export_cache: hits skip the exporter (in this process and in a new one), everything that shapes a graph misses,
-damaged entries are rebuilt with a warning, writes are atomic, options are validated.
+entries are data only (a pickle is never run), damaged entries are rebuilt with a warning, a directory other users
+can write is refused unless trusted, writes are atomic, options are validated.
 
 Whether the exporter ran is observed with a spy exporter (``ORTModule(..., exporter=spy)``): on a hit the state
 machine still counts an export transition, but the spy is never called.
@@ -29,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import ortcore_plugins.export_cache as plugin
-from ortcore import ORTModule
+from ortcore import ORTModule, identity
 from ortcore.config import option
 from ortcore.errors import OptionError
 from ortcore.exporter import TorchScriptExporter
@@ -187,7 +188,7 @@ _CHILD = textwrap.dedent(
     """
     import sys
     import torch
-    from ortcore import ORTModule
+    from ortcore import ORTModule, identity
     from ortcore.exporter import TorchScriptExporter
     from ortcore.testing import make_host
     import ortcore_plugins.export_cache as plugin
@@ -397,7 +398,7 @@ MISSES: dict[str, Case] = {
         ({}, {}),
         ({"plugins": {"tag": {"tag": "a"}}}, {"plugins": {"tag": {"tag": "b"}}}),
     ),
-    # Below: what the core's fingerprint does not see (test_core_fingerprint_gaps); the plugin's module digest does.
+    # Below: what the tracer bakes in beyond the module's printed form and state (identity.module_digest).
     "hidden float attribute": (lambda: Scaled(2.0), (X,), lambda: Scaled(3.0), (X,), ({}, {}), (None, None)),
     "tensor kept as a plain attribute": (
         lambda: Offset([1.0, 2.0]),
@@ -513,12 +514,16 @@ def _library_versions(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
     monkeypatch.setitem(sys.modules, "fake_library", fake)
     fake.__version__ = "1.0"
     first = _core_fingerprint(Layer(4, 2), (X,))
-    fake.__version__ = "2.0"  # transformers upgraded, say: the core hashes only torch/onnx/onnxruntime/ortcore
-    return first, _core_fingerprint(Layer(4, 2), (X,))
+    fake.__version__ = "2.0"  # transformers upgraded, say
+    identity._package_version.cache_clear()  # versions are read once per process: this is a new one
+    try:
+        return first, _core_fingerprint(Layer(4, 2), (X,))
+    finally:
+        identity._package_version.cache_clear()
 
 
 # Each returns the core's fingerprints of two setups that export different graphs.
-GAPS: dict[str, Callable[[pytest.MonkeyPatch], tuple[str, str]]] = {
+CORE_SEES: dict[str, Callable[[pytest.MonkeyPatch], tuple[str, str]]] = {
     "hidden float attribute": lambda mp: (_core_fingerprint(Scaled(2.0), (X,)), _core_fingerprint(Scaled(3.0), (X,))),
     "tensor kept as a plain attribute": lambda mp: (
         _core_fingerprint(Offset([1.0]), (X,)),
@@ -528,10 +533,6 @@ GAPS: dict[str, Callable[[pytest.MonkeyPatch], tuple[str, str]]] = {
     "model code": lambda mp: (_core_fingerprint(_toy(2.0), (X,)), _core_fingerprint(_toy(3.0), (X,))),
     "default dtype": lambda mp: (_core_fingerprint(WithOnes(), (X,)), _under_float64(WithOnes(), (X,))),
     "version of the library defining the model": _library_versions,
-}
-
-# Changes the core's own fingerprint covers (the plugin's digest covers the gaps above).
-CORE_SEES = {
     "submodule in eval inside a training model": lambda mp: (
         _core_fingerprint(bn_model(), (X,)),
         _core_fingerprint(_train_with_frozen_bn(bn_model()), (X,)),
@@ -549,17 +550,6 @@ def test_core_fingerprint_sees(change, monkeypatch):
     assert first != second
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="core fingerprint gap (docs/plugins/export_cache.md); drop the mark once the core hashes it",
-)
-@pytest.mark.parametrize("gap", list(GAPS), ids=list(GAPS))
-def test_core_fingerprint_gaps(gap, monkeypatch):
-    first, second = GAPS[gap](monkeypatch)
-    assert first != second
-
-
 def test_frozen_submodule_matches_torch():
     assert_matches_torch(_train_with_frozen_bn(bn_model()), (X,), host=make_host({}))
 
@@ -573,24 +563,38 @@ def test_plugin_symbolics_without_an_export_key_miss(tmp_path):
 def test_module_digest_ignores_process_state_that_never_reaches_a_graph():
     model = mlp()
     model.log = logging.getLogger("my.training")  # a logger's state is every logger of the process
-    before = plugin.module_digest(model)
+    before = identity.module_digest(model)
     logging.getLogger("my.training.other").setLevel(logging.DEBUG)
-    assert plugin.module_digest(model) == before
+    assert identity.module_digest(model) == before
+
+
+def test_module_digest_of_an_attribute_it_cannot_describe_never_repeats(caplog):
+    class Opaque:
+        __slots__ = ()
+
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    model = mlp()
+    model.thing = Opaque()
+    caplog.set_level(logging.INFO, logger="ortcore")
+    assert identity.module_digest(model) != identity.module_digest(model)  # so no cache ever serves its graph
+    assert "cannot describe" in caplog.text and "Opaque" in caplog.text
 
 
 def test_module_digest_is_stable_and_sees_default_dtype_and_package_version(monkeypatch):
     a, b = mlp(), mlp(seed=3)
     handle = b[0].register_forward_hook(lambda *args: None)  # hook handle ids advance; removed hooks leave no trace
     handle.remove()
-    assert plugin.module_digest(a) == plugin.module_digest(b)  # weights are not part of it
+    assert identity.module_digest(a) == identity.module_digest(b)  # weights are not part of it
 
     default = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch.float64)  # torch.ones(...) inside forward becomes float64 in the graph
-        f64 = plugin.module_digest(a)
+        f64 = identity.module_digest(a)
     finally:
         torch.set_default_dtype(default)
-    assert f64 != plugin.module_digest(a)
+    assert f64 != identity.module_digest(a)
 
     class Library(torch.nn.Linear):
         pass
@@ -599,12 +603,12 @@ def test_module_digest_is_stable_and_sees_default_dtype_and_package_version(monk
     fake = type(sys)("fake_library")
     fake.__version__ = "1.0"
     monkeypatch.setitem(sys.modules, "fake_library", fake)
-    plugin._package_version.cache_clear()
-    before = plugin.module_digest(Library(2, 2))
+    identity._package_version.cache_clear()
+    before = identity.module_digest(Library(2, 2))
     fake.__version__ = "2.0"  # a library upgrade: same classes, other code
-    plugin._package_version.cache_clear()
-    assert plugin.module_digest(Library(2, 2)) != before
-    plugin._package_version.cache_clear()
+    identity._package_version.cache_clear()
+    assert identity.module_digest(Library(2, 2)) != before
+    identity._package_version.cache_clear()
 
 
 # -- damaged entries are rebuilt ------------------------------------------------------------------------------------
@@ -617,7 +621,7 @@ def _header(path: Path) -> dict:
 def _rewrap(path: Path, payload: bytes) -> bytes:
     """An entry with a valid header and checksum for ``path``'s key around ``payload``."""
     h = _header(path)
-    return plugin.encode_entry(payload, fingerprint=h["fingerprint"], digest=h["module_digest"], rank=h["rank"])
+    return plugin.encode_entry(payload, fingerprint=h["fingerprint"], rank=h["rank"])
 
 
 def _foreign_bn_payload(tmp_path: Path) -> bytes:
@@ -626,7 +630,7 @@ def _foreign_bn_payload(tmp_path: Path) -> bytes:
     run(bn_model(), cache_host(other), (X,))
     [path] = entries(other)
     h = _header(path)
-    payload, _ = plugin.decode_entry(path.read_bytes(), fingerprint=h["fingerprint"], digest=h["module_digest"], rank=0)
+    payload, _ = plugin.decode_entry(path.read_bytes(), fingerprint=h["fingerprint"], rank=0)
     return payload
 
 
@@ -641,8 +645,39 @@ def _foreign_inputs_payload(tmp_path: Path) -> bytes:
     )
     [path] = entries(other)
     h = _header(path)
-    payload, _ = plugin.decode_entry(path.read_bytes(), fingerprint=h["fingerprint"], digest=h["module_digest"], rank=0)
+    payload, _ = plugin.decode_entry(path.read_bytes(), fingerprint=h["fingerprint"], rank=0)
     return payload
+
+
+# Set by the payload of _Planted if anything ever unpickles it: entries are data, never code to run.
+PLANTED_RAN: list[str] = []
+
+
+def _planted_ran(tag: str) -> None:
+    PLANTED_RAN.append(tag)
+
+
+class _Planted:
+    def __reduce__(self):
+        return (_planted_ran, ("an entry ran code",))
+
+
+def _with_graph_json(path: Path, edit: Callable[[dict], None], model: bytes | None = None) -> bytes:
+    """The entry at ``path`` with its graph's JSON line edited, or its ONNX bytes replaced (header and checksum made
+    valid again)."""
+    payload, _ = plugin.decode_entry(path.read_bytes(), fingerprint=_header(path)["fingerprint"], rank=0)
+    line, _, onnx_bytes = payload.partition(b"\n")
+    state = json.loads(line)
+    edit(state)
+    return _rewrap(path, json.dumps(state).encode() + b"\n" + (onnx_bytes if model is None else model))
+
+
+def _old_pickle_entry(path: Path) -> bytes:
+    """An entry of format 1 (a pickle payload), as earlier versions wrote, at the same path."""
+    payload = pickle.dumps(_Planted())
+    header = {"fingerprint": _header(path)["fingerprint"], "rank": 0, "graph_format": 1, "size": len(payload)}
+    header["sha256"] = hashlib.sha256(payload).hexdigest()
+    return b"%s 1\n%s\n%s" % (plugin.MAGIC, json.dumps(header).encode(), payload)
 
 
 CORRUPTIONS: dict[str, Callable[[Path, Path], bytes]] = {
@@ -653,14 +688,18 @@ CORRUPTIONS: dict[str, Callable[[Path, Path], bytes]] = {
     "one payload byte flipped": lambda path, tmp: (lambda d: d[:-10] + bytes([d[-10] ^ 0xFF]) + d[-9:])(
         path.read_bytes()
     ),
-    "bare pickle without header": lambda path, tmp: pickle.dumps({"format": 1, "model": b""}),
-    "pickle of another format": lambda path, tmp: _rewrap(path, pickle.dumps({"format": 999})),
-    "pickle of another type": lambda path, tmp: _rewrap(path, pickle.dumps([1, 2, 3])),
-    "payload that is not a pickle": lambda path, tmp: _rewrap(path, b"\x80\x05garbage"),
-    "entry of another fingerprint": lambda path, tmp: plugin.encode_entry(
-        b"x", fingerprint="0" * 64, digest=_header(path)["module_digest"], rank=0
+    "bare pickle without header": lambda path, tmp: pickle.dumps(_Planted()),
+    "pickle with a valid header": lambda path, tmp: _rewrap(path, pickle.dumps(_Planted())),
+    "entry of the old pickle format": lambda path, tmp: _old_pickle_entry(path),
+    "graph JSON of another format": lambda path, tmp: _with_graph_json(path, lambda s: s.update(format=999)),
+    "graph JSON garbled": lambda path, tmp: _rewrap(path, b"{not json\n" + b"\x08\x07"),
+    "graph JSON with a wrong field type": lambda path, tmp: _with_graph_json(path, lambda s: s.update(input_names=3)),
+    "graph JSON naming an output type never imported": lambda path, tmp: _with_graph_json(
+        path, lambda s: s["output_schema"].update(spec={"type": "no_such_module:T", "context": {"v": None}, "children": []})
     ),
-    "another entry format": lambda path, tmp: path.read_bytes().replace(b"CACHE 1\n", b"CACHE 7\n", 1),
+    "ONNX bytes that do not parse": lambda path, tmp: _with_graph_json(path, lambda s: None, b"\xff" * 7),
+    "entry of another fingerprint": lambda path, tmp: plugin.encode_entry(b"x", fingerprint="0" * 64, rank=0),
+    "another entry format": lambda path, tmp: path.read_bytes().replace(b"CACHE 2\n", b"CACHE 7\n", 1),
     "another model's batch norms": lambda path, tmp: _rewrap(path, _foreign_bn_payload(tmp)),
     "another model's parameters": lambda path, tmp: _rewrap(path, _foreign_inputs_payload(tmp)),
 }
@@ -676,6 +715,7 @@ def test_damaged_entry_is_logged_removed_and_rebuilt(tmp_path, cache_log, corrup
 
     _, spy = run(mlp(), cache_host(cache), (X,))  # never crashes, never a wrong graph (checked against torch)
     assert spy.calls == 1
+    assert PLANTED_RAN == [], "an entry's payload ran code"
     warnings = [r for r in cache_log.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage() and "removed" in warnings[0].getMessage()
 
@@ -734,15 +774,14 @@ def test_concurrent_writers_and_readers_only_ever_see_whole_entries(tmp_path):
     model = mlp()
     run(model, make_host({"keep": Keep()}), (X,))
     fingerprint, graph = graphs[0]
-    digest = plugin.module_digest(model)
     cache = plugin.ExportCache(str(tmp_path))
-    path = cache.entry_path(fingerprint, digest, 0)
+    path = cache.entry_path(fingerprint, 0)
     errors: list[BaseException] = []
 
     def write() -> None:
         try:
             for _ in range(15):
-                cache.store(fingerprint, digest, 0, graph)
+                cache.store(fingerprint, 0, graph)
         except BaseException as e:  # noqa: BLE001 (reported by the main thread)
             errors.append(e)
 
@@ -750,7 +789,7 @@ def test_concurrent_writers_and_readers_only_ever_see_whole_entries(tmp_path):
         try:
             for _ in range(60):
                 if os.path.exists(path):
-                    plugin.decode_entry(Path(path).read_bytes(), fingerprint=fingerprint, digest=digest, rank=0)
+                    plugin.decode_entry(Path(path).read_bytes(), fingerprint=fingerprint, rank=0)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -761,7 +800,7 @@ def test_concurrent_writers_and_readers_only_ever_see_whole_entries(tmp_path):
         t.join()
     assert errors == []
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
-    assert cache.load(mlp(), fingerprint, digest, 0) is not None
+    assert cache.load(mlp(), fingerprint, 0) is not None
 
 
 def test_each_rank_has_its_own_entries(tmp_path, monkeypatch):
@@ -877,14 +916,13 @@ def test_sizes_accept_binary_units():
 
 def test_entry_header_checks_every_field():
     payload = b"payload"
-    data = plugin.encode_entry(payload, fingerprint="a" * 64, digest="d" * 64, rank=1, export_seconds=1.5)
-    got, header = plugin.decode_entry(data, fingerprint="a" * 64, digest="d" * 64, rank=1)
+    data = plugin.encode_entry(payload, fingerprint="a" * 64, rank=1, export_seconds=1.5)
+    got, header = plugin.decode_entry(data, fingerprint="a" * 64, rank=1)
     assert got == payload and header["export_seconds"] == 1.5
     assert header["sha256"] == hashlib.sha256(payload).hexdigest()
     for field, kwargs in {
-        "fingerprint": {"fingerprint": "b" * 64, "digest": "d" * 64, "rank": 1},
-        "module_digest": {"fingerprint": "a" * 64, "digest": "e" * 64, "rank": 1},
-        "rank": {"fingerprint": "a" * 64, "digest": "d" * 64, "rank": 0},
+        "fingerprint": {"fingerprint": "b" * 64, "rank": 1},
+        "rank": {"fingerprint": "a" * 64, "rank": 0},
     }.items():
         with pytest.raises(plugin.EntryError, match=field):
             plugin.decode_entry(data, **kwargs)
@@ -902,7 +940,7 @@ def test_tiny_gpt2_second_process_hits_and_attention_implementation_misses(tmp_p
         textwrap.dedent(
             """
             import sys, torch, transformers
-            from ortcore import ORTModule
+            from ortcore import ORTModule, identity
             from ortcore.exporter import TorchScriptExporter
             from ortcore.testing import make_host
             import ortcore_plugins.export_cache as plugin

@@ -2,34 +2,29 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
 import os
 import sys
-import tempfile
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
-import onnx
 import torch
-from onnxruntime.capi import _pybind_state as C
 
 from .audit import AuditRequest, AuditResult, GradientMismatchError, audit
 from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
 from .exporter import Exporter
-from .graph import ExportedGraph, export_graph, update_batch_norm
-from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of, tapping
-from .identity import graph_fingerprint
+from .graph import ExportedGraph, update_batch_norm
+from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of
 from .inspectors import ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
+from .pipeline import Pipeline
 from .plugins import Hooks, PluginHost, get_host
 from .schema import InputSchema, flatten_inputs
-from .session import BuildRequest, TrainingSession
+from .session import TrainingSession
 from .state import ExportStateMachine, GraphKey
 
 logger = logging.getLogger("ortcore")
@@ -93,69 +88,6 @@ def _assigned_opset() -> int | None:
     return None if value == ONNX_OPSET_VERSION else value
 
 
-def _upstream_mode(training: bool) -> str:
-    """The ``<mode>`` of upstream's file names: training for a model in ``train()`` with grad enabled."""
-    return "training" if training and torch.is_grad_enabled() else "inference"
-
-
-class _OrtWrittenGraphs:
-    """Graphs ONNX Runtime writes itself (the optimized pre-gradient graph, the execution model), under upstream's
-    names ``<prefix>_<name>_<mode>.onnx``: ORT writes each into a temporary file in the save directory, renamed to
-    its name once the session exists, so a reader never sees half a file."""
-
-    def __init__(self, options: CoreOptions, mode: str):
-        self.options = options
-        self.mode = mode
-        self.pending: list[tuple[str, str]] = []
-        self.done = False
-
-    def path(self, name: str) -> str:
-        opts = self.options
-        final = os.path.join(opts.save_dir, f"{opts.onnx_prefix}_{name}_{self.mode}.onnx")
-        if self.done:
-            return final  # the session created again (a plugin's plan): nothing would rename a temporary file then
-        fd, tmp = tempfile.mkstemp(dir=opts.save_dir, prefix=f".{opts.onnx_prefix}_{name}.", suffix=".tmp.onnx")
-        os.close(fd)
-        self.pending.append((tmp, final))
-        return tmp
-
-    def session_options(
-        self, configure: Callable[[Any, torch.device], None] | None
-    ) -> Callable[[Any, torch.device], None]:
-        def configure_session(session_options: Any, device: torch.device) -> None:
-            if configure is not None:
-                configure(session_options, device)
-            if not session_options.optimized_model_filepath:  # a plugin that names the file keeps its choice
-                session_options.optimized_model_filepath = self.path("execution_model")
-
-        return configure_session
-
-    def finish(self, keep: bool) -> None:
-        """Rename what ORT wrote (``keep``), or remove it; ORT writes no pre-gradient graph for some builds."""
-        for tmp, final in self.pending:
-            if keep and os.path.getsize(tmp) > 0:
-                os.replace(tmp, final)
-                logger.info("saved %s", final)
-            else:
-                os.unlink(tmp)
-        self.pending.clear()
-        self.done = True
-
-
-def _save_model(model: onnx.ModelProto, options: CoreOptions, suffix: str) -> None:
-    """Write ``<prefix>_<suffix>.onnx`` atomically into the save directory."""
-    path = os.path.join(options.save_dir, f"{options.onnx_prefix}_{suffix}.onnx")
-    fd, tmp = tempfile.mkstemp(dir=options.save_dir, suffix=".onnx.tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(model.SerializeToString())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    logger.info("saved %s", path)
-
-
 class _Runtime:
     """Per-ORTModule state that is rebuilt, not pickled: config, hooks, state machine, inspectors, fallback."""
 
@@ -169,10 +101,7 @@ class _Runtime:
         if symbolics and hasattr(self.exporter, "symbolics"):
             self.exporter.symbolics.update(symbolics)
         self.state = ExportStateMachine(config.core.max_cached_graphs)
-        self.fallback_reason: str | None = None
-        # Calls that fell back, by GraphKey (or, for a call that failed before it had one, by its error), with the
-        # reason: such a call runs in PyTorch again without retrying ORT, unless fallback_retry; other calls try ORT.
-        self.failed: dict[Any, str] = {}
+        self.pipeline = Pipeline(config, hooks, self.exporter, self.state)
         self.step = 0
         self.phases = phase_callbacks(hooks.runtime_inspectors(module))
         # The gradient audit's result per training session (docs/gradient_audit.md): each is audited once.
@@ -357,7 +286,7 @@ class ORTModule(torch.nn.Module):
     @property
     def fallback_reason(self) -> str | None:
         """Why the model now runs in PyTorch, or None while it runs in ORT."""
-        return self._ortcore.fallback_reason
+        return self._ortcore.state.fallback_reason
 
     # -- the step ----------------------------------------------------------------------------------------------
     def _run(self, args: tuple, kwargs: dict) -> Any:
@@ -375,20 +304,20 @@ class ORTModule(torch.nn.Module):
         except tuple(_FALLBACK_FLAG) as e:
             error, failed = e, (type(e).__name__, str(e))  # no key yet: the error names the call's bad input
         else:
-            if key in rt.failed and not rt.options.fallback_retry:
-                rt.fallback_reason = rt.failed[key]
+            known = rt.state.known_failure(key)
+            if known is not None and not rt.options.fallback_retry:
+                rt.state.fallback_reason = known
                 return self._original_module(*args, **kwargs)
             try:
                 graph, session = rt.state.resolve(
                     key,
-                    export=lambda: self._export(schema, tensors, key, subscription),
-                    build=lambda g: self._build(g, key),
+                    export=lambda: rt.pipeline.export(self._original_module, schema, tensors, key, subscription),
+                    build=lambda g: rt.pipeline.build(g, key),
                 )
             except tuple(_FALLBACK_FLAG) as e:
                 error, failed = e, key
             else:
-                rt.failed.pop(key, None)  # a retry that now runs in ORT
-                rt.fallback_reason = None
+                rt.state.record_ort_run(key)
                 if rt.options.verify_gradients and session.request.build_gradient:
                     self._audit(graph, session, key, schema, tensors, params, buffers)
                 step_state = subscription.start_step("ortcore") if subscription is not None else None
@@ -468,8 +397,8 @@ class ORTModule(torch.nn.Module):
                     params=params,
                     buffers=buffers,
                     trainable=key.trainable,
-                    export=lambda tapper: self._export_for_audit(schema, tensors, tapper),
-                    build=lambda g: self._build(g, key, for_audit=True),
+                    export=lambda tapper: rt.pipeline.export_for_audit(self._original_module, schema, tensors, tapper),
+                    build=lambda g: self._audit_build(g, key),
                     rtol=rt.options.verify_gradients_rtol,
                     atol=rt.options.verify_gradients_atol,
                 )
@@ -484,22 +413,9 @@ class ORTModule(torch.nn.Module):
         if result.status == "mismatch":
             raise GradientMismatchError(result)
 
-    def _export_for_audit(self, schema: InputSchema, tensors: list[torch.Tensor], tapper: Any) -> ExportedGraph:
-        """A graph of this call for the gradient audit: exported anew (no export cache), taps from ``tapper``."""
-        rt = self._ortcore
-        opts = rt.options
-        return export_graph(
-            self._original_module,
-            schema,
-            tensors,
-            exporter=rt.exporter,
-            opset=opts.opset,
-            log_level=opts.log_level,
-            deepcopy=opts.deepcopy_before_export,
-            graph_passes=rt.hooks.graph_passes(),
-            config=rt.config,
-            tapper=tapper,
-        )
+    def _audit_build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
+        self._ortcore.state.record_probe("gradient audit")
+        return self._ortcore.pipeline.build(graph, key, purpose="audit")
 
     def _device(self, tensors: list[torch.Tensor], params: dict) -> torch.device:
         devices = {p.device for p in params.values()} | {t.device for t in tensors}
@@ -535,90 +451,6 @@ class ORTModule(torch.nn.Module):
             taps=taps,
         )
 
-    def _export(
-        self, schema: InputSchema, tensors: list[torch.Tensor], key: GraphKey, subscription: Any = None
-    ) -> ExportedGraph:
-        rt = self._ortcore
-        opts = rt.options
-        passes = rt.hooks.graph_passes()
-        fp = graph_fingerprint(
-            key, self._original_module, passes=passes, exporter=rt.exporter, plugin_keys=rt.hooks.export_key()
-        )
-        cached = rt.hooks.load_export(self._original_module, fp)
-        if cached is not None:
-            return cached
-        with tapping(subscription) if key.taps else contextlib.nullcontext() as tapper:
-            graph = export_graph(
-                self._original_module,
-                schema,
-                tensors,
-                exporter=self._ortcore.exporter,
-                opset=opts.opset,
-                log_level=opts.log_level,
-                deepcopy=opts.deepcopy_before_export,
-                graph_passes=passes,
-                config=rt.config,
-                keep_raw=opts.save_onnx,
-                tapper=tapper,
-            )
-        rt.hooks.export_done(self._original_module, fp, graph)
-        if opts.save_onnx:
-            mode = "training" if graph.training else "eval"
-            _save_model(graph.raw_model, opts, f"exported_{mode}")
-            _save_model(graph.model, opts, f"pre_grad_{mode}")
-            # graph.raw_model stays: each build saves it under upstream's name for its mode
-        return graph
-
-    def _build(self, graph: ExportedGraph, key: GraphKey, for_audit: bool = False) -> TrainingSession:
-        """The session of ``graph`` for ``key``. ``for_audit``: the gradient audit's own session, which is not saved
-        and not shown to the plugins' ``session_created`` hooks (it must compute exactly the gradient graph)."""
-        opts = self._ortcore.options
-        graph_names = dict(zip(graph.argument_names, graph.user_input_names))
-        inputs_rg = {graph_names[n] for n in key.input_requires_grad}
-        trainable = set(key.trainable)
-        train_names = [n for n in graph.input_names if n in inputs_rg or n in trainable]
-        hooks = self._ortcore.hooks
-        transformer_config = C.TrainingGraphTransformerConfiguration()
-        hooks.graph_transformer_config(transformer_config, training=key.grad_enabled)
-        configure_session = hooks.session_options
-        mode = _upstream_mode(key.training)
-        ort_written = _OrtWrittenGraphs(opts, mode) if opts.save_onnx and not for_audit else None
-        if ort_written is not None:
-            transformer_config.optimized_pre_grad_filepath = ort_written.path("optimized_pre_grad")
-            configure_session = ort_written.session_options(configure_session)
-        try:
-            session = TrainingSession(
-                BuildRequest(
-                    model=graph.model,
-                    input_names=graph.input_names,
-                    user_input_names=graph.user_input_names,
-                    train_names=train_names,
-                    build_gradient=key.grad_enabled,
-                    device=torch.device(key.device),
-                    log_level=opts.log_level,
-                    transformer_config=transformer_config,
-                    configure_session=configure_session,
-                    configure_providers=hooks.provider_options,
-                    taps=[(tap.value, tap.output) for tap in graph.taps],
-                )
-            )
-        except BaseException:
-            if ort_written is not None:
-                ort_written.finish(keep=False)
-            raise
-        if ort_written is not None:
-            # Before the plugins see the session: one that creates it again (a memory plan) writes the newer file.
-            ort_written.finish(keep=True)
-        if for_audit:
-            return session
-        hooks.session_created(session)
-        if ort_written is not None:
-            if graph.raw_model is not None:  # None when the graph came from an export cache
-                _save_model(graph.raw_model, opts, f"torch_exported_{mode}")
-            _save_model(session.model, opts, f"optimized_{mode}")
-            _save_model(session.model, opts, session.kind)
-        return session
-
     def _fall_back(self, error: Exception, failed: Any, args: tuple, kwargs: dict) -> Any:
         """Run the call in PyTorch as the policy allows, remembering ``failed`` (the call's key) as falling back.
 
@@ -635,10 +467,7 @@ class ORTModule(torch.nn.Module):
             raise error
         outputs = self._original_module(*args, **kwargs)
         reason = f"{type(error).__name__}: {error}"
-        rt.fallback_reason = reason
-        if failed not in rt.failed:
-            rt.failed[failed] = reason
-            rt.state.counters.fallbacks += 1
+        if rt.state.record_fallback(failed, reason):
             message = f"running {type(self._original_module).__name__} in PyTorch ({flag.name}): {error}"
             logger.info(message)  # the warning below is what the user sees, once per failing kind of call
             warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
@@ -647,7 +476,6 @@ class ORTModule(torch.nn.Module):
     def _model_changed(self, reason: str) -> None:
         """The model's structure or code changed: export again, and let calls that fell back try ORT again."""
         self._ortcore.state.reset(reason)
-        self._ortcore.failed.clear()
 
     def explain(self) -> Any:
         """Where each op kind of the current graphs runs (ONNX Runtime's kernel or PyTorch's) and why; see

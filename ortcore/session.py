@@ -7,9 +7,12 @@ optimizer updates are seen without re-export, and ORT's outputs become torch ten
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 import onnx
@@ -52,25 +55,11 @@ def _ort_device(device: torch.device) -> C.OrtDevice:
     return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
-def _providers(device: torch.device) -> list[tuple[str, dict[str, str]]]:
+def default_providers(device: torch.device) -> list[tuple[str, dict[str, str]]]:
+    """The execution providers of a session on ``device``, first preferred, with their options."""
     if device.type == "cuda":
         return [("CUDAExecutionProvider", {"device_id": str(device.index or 0)}), ("CPUExecutionProvider", {})]
     return [("CPUExecutionProvider", {})]
-
-
-def session_options(log_level: LogLevel) -> onnxruntime.SessionOptions:
-    """The settings measured best for training on CPU (ENGINE-NOTES): no memory patterns, no prepacking, no spin."""
-    so = onnxruntime.SessionOptions()
-    so.enable_mem_pattern = False
-    so.enable_mem_reuse = False
-    so.log_severity_level = log_level.ort_severity
-    # Sequential execution: kernels that call back into Python hold the GIL.
-    so.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-    so.use_deterministic_compute = torch.are_deterministic_algorithms_enabled()
-    so.add_session_config_entry("session.disable_prepacking", "1")
-    # A spinning idle ORT worker steals the core the torch optimizer step needs.
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return so
 
 
 def to_ort(vector: C.OrtValueVector, tensor: torch.Tensor) -> None:
@@ -103,32 +92,64 @@ class BuildRequest:
     device: torch.device
     log_level: LogLevel
     transformer_config: object = None  # a C.TrainingGraphTransformerConfiguration, filled by plugins
-    configure_session: Callable[[onnxruntime.SessionOptions, torch.device], None] | None = None
-    configure_providers: Callable[[torch.device, list], None] | None = None
     taps: list[tuple[str, str]] = attrs.Factory(list)  # (value, graph output exposing it) per tapped activation
 
 
-class TrainingSession:
-    """One built graph and its ORT session: a training graph (forward + backward) or an inference graph."""
+@attrs.define(eq=False)
+class BuiltGraph:
+    """The graph ONNX Runtime's builder made for one :class:`BuildRequest`, before the session exists.
 
-    def __init__(self, request: BuildRequest):
-        self.request = request
-        self.device = request.device
-        # Feed indices whose gradient a plugin hands to torch itself during ORT's backward (memory-efficient
-        # gradient management): the backward returns None for them, so torch does not accumulate them twice.
-        self.grads_handed_over: set[int] = set()
-        try:
-            self._build(request)
-        except (GraphBuildError, UnsupportedModelError):
-            raise
-        except Exception as e:  # pybind raises RuntimeError/Fail/InvalidGraph...: all mean "ORT cannot build this"
-            raise GraphBuildError(f"ONNX Runtime could not build the {self.kind} graph: {explain_ort_error(e)}") from e
+    Gradient-graph passes (``ortcore_gradient_graph_passes``) edit ``model`` in place and declare what the core must
+    know of their edits (:meth:`hand_over_gradient`). ``purpose`` is ``"train"`` (the session steps run on) or
+    ``"audit"`` (the gradient audit's session: passes that change how gradients reach torch leave it alone).
+    """
+
+    model: onnx.ModelProto
+    request: BuildRequest
+    purpose: str
+    graph_info: Any
+    user_output_names: list[str]
+    non_differentiable: set[int]  # output indices ORT gives no gradient input
+    torch_non_differentiable: set[int]  # what torch must treat as non-differentiable (also detached outputs)
+    full_shape_grad: set[int]
+    save_for_backward: list[int]
+    output_feeds: list[frozenset[int]] = attrs.Factory(list)  # per output: the feed indices it depends on
+    tap_gradients: list[int | None] = attrs.Factory(list)  # per tap: fetch index of its gradient, or None
+    tap_outputs: list[frozenset[int]] = attrs.Factory(list)  # per tap: the model outputs its value reaches
+    grads_handed_over: set[int] = attrs.Factory(set)
+    # What passes recorded about their edits, by plugin name; read-only on the session (``session.notes``).
+    notes: dict[str, Any] = attrs.Factory(dict)
 
     @property
     def kind(self) -> str:
         return "training" if self.request.build_gradient else "inference"
 
-    def _build(self, r: BuildRequest) -> None:
+    @property
+    def feed_names(self) -> list[str]:
+        return [i.name for i in self.model.graph.input]
+
+    def hand_over_gradient(self, feed_index: int) -> None:
+        """Declare that a pass hands this feed's gradient to torch itself during ORT's backward: the core feeds the
+        tensor detached and its backward returns None for it, so torch does not accumulate it twice."""
+        self.grads_handed_over.add(feed_index)
+
+
+def build_graph(request: BuildRequest, purpose: str = "train") -> BuiltGraph:
+    """Run ONNX Runtime's gradient builder (or forward builder) on ``request.model``, plus the core's own edits of
+    the result (stop-gradients, activation taps)."""
+    try:
+        return _GraphBuild(request, purpose).built
+    except (GraphBuildError, UnsupportedModelError):
+        raise
+    except Exception as e:  # pybind raises RuntimeError/Fail/InvalidGraph...: all mean "ORT cannot build this"
+        kind = "training" if request.build_gradient else "inference"
+        raise GraphBuildError(f"ONNX Runtime could not build the {kind} graph: {explain_ort_error(e)}") from e
+
+
+class _GraphBuild:
+    """One run of ORT's graph builder and the core's edits of what it made."""
+
+    def __init__(self, r: BuildRequest, purpose: str):
         plan = plan_stop_gradients(r.model, r.train_names, r.build_gradient)
         model, no_grad_outputs, train_names = plan.model, plan.no_grad_outputs, plan.train_names
         if r.build_gradient:
@@ -144,37 +165,41 @@ class TrainingSession:
         builder = C.OrtModuleGraphBuilder()
         builder.initialize(model.SerializeToString(), cfg)
         builder.build(r.transformer_config or C.TrainingGraphTransformerConfiguration())
-        self.graph_info = builder.get_graph_info()
+        info = builder.get_graph_info()
         model_bytes = builder.get_gradient_model() if r.build_gradient else builder.get_forward_model()
         self.model = onnx.load_model_from_string(model_bytes)
-        self._model_bytes = model_bytes
-        self.feed_names = [i.name for i in self.model.graph.input]
+        self.user_output_names = list(info.user_output_names)
+        self.non_differentiable = set(info.output_grad_indices_non_differentiable)
+        self.full_shape_grad = set(info.output_grad_indices_require_full_shape)
         self.fetch_names = [o.name for o in self.model.graph.output]
-        self.user_output_names = list(self.graph_info.user_output_names)
-        self.non_differentiable = set(self.graph_info.output_grad_indices_non_differentiable)
-        # What torch must treat as non-differentiable: ORT's set plus outputs computed only from detached values.
-        self.torch_non_differentiable = self.non_differentiable | {
-            i for i, name in enumerate(self.graph_info.user_output_names) if name in no_grad_outputs
-        }
-        self.full_shape_grad = set(self.graph_info.output_grad_indices_require_full_shape)
-        self.save_for_backward = [
-            i for i in self.graph_info.module_output_indices_requires_save_for_backward if i < len(self.user_output_names)
-        ]
+        self.built = BuiltGraph(
+            model=self.model,
+            request=r,
+            purpose=purpose,
+            graph_info=info,
+            user_output_names=self.user_output_names,
+            non_differentiable=self.non_differentiable,
+            torch_non_differentiable=set(),
+            full_shape_grad=self.full_shape_grad,
+            save_for_backward=[
+                i for i in info.module_output_indices_requires_save_for_backward if i < len(self.user_output_names)
+            ],
+        )
         if r.build_gradient:
-            # Gradient outputs are named "<input>_grad"; map each feed to its gradient's index (or None).
-            grad_index = {name: i for i, name in enumerate(self.fetch_names)}
-            self.grad_index = [grad_index.get(f"{name}_grad") for name in self.feed_names]
-            self._grad_producers = _grad_producers(self.model, self.feed_names, self.grad_index)
+            feed_names = [i.name for i in self.model.graph.input]
             # Which feeds each output depends on: a parameter reached only by outputs that got no gradient gets
             # None, as in torch, not ORT's zeros (weight decay would move it otherwise).
             reach = value_dependencies(r.model, [o.name for o in r.model.graph.output])
-            position = {name: i for i, name in enumerate(self.feed_names)}
-            self.output_feeds = [
+            position = {name: i for i, name in enumerate(feed_names)}
+            self.built.output_feeds = [
                 frozenset(position[n] for n in reach.get(o.name, ()) if n in position) for o in r.model.graph.output
             ]
             self._detach_tap_outputs(r)
             self._fetch_tap_gradients(r)
-        self._create_session()
+        # What torch must treat as non-differentiable: ORT's set plus outputs computed only from detached values.
+        self.built.torch_non_differentiable = self.non_differentiable | {
+            i for i, name in enumerate(self.user_output_names) if name in no_grad_outputs
+        }
 
     def _detach_tap_outputs(self, r: BuildRequest) -> None:
         """Take the taps' outputs out of the gradient graph: they are read, never differentiated.
@@ -242,7 +267,6 @@ class TrainingSession:
         graph.node.extend(kept_nodes)
         self.non_differentiable |= detached
         self.full_shape_grad -= detached
-        self._model_bytes = self.model.SerializeToString()
 
     def _fetch_tap_gradients(self, r: BuildRequest) -> None:
         """Make the gradient of each tapped value an extra output of the backward graph.
@@ -255,6 +279,7 @@ class TrainingSession:
         """
         self.tap_gradients: list[int | None] = [None] * len(r.taps)
         self.tap_outputs: list[frozenset[int]] = [frozenset()] * len(r.taps)
+        self.built.tap_gradients, self.built.tap_outputs = self.tap_gradients, self.tap_outputs
         if not r.taps:
             return
         producer = {o: node for node in self.model.graph.node for o in node.output if o}
@@ -276,42 +301,87 @@ class TrainingSession:
             self.tap_outputs[k] = frozenset(i for i, name in enumerate(outputs) if value in reach[name])
         if missing:
             logger.debug("no gradient in the backward graph for %d tapped values: %s", len(missing), missing)
-        self._model_bytes = self.model.SerializeToString()
 
-    def _create_session(self) -> None:
-        r = self.request
-        so = session_options(r.log_level)
-        if r.configure_session is not None:
-            r.configure_session(so, r.device)
-        providers = _providers(r.device)
-        if r.configure_providers is not None:
-            r.configure_providers(r.device, providers)
-        self._sess = onnxruntime.InferenceSession(
-            self._model_bytes, so, providers=[name for name, _ in providers], provider_options=[o for _, o in providers]
-        )
-        device = _ort_device(r.device)
-        if r.build_gradient:
-            n_fw = len(self.user_output_names) + len(self.graph_info.frontier_node_arg_map)
-            self._agent = C.TrainingAgent(
-                self._sess._sess, self.feed_names, [device] * n_fw, self.fetch_names, [device] * len(self.fetch_names), 0
-            )
-        else:
-            self._agent = None
-            self._fetch_devices = [device] * len(self.fetch_names)
-            self._run_options = C.RunOptions()
 
-    def recreate_session(self) -> None:
-        """Create the ORT session again from the same graph, asking the session-options hooks again.
+class TrainingSession:
+    """One built graph and its ORT session: a training graph (forward + backward) or an inference graph.
 
-        For plugins that choose session settings after seeing the built graph (the memory optimizer's plan).
-        The old session stays if ORT fails to create the new one.
-        """
-        previous = (self._sess, self._agent, getattr(self, "_fetch_devices", None), getattr(self, "_run_options", None))
+    Created once by the core's pipeline (:mod:`ortcore.pipeline`) from a :class:`BuiltGraph` and a session plan, and
+    immutable from then on: setting an attribute raises. A plugin that needs another graph edits it in a
+    gradient-graph pass; one that needs other settings contributes them to the plan.
+    """
+
+    def __init__(self, built: BuiltGraph, plan: Any):
+        set_ = super().__setattr__
+        set_("request", built.request)
+        set_("device", built.request.device)
+        set_("purpose", built.purpose)
+        set_("model", built.model)
+        set_("graph_info", built.graph_info)
+        set_("user_output_names", list(built.user_output_names))
+        set_("non_differentiable", frozenset(built.non_differentiable))
+        set_("torch_non_differentiable", frozenset(built.torch_non_differentiable))
+        set_("full_shape_grad", frozenset(built.full_shape_grad))
+        set_("save_for_backward", tuple(built.save_for_backward))
+        set_("output_feeds", tuple(built.output_feeds))
+        set_("tap_gradients", tuple(built.tap_gradients))
+        set_("tap_outputs", tuple(built.tap_outputs))
+        # Feed indices whose gradient a pass hands to torch itself during ORT's backward (grad_management): the
+        # backward returns None for them, so torch does not accumulate them twice.
+        set_("grads_handed_over", frozenset(built.grads_handed_over))
+        set_("notes", types.MappingProxyType(dict(built.notes)))
+        feed_names = [i.name for i in built.model.graph.input]
+        fetch_names = [o.name for o in built.model.graph.output]
+        set_("feed_names", feed_names)
+        set_("fetch_names", fetch_names)
+        if built.request.build_gradient:
+            # Gradient outputs are named "<input>_grad"; map each feed to its gradient's index (or None).
+            position = {name: i for i, name in enumerate(fetch_names)}
+            grad_index = [position.get(f"{name}_grad") for name in feed_names]
+            set_("grad_index", grad_index)
+            set_("_grad_producers", _grad_producers(built.model, feed_names, grad_index))
+        set_("run_wrappers", tuple(name for name, _ in plan.run_wrappers))
+        set_("_wrappers", tuple(wrapper for _, wrapper in plan.run_wrappers))
         try:
-            self._create_session()
+            sess = onnxruntime.InferenceSession(
+                built.model.SerializeToString(),
+                plan.session_options(),
+                providers=[name for name, _ in plan.providers],
+                provider_options=[o for _, o in plan.providers],
+            )
         except Exception as e:
-            self._sess, self._agent, self._fetch_devices, self._run_options = previous
             raise GraphBuildError(f"ONNX Runtime could not create the {self.kind} session: {explain_ort_error(e)}") from e
+        set_("_sess", sess)
+        device = _ort_device(built.request.device)
+        if built.request.build_gradient:
+            n_fw = len(self.user_output_names) + len(built.graph_info.frontier_node_arg_map)
+            agent = C.TrainingAgent(sess._sess, feed_names, [device] * n_fw, fetch_names, [device] * len(fetch_names), 0)
+            set_("_agent", agent)
+        else:
+            set_("_agent", None)
+            set_("_fetch_devices", [device] * len(fetch_names))
+            set_("_run_options", C.RunOptions())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"TrainingSession is immutable once created (setting {name!r}): edit the graph in a gradient-graph pass "
+            "(ortcore_gradient_graph_passes) or add settings to the session plan (ortcore_session_plan); see "
+            "docs/hooks.md"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        self.__setattr__(name, None)
+
+    @property
+    def kind(self) -> str:
+        return "training" if self.request.build_gradient else "inference"
+
+    @contextlib.contextmanager
+    def _wrapped(self, what: str) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for wrapper in self._wrappers:
+                stack.enter_context(wrapper(what))
+            yield
 
     @property
     def agent(self) -> C.TrainingAgent | None:
@@ -320,6 +390,27 @@ class TrainingSession:
 
     # -- running -------------------------------------------------------------------------------------------
     def run_inference(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The inference graph's outputs for ``feeds`` (in ``feed_names`` order), inside the plan's run wrappers."""
+        if self._wrappers:
+            with self._wrapped("inference"):
+                return self._run_inference(feeds)
+        return self._run_inference(feeds)
+
+    def run_forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
+        """The training graph's forward: outputs, and ORT's state for the matching backward."""
+        if self._wrappers:
+            with self._wrapped("forward"):
+                return self._run_forward(feeds)
+        return self._run_forward(feeds)
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        """See :meth:`_run_backward`; inside the plan's run wrappers."""
+        if self._wrappers:
+            with self._wrapped("backward"):
+                return self._run_backward(*args, **kwargs)
+        return self._run_backward(*args, **kwargs)
+
+    def _run_inference(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         inputs = C.OrtValueVector()
         inputs.reserve(len(feeds))
         for t in feeds:
@@ -330,7 +421,7 @@ class TrainingSession:
         )
         return from_ort(outputs)
 
-    def run_forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
+    def _run_forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
         inputs = C.OrtValueVector()
         inputs.reserve(len(feeds))
         for t in feeds:
@@ -340,7 +431,7 @@ class TrainingSession:
         self._agent.run_forward(inputs, outputs, state, None)
         return from_ort(outputs), state
 
-    def run_backward(
+    def _run_backward(
         self,
         grad_outputs: Sequence[torch.Tensor | None],
         outputs_meta: Sequence[tuple],

@@ -125,16 +125,23 @@ class Counters:
     fallbacks: int = 0
     routed_ops: int = 0  # op kinds run on PyTorch's kernels inside ORT's graph, summed over exports
     audits: int = 0  # gradient audits run (verify_gradients), one per newly built training graph
+    probes: int = 0  # throw-away sessions created for analysis (a plugin's plan probe, the gradient audit's)
 
 
 @attrs.frozen
 class Transition:
-    action: str  # "export", "build" or "reuse"
+    action: str  # "export", "build", "reuse", "probe" or "reset"
     reason: str
 
 
 class ExportStateMachine:
-    """Decides, per call, between reuse, rebuild and re-export; caches graphs and sessions by key."""
+    """Decides, per call, between reuse, rebuild, re-export and fallback; caches graphs and sessions by key.
+
+    Every session the build pipeline creates is recorded here with its cause (``history``, ``counters``): the
+    sessions steps run on (``builds``), sessions made again for a reason (``record_build``) and throw-away sessions
+    for analysis (``probes``). Calls that fell back to PyTorch are remembered by key with their reason, so such a
+    call runs in PyTorch again without retrying ORT (unless the fallback policy retries).
+    """
 
     def __init__(self, max_cached: int = 8):
         self.max_cached = max_cached
@@ -143,6 +150,10 @@ class ExportStateMachine:
         self._graphs: OrderedDict[tuple, Any] = OrderedDict()
         self._sessions: OrderedDict[tuple, Any] = OrderedDict()
         self._last: GraphKey | None = None
+        # Calls that fell back, by GraphKey (or, for a call that failed before it had one, by its error), with the
+        # reason; other calls try ORT.
+        self.failed: dict[Any, str] = {}
+        self.fallback_reason: str | None = None
 
     @property
     def last_key(self) -> GraphKey | None:
@@ -200,11 +211,41 @@ class ExportStateMachine:
         return graph
 
     def reset(self, reason: str) -> None:
-        """Forget every graph and session (the model's structure changed, say)."""
+        """Forget every graph and session, and which calls fell back (the model's structure changed, say)."""
         self._graphs.clear()
         self._sessions.clear()
         self._last = None
+        self.failed.clear()
         self._record("reset", reason)
+
+    def record_probe(self, cause: str) -> None:
+        """A throw-away session is created for analysis (``SessionPlan.probe``, the gradient audit)."""
+        self.counters.probes += 1
+        self._record("probe", cause)
+
+    def record_build(self, cause: str) -> None:
+        """A session is created once more within one build (without a plugin's settings ORT refused, say)."""
+        self.counters.builds += 1
+        self._record("build", cause)
+
+    # -- fallback to PyTorch ---------------------------------------------------------------------------------------
+    def known_failure(self, key: Any) -> str | None:
+        """Why the call with ``key`` fell back before, or None if it did not."""
+        return self.failed.get(key)
+
+    def record_fallback(self, key: Any, reason: str) -> bool:
+        """The call with ``key`` runs in PyTorch for ``reason``; returns True the first time for this key."""
+        self.fallback_reason = reason
+        if key in self.failed:
+            return False
+        self.failed[key] = reason
+        self.counters.fallbacks += 1
+        return True
+
+    def record_ort_run(self, key: Any) -> None:
+        """The call with ``key`` ran in ORT (a retry that now works is no longer a fallback)."""
+        self.failed.pop(key, None)
+        self.fallback_reason = None
 
     def _record(self, action: str, reason: str) -> None:
         self.history.append(Transition(action, reason))

@@ -25,11 +25,12 @@ the count stays available from :func:`stats`. Ctrl-C inside a kernel is handled 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -363,43 +364,49 @@ def stats() -> ExecutorStats:
 
 # -- raising failures from the session runs that hit them --------------------------------------------------------------
 
-_CHECKED = "__ortcore_aten_checked__"
+_run_resets: list[Callable[[], None]] = []
 
 
-def raising_failures(run: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """Wrap a session's run method: an ATen failure during the run is raised as :class:`ATenExecutorError`."""
-    import functools
+def on_run_boundary(reset: Callable[[], None]) -> None:
+    """Call ``reset`` before and after every guarded session run (state keyed by ORT's buffers, which ORT reuses
+    across runs, must not outlive a run). Registering the same function again does nothing."""
+    if reset not in _run_resets:
+        _run_resets.append(reset)
 
-    @functools.wraps(run)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        take_pending_error()  # a failure of an earlier, unrelated run must not be blamed on this one
-        try:
-            result = run(*args, **kwargs)
-        except Exception as e:
-            failure = take_pending_error()
-            if failure is None:
-                raise
-            if failure.interrupted:
-                raise KeyboardInterrupt from e
-            raise ATenExecutorError(f"{failure.describe()} (during the ORT {what}; ORT said: {e})") from e
+
+@contextlib.contextmanager
+def run_guard(what: str) -> Iterator[None]:
+    """A session run wrapper (``SessionPlan.add_run_wrapper("aten_executor", run_guard)``): an ATen failure during
+    the run is raised as :class:`ATenExecutorError` naming the op, instead of ORT's generic error or nothing."""
+    take_pending_error()  # a failure of an earlier, unrelated run must not be blamed on this one
+    for reset in _run_resets:
+        reset()
+    try:
+        yield
+    except Exception as e:
+        for reset in _run_resets:
+            reset()
         failure = take_pending_error()
-        if failure is not None:
-            if failure.interrupted:
-                raise KeyboardInterrupt
-            raise ATenExecutorError(f"{failure.describe()} (during the ORT {what})")
-        return result
+        if failure is None:
+            raise
+        if failure.interrupted:
+            raise KeyboardInterrupt from e
+        raise ATenExecutorError(f"{failure.describe()} (during the ORT {what}; ORT said: {e})") from e
+    for reset in _run_resets:
+        reset()
+    failure = take_pending_error()
+    if failure is not None:  # a failure that did not stop the run (a query ORT made of the executor, say)
+        if failure.interrupted:
+            raise KeyboardInterrupt
+        raise ATenExecutorError(f"{failure.describe()} (during the ORT {what})")
 
-    setattr(checked, _CHECKED, True)
-    return checked
+
+def has_aten_nodes(model: Any) -> bool:
+    """Whether a graph holds ATen nodes (whose failures :func:`run_guard` surfaces)."""
+    return any(n.op_type == "ATen" and n.domain == "org.pytorch.aten" for n in model.graph.node)
 
 
-def check_session_runs(session: Any) -> None:
-    """Make ``session``'s forward, backward and inference runs raise the executor's failures (once per session).
-
-    Plugins that put ATen nodes in a graph call this from ``ortcore_session_created``; a session already wrapped (by
-    this function or by the same marker) is left as it is.
-    """
-    for name, what in (("run_forward", "forward"), ("run_backward", "backward"), ("run_inference", "inference")):
-        run = getattr(session, name, None)
-        if run is not None and not getattr(run, _CHECKED, False):
-            setattr(session, name, raising_failures(run, what))
+def guard_runs(graph: Any, plan: Any) -> None:
+    """From a plugin's ``ortcore_session_plan``: guard the session's runs if its graph holds ATen nodes."""
+    if has_aten_nodes(graph.model):
+        plan.add_run_wrapper("aten_executor", run_guard)

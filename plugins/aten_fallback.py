@@ -18,7 +18,6 @@ becomes one ATen node running the op, whose gradient re-runs it under ``torch.au
 from __future__ import annotations
 
 import difflib
-import functools
 import json
 import logging
 import math
@@ -39,7 +38,6 @@ from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 
 from . import _aten_executor as executor
-from ._aten_executor import ATenExecutorError
 
 logger = logging.getLogger("ortcore.aten_fallback")
 
@@ -1253,38 +1251,6 @@ def type_aten_outputs(model: onnx.ModelProto, context: PassContext | None = None
     return recorded
 
 
-# -- surfacing executor failures ------------------------------------------------------------------------------------
-
-
-def _raising_errors(run: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """Wrap a session's run method: an ATen failure during the run is raised as :class:`ATenExecutorError`."""
-
-    @functools.wraps(run)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        executor.take_pending_error()  # a failure of an earlier, unrelated run must not be blamed on this one
-        clear_vjp_results()  # ORT reuses buffers across runs: gradients keyed by them must not outlive the run
-        try:
-            result = run(*args, **kwargs)
-        except Exception as e:
-            clear_vjp_results()
-            failure = executor.take_pending_error()
-            if failure is None:
-                raise
-            if failure.interrupted:
-                raise KeyboardInterrupt from e
-            raise ATenExecutorError(f"{failure.describe()} (during the ORT {what}; ORT said: {e})") from e
-        clear_vjp_results()
-        failure = executor.take_pending_error()
-        if failure is not None:  # a failure that did not stop the run (a query ORT made of the executor, say)
-            if failure.interrupted:
-                raise KeyboardInterrupt
-            raise ATenExecutorError(f"{failure.describe()} (during the ORT {what})")
-        return result
-
-    checked.__ortcore_aten_checked__ = True  # type: ignore[attr-defined]
-    return checked
-
-
 # -- hooks ----------------------------------------------------------------------------------------------------------
 
 
@@ -1339,11 +1305,7 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
 
 
 @hookimpl
-def ortcore_session_created(config: Config, session: Any) -> None:
-    model = getattr(session, "model", None)
-    if model is None or not any(n.op_type == "ATen" and n.domain == ATEN_DOMAIN for n in model.graph.node):
-        return
-    for name, what in (("run_forward", "forward"), ("run_backward", "backward"), ("run_inference", "inference")):
-        run = getattr(session, name, None)
-        if run is not None and not getattr(run, "__ortcore_aten_checked__", False):
-            setattr(session, name, _raising_errors(run, what))
+def ortcore_session_plan(graph: Any, plan: Any) -> None:
+    """Executor failures in a graph with ATen nodes are raised from the run that hit them, naming the op."""
+    executor.on_run_boundary(clear_vjp_results)  # a routed op's shared gradients must not outlive a run
+    executor.guard_runs(graph, plan)

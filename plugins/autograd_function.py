@@ -46,6 +46,7 @@ NAME = "autograd_function"
 PYTHON_OP_DOMAIN = "com.microsoft"
 PYTHON_OP = "PythonOp"
 SHAPES_PASS = "autograd_function.output_shapes"
+INFERENCE_PASS = "autograd_function.inference_mode"
 BOOL = onnx.TensorProto.BOOL
 # Reentrant activation checkpointing: its forward runs the checkpointed layers in PyTorch, out of ORT's sight.
 CHECKPOINT_FUNCTIONS = ("torch.utils.checkpoint.CheckpointFunction", "deepspeed.checkpointing.CheckpointFunction")
@@ -223,7 +224,7 @@ class PythonOpHandler:
         return bool(modules)
 
     def export(self, g, node, args):
-        _install_runners()
+        install_runners()
         convention = node.cconv()
         bool_inputs = tuple(
             i for i, (arg, kind) in enumerate(zip(args, convention)) if kind == "d" and _onnx_dtype(arg) == BOOL
@@ -266,7 +267,7 @@ class PythonOpHandler:
                 onnx.TensorProto.UINT8 if _onnx_dtype(o) == BOOL else _onnx_dtype(o) for o in outputs
             ],
             "output_tensor_ranks_i": [o.type().dim() or 0 for o in outputs],
-            "training_mode_i": 1,  # inference sessions get 0 (see ortcore_session_created)
+            "training_mode_i": 1,  # inference graphs get 0 (see inference_mode_pass)
             "safe_run_mode_i": 1,  # the runner keeps a second reference to each context
             "comment_s": json.dumps({"dims": _dim_sources(list(node.inputs()), outputs)}),
         }
@@ -377,7 +378,8 @@ def _backward(func_name: str, _requires_grad, tensor_flags: list, _training, _in
     return results
 
 
-def _install_runners() -> None:
+def install_runners() -> None:
+    """Register ortcore's PythonOp runners with ORT (idempotent); plugins that add PythonOp nodes call this."""
     try:
         runner.install(_forward, _backward)
     except runner.RunnerUnavailableError as e:
@@ -482,16 +484,16 @@ def ortcore_load_export(config: Config, module: Any, fingerprint: str):
     return graph
 
 
-@hookimpl
-def ortcore_session_created(config: Config, session: Any) -> None:
-    """An inference session never runs PythonOpGrad: its PythonOps run without autograd and keep no context."""
-    model = getattr(session, "model", None)
-    if getattr(session, "kind", None) != "inference" or model is None or not _has_python_op(model):
+def inference_mode_pass(model: onnx.ModelProto, graph: Any) -> None:
+    """In an inference graph, PythonOps run without autograd and keep no context: ORT runs no PythonOpGrad there."""
+    if graph.kind != "inference":
         return
-    for node in model.graph.node:
-        if node.op_type == PYTHON_OP and node.domain == PYTHON_OP_DOMAIN:
-            for attribute in node.attribute:
-                if attribute.name == "training_mode":
-                    attribute.i = 0
-    session._model_bytes = model.SerializeToString()
-    session.recreate_session()
+    for node in _python_ops(model):
+        for attribute in node.attribute:
+            if attribute.name == "training_mode":
+                attribute.i = 0
+
+
+@hookimpl
+def ortcore_gradient_graph_passes(config: Config) -> list[GraphPass]:
+    return [GraphPass(INFERENCE_PASS, run=inference_mode_pass)]

@@ -637,10 +637,8 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
 
 
 @hookimpl
-def ortcore_session_created(config: Config, session: Any) -> None:
-    model = getattr(session, "model", None)
-    if model is not None and any(n.op_type == "ATen" and n.domain == ATEN_DOMAIN for n in model.graph.node):
-        executor.check_session_runs(session)
+def ortcore_session_plan(graph: Any, plan: Any) -> None:
+    executor.guard_runs(graph, plan)
 
 
 # -- benchmark -----------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import torch
 
 from ortcore.config import Config, option
 from ortcore.errors import UnsupportedModelError
+from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
 from ortcore.inspectors import RuntimeInspector
 from ortcore.options import parse_bool
@@ -42,6 +43,7 @@ from . import autograd_function as python_op
 logger = logging.getLogger("ortcore.grad_management")
 
 NAME = "grad_management"
+PASS_NAME = "grad_management.hand_over"
 HANDOVER_SUFFIX = "/grad_management.in"  # the gradient's value, renamed: the PythonOp now produces "<param>_grad"
 EXTRA_OUTPUT_PREFIX = "ortcore."  # outputs the core adds (batch-norm inputs, activation taps): never differentiated
 
@@ -110,43 +112,39 @@ class HandOverGradient(torch.autograd.Function):
         raise RuntimeError("grad_management's hand-over is not differentiable")
 
 
-# session -> its handed-over parameters (a session is built once per GraphKey; the inspector fills them per step)
-_sessions: weakref.WeakKeyDictionary[Any, _Parameters] = weakref.WeakKeyDictionary()
-
-
-def _eligible_feeds(session: Any) -> list[int]:
+def _eligible_feeds(graph: Any) -> list[int]:
     """Feed indices of parameters whose gradient can be handed over: ORT computes one, and every differentiable
     model output depends on the parameter (so torch gives it a gradient whenever the backward runs)."""
-    outputs = [o.name for o in session.request.model.graph.output]
+    outputs = [o.name for o in graph.request.model.graph.output]
     differentiable = [
         i
         for i, name in enumerate(outputs)
-        if not name.startswith(EXTRA_OUTPUT_PREFIX) and i not in session.torch_non_differentiable
+        if not name.startswith(EXTRA_OUTPUT_PREFIX) and i not in graph.torch_non_differentiable
     ]
     if not differentiable:
         return []
-    user_inputs = set(session.request.user_input_names)
-    trained = set(session.request.train_names)
+    user_inputs = set(graph.request.user_input_names)
+    trained = set(graph.request.train_names)
+    fetched = {o.name for o in graph.model.graph.output}
     eligible = []
-    for k, name in enumerate(session.feed_names):
-        if name in user_inputs or name not in trained or session.grad_index[k] is None:
+    for k, name in enumerate(graph.feed_names):
+        if name in user_inputs or name not in trained or f"{name}_grad" not in fetched:
             continue
-        if all(k in session.output_feeds[i] for i in differentiable):
+        if all(k in graph.output_feeds[i] for i in differentiable):
             eligible.append(k)
     return eligible
 
 
-def insert_hand_overs(session: Any) -> int:
-    """Edit the session's training graph so that each eligible parameter's gradient is handed to torch by a
+def insert_hand_overs(model: onnx.ModelProto, session: Any) -> int:
+    """A gradient-graph pass: edit the training graph so that each eligible parameter's gradient is handed to torch by a
     PythonOp as soon as it is computed; returns how many parameters are handed over."""
-    model: onnx.ModelProto = session.model
     graph = model.graph
     producer = {o: (n, node) for n, node in enumerate(graph.node) for o in node.output if o}
     # A gradient nothing computes in ORT (a graph input passed through) stays with the core.
     feeds = [k for k in _eligible_feeds(session) if f"{session.feed_names[k]}_grad" in producer]
     if not feeds:
         return 0
-    python_op._install_runners()
+    python_op.install_runners()
     key = python_op.registry.key(HandOverGradient)
     parameters = _Parameters([session.feed_names[k] for k in feeds])
     after: dict[int, list[onnx.NodeProto]] = {}
@@ -191,10 +189,9 @@ def insert_hand_overs(session: Any) -> int:
         nodes.extend(after.get(position, []))
     del graph.node[:]
     graph.node.extend(nodes)
-    session._model_bytes = model.SerializeToString()
-    session.recreate_session()
-    session.grads_handed_over.update(feeds)  # the core feeds them detached and returns no gradient for them
-    _sessions[session] = parameters
+    for k in feeds:
+        session.hand_over_gradient(k)  # the core feeds them detached and returns no gradient for them
+    session.notes[NAME] = parameters
     return len(feeds)
 
 
@@ -212,7 +209,7 @@ class GradManagementInspector(RuntimeInspector):
         self.module = weakref.ref(module)
 
     def pre_forward(self, step: int, inputs: Any) -> None:
-        parameters = _sessions.get(inputs.session) if inputs.session is not None else None
+        parameters = inputs.session.notes.get(NAME) if inputs.session is not None else None
         module = self.module()
         if parameters is not None and module is not None:
             parameters.bind(module)
@@ -230,8 +227,13 @@ def ortcore_runtime_inspectors(config: Config, module: torch.nn.Module) -> list[
 
 
 @hookimpl
-def ortcore_session_created(config: Config, session: Any) -> None:
-    if not _enabled(config) or getattr(session, "kind", None) != "training":
+def ortcore_gradient_graph_passes(config: Config) -> list[GraphPass]:
+    return [GraphPass(PASS_NAME, run=_hand_over_pass)] if _enabled(config) else []
+
+
+def _hand_over_pass(model: onnx.ModelProto, graph: Any) -> None:
+    # The gradient audit compares gradients as ORT computes them: it keeps them in ORT's outputs.
+    if graph.kind != "training" or graph.purpose != "train":
         return
-    handed = insert_hand_overs(session)
+    handed = insert_hand_overs(model, graph)
     logger.info("grad_management: %d parameter gradients are handed to torch during ORT's backward", handed)

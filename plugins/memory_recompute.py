@@ -16,11 +16,11 @@ recompute, as upstream ORTModule's ``ORTMODULE_MEMORY_OPT_LEVEL`` and ``ORTMODUL
   count is how many occurrences to recompute (-1: all, 0: none). At level 1 or 2 they override what the level chose
   for the same cluster.
 
-How: when a training session is built, the plugin asks ORT's ``TrainingAgent.get_serialized_ortmodule_memory_stat``
-for the recompute opportunities of that graph, picks the plan, and builds the session again with the session
-config entries ``optimization.memory_optimizer_config`` (a JSON file with the plan) and
-``optimization.enable_memory_probe_recompute_config``, written by this plugin's ``ortcore_session_options`` hook, and
-with ORT's memory-efficient execution order. At ``log_level = "INFO"`` the opportunities are logged as a table, with
+How: in the session plan of a training graph (``ortcore_session_plan``), the plugin asks a probe session's
+``TrainingAgent.get_serialized_ortmodule_memory_stat`` for the recompute opportunities of that graph, picks the plan,
+and adds the session config entries ``optimization.memory_optimizer_config`` (a JSON file with the plan) and
+``optimization.enable_memory_probe_recompute_config`` with ORT's memory-efficient execution order to the plan, as
+settings the session gets if ORT accepts them. The core then creates the session once. At ``log_level = "INFO"`` the opportunities are logged as a table, with
 each plan ON or OFF, even when recompute is off. With ``save_onnx`` the graph ORT really runs (recompute nodes are
 named ``..._recompute``) is saved as ``<prefix>_execution_model_training.onnx``.
 
@@ -30,8 +30,6 @@ Run ``python -m ortcore_plugins.memory_recompute --bench`` to measure peak memor
 from __future__ import annotations
 
 import argparse
-import contextlib
-import contextvars
 import difflib
 import json
 import logging
@@ -39,9 +37,8 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -291,43 +288,6 @@ def opportunity_table(
     return "\n".join([head + ":", table, *notes])
 
 
-# -- building the session with the plan ----------------------------------------------------------------------------
-
-
-@attrs.frozen
-class _Plan:
-    path: str
-    probe_config: str
-
-
-_pending: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("ortcore_memory_recompute_plan", default=None)
-
-
-@contextlib.contextmanager
-def _plan_file(entries: Sequence[RecomputeEntry]) -> Iterator[str]:
-    """The plan as ORT reads it: a JSON file with a list of entries, kept while the session is built."""
-    fd, path = tempfile.mkstemp(prefix="ortcore_recompute_", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump([str(e) for e in entries], f)
-        yield path
-    finally:
-        os.unlink(path)
-
-
-def rebuild_with_plan(session: Any, entries: Sequence[RecomputeEntry], probe_config: str) -> None:
-    """Create ``session``'s ORT session again with the memory optimizer configured (the gradient graph is kept).
-
-    If ORT cannot apply the plan, the session is left as it was and the error is raised.
-    """
-    with _plan_file(entries) as path:
-        token = _pending.set(_Plan(path, probe_config))
-        try:
-            session.recreate_session()
-        finally:
-            _pending.reset(token)
-
-
 # -- hooks -----------------------------------------------------------------------------------------------------------
 
 
@@ -337,34 +297,16 @@ def ortcore_options_class() -> type:
 
 
 @hookimpl
-def ortcore_session_options(config: Any, session_options: onnxruntime.SessionOptions) -> None:
-    plan = _pending.get()
-    if plan is None:
+def ortcore_session_plan(config: Any, graph: Any, plan: Any) -> None:
+    # Nothing is kept for a backward that does not exist; the gradient audit compares gradients, not memory.
+    if graph.kind != "training" or graph.purpose != "train":
         return
-    session_options.add_session_config_entry(CONFIG_ENTRY, plan.path)
-    session_options.add_session_config_entry(PROBE_ENTRY, plan.probe_config)
-    # Recompute nodes must run right before their backward consumers, not wherever the default order puts them.
-    session_options.execution_order = onnxruntime.ExecutionOrder.MEMORY_EFFICIENT
-    core = config.core
-    if core.save_onnx:
-        session_options.optimized_model_filepath = os.path.join(
-            core.save_dir, f"{core.onnx_prefix}_execution_model_training.onnx"
-        )
-
-
-@hookimpl
-def ortcore_session_created(config: Any, session: Any) -> None:
-    if not session.request.build_gradient:
-        return  # nothing is kept for a backward that does not exist
     options = _options(config)
-    show = config.core.log_level <= LogLevel.INFO
-    if not options.enabled and not show:
-        return
+    if not options.enabled:
+        return  # the table alone (log level INFO) is read from the session itself: ortcore_session_created
     start = time.perf_counter()
-    try:
-        opportunities = find_opportunities(session.agent, options.probe_config)
-    except Exception as e:  # an analysis ORT cannot do must not stop training
-        logger.warning("memory_recompute: ORT could not analyse the training graph (%s: %s)", type(e).__name__, e)
+    opportunities = _analyse(plan.probe(f"{NAME}: find the recompute opportunities of the training graph"), options)
+    if opportunities is None:
         return
     applied: list[RecomputeEntry] = []
     if options.enabled:
@@ -380,21 +322,42 @@ def ortcore_session_created(config: Any, session: Any) -> None:
                 ", ".join(found) or "none",
             )
         if applied:
-            try:
-                rebuild_with_plan(session, applied, options.probe_config)
-            except Exception as e:  # an ORT failure must not stop training: keep the session without recompute
-                logger.warning(
-                    "memory_recompute: ONNX Runtime could not build the plan %s (%s: %s); training without recompute",
-                    [str(a) for a in applied],
-                    type(e).__name__,
-                    e,
-                )
-                applied = []
-    if show:
+            # ORT reads the plan from a JSON file; if it cannot apply it, the core creates the session without it.
+            path = plan.temporary_file(json.dumps([str(e) for e in applied]), suffix=".json")
+            plan.add_optional(
+                NAME,
+                {CONFIG_ENTRY: path, PROBE_ENTRY: options.probe_config},
+                # Recompute nodes must run right before their backward consumers, not wherever the default order
+                # puts them.
+                execution_order=onnxruntime.ExecutionOrder.MEMORY_EFFICIENT,
+            )
+    _show(config, options, opportunities, applied, start)
+
+
+@hookimpl
+def ortcore_session_created(config: Any, session: Any) -> None:
+    """With recompute off, the opportunities are still logged at INFO: read from the session's own agent."""
+    options = _options(config)
+    if options.enabled or not session.request.build_gradient or config.core.log_level > LogLevel.INFO:
+        return
+    start = time.perf_counter()
+    opportunities = _analyse(session, options)
+    if opportunities is not None:
+        _show(config, options, opportunities, [], start)
+
+
+def _analyse(session: Any, options: MemoryRecomputeOptions) -> list | None:
+    try:
+        return find_opportunities(session.agent, options.probe_config)
+    except Exception as e:  # an analysis ORT cannot do must not stop training
+        logger.warning("memory_recompute: ORT could not analyse the training graph (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _show(config: Any, options: MemoryRecomputeOptions, opportunities: list, applied: list, start: float) -> None:
+    if config.core.log_level <= LogLevel.INFO:
         logger.info(
-            "%s\n  (analysis and rebuild: %.2f s)",
-            opportunity_table(options, opportunities, applied),
-            time.perf_counter() - start,
+            "%s\n  (analysis: %.2f s)", opportunity_table(options, opportunities, applied), time.perf_counter() - start
         )
 
 

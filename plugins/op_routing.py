@@ -599,8 +599,8 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
 
 
 @hookimpl
-def ortcore_session_created(config: Config, session: Any) -> None:
-    """Executor failures in a graph with ATen nodes are raised from the run (the ``aten_fallback`` plugin's check,
+def ortcore_session_plan(config: Config, graph: Any, plan: Any) -> None:
+    """Executor failures in a graph with ATen nodes are raised from the run (the same guard as ``aten_fallback``'s,
     which also clears the gradients a routed op's helper nodes share), also when that plugin is disabled."""
     if _options(config).enabled:
-        aten.ortcore_session_created(config, session)
+        aten.ortcore_session_plan(graph, plan)

@@ -51,12 +51,12 @@ from ortcore.errors import OptionError
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import parse_bool
-from ortcore.session import TrainingSession
 
 logger = logging.getLogger("ortcore.sparse_optimizer")
 
 NAME = "sparse_optimizer"
 COMPUTE_OPTIMIZER = "compute_optimizer"
+UNMARK_PASS = "sparse_optimizer.unmark"
 PASS_NAME = "sparse_optimizer.flag_label_sparsity"
 # The marker ORT 1.19.2's InsertGatherBeforeSceLoss looks for (and removes) on a loss's label input.
 FLAG_FUNCTION = "onnxruntime.training.ortmodule._runtime_inspector.FlagAndPrintDensity"
@@ -351,14 +351,21 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
     return [GraphPass(PASS_NAME, run=flag_label_sparsity)] if resolve(config).label else []
 
 
-@hookimpl(tryfirst=True)
-def ortcore_session_created(session: TrainingSession) -> None:
-    # ORT removes the markers only while building a gradient graph; a session that kept one would fail at its first
-    # run. Rebuild it in place (the core holds this object) from the forward graph without markers; tryfirst so
-    # that other plugins see the rebuilt session.
-    if not any(_is_marker(n) for n in session.model.graph.node):
-        return
-    stripped = strip_markers(session.request.model)
-    if stripped is not None:
-        logger.info("label sparsity: rebuilding the %s session without the markers ORT kept", session.kind)
-        session.__init__(attrs.evolve(session.request, model=stripped))
+def markers_to_identities(model: onnx.ModelProto, graph: Any) -> None:
+    """A gradient-graph pass: ORT removes the markers only while building a gradient graph, and a session that kept
+    one would fail at its first run, so each marker left in the built graph (an inference build) becomes an
+    Identity from the labels to the value its consumers read."""
+    count = 0
+    for node in model.graph.node:
+        if _is_marker(node):
+            labels, value = node.input[0], node.output[1]
+            node.Clear()
+            node.CopyFrom(onnx.helper.make_node("Identity", [labels], [value], name=f"{PASS_NAME}/unmarked/{value}"))
+            count += 1
+    if count:
+        logger.info("label sparsity: %d markers ORT kept in the %s graph became Identities", count, graph.kind)
+
+
+@hookimpl
+def ortcore_gradient_graph_passes(config: Config) -> list[GraphPass]:
+    return [GraphPass(UNMARK_PASS, run=markers_to_identities)] if resolve(config).label else []

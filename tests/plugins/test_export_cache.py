@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import pickle
+import stat
 import subprocess
 import sys
 import textwrap
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import onnx
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -38,6 +41,7 @@ from ortcore.graph import ExportedGraph
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import PluginHost
+from ortcore.schema import OutputSchema, flatten_outputs
 from ortcore.testing import assert_matches_torch, make_host
 
 # -- helpers ------------------------------------------------------------------------------------------------------
@@ -253,6 +257,139 @@ def test_second_process_skips_export_and_matches_torch(tmp_path):
     for name, param in reference.named_parameters():
         torch.testing.assert_close(child["grads"][name], param.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(child["running_mean"], reference[1].running_mean)
+
+
+# -- entries are data only -----------------------------------------------------------------------------------------
+
+
+def test_an_entry_is_a_json_line_and_onnx_bytes(tmp_path):
+    run(bn_model(), cache_host(tmp_path), (X,))
+    [path] = entries(tmp_path)
+    payload, _ = plugin.decode_entry(path.read_bytes(), fingerprint=_header(path)["fingerprint"], rank=0)
+    line, _, model_bytes = payload.partition(b"\n")
+    state = json.loads(line)
+    assert state["batch_norms"][0]["module"] == "1" and state["training"] is True
+    assert {i.name for i in onnx.load_model_from_string(model_bytes).graph.input} >= {"input", "0.weight"}
+
+
+class Weird(enum.Enum):
+    A = 1
+
+
+def test_output_schema_survives_json_with_its_structure_and_constants():
+    outputs = {
+        "pair": (torch.ones(2), None),
+        "list": [torch.zeros(1), 3, 2.5, float("nan"), "text", True],
+        "meta": (torch.float16, torch.device("cpu"), Weird.A),
+        "prediction": Prediction(torch.ones(3), torch.zeros(3)),
+    }
+    schema, tensors = flatten_outputs(outputs)
+    loaded = OutputSchema.from_json(json.loads(json.dumps(schema.to_json())))
+    assert loaded.spec == schema.spec and loaded.names == schema.names
+    restored = loaded.restore(tensors)
+    assert restored["meta"] == (torch.float16, torch.device("cpu"), Weird.A)
+    assert restored["list"][1:3] == [3, 2.5] and restored["list"][4:] == ["text", True]
+    assert isinstance(restored["list"][1], int) and isinstance(restored["prediction"], Prediction)
+
+
+def test_a_graph_whose_output_type_cannot_be_found_by_name_is_not_cached(tmp_path, cache_log):
+    @dataclasses.dataclass
+    class Local:  # defined in a function: no import path leads back to it, and it is never pickled instead
+        y: torch.Tensor
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return Local(self.lin(x))
+
+    for _ in range(2):
+        spy = SpyExporter()
+        model = Model()
+        expected = copy.deepcopy(model)(X)
+        torch.testing.assert_close(ORTModule(model, host=cache_host(tmp_path), exporter=spy)(X).y, expected.y)
+        assert spy.calls == 1
+    assert list(tmp_path.iterdir()) == []
+    [record] = {r.getMessage() for r in cache_log.records if "not cached" in r.getMessage()}
+    assert "Local" in record and "import path" in record
+    assert all(r.levelno == logging.INFO for r in cache_log.records if "not cached" in r.getMessage())
+
+
+# -- who may write the directory ------------------------------------------------------------------------------------
+
+
+def _refused(cache_log: pytest.LogCaptureFixture, directory: Path) -> list[str]:
+    return [
+        r.getMessage()
+        for r in cache_log.records
+        if r.levelno == logging.WARNING and f"not using {directory}" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("mode, who", [(0o770, "its group"), (0o757, "all users"), (0o777, "its group and all users")])
+def test_a_directory_others_can_write_is_refused_naming_it_and_the_opt_in(tmp_path, cache_log, mode, who):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    for _ in range(2):
+        _, spy = run(mlp(), cache_host(shared), (X,))
+        assert spy.calls == 1
+    assert list(shared.iterdir()) == []  # neither read nor written
+    [warning] = _refused(cache_log, shared)  # once per process, not at every export
+    assert who in warning and "ORTCORE_EXPORT_CACHE_TRUST_SHARED=1" in warning and "trust_shared" in warning
+
+
+def test_a_sticky_world_writable_directory_of_this_user_is_used(tmp_path, cache_log):
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)  # as /tmp: others may add files, but not replace or remove this user's
+    run(mlp(), cache_host(sticky), (X,))
+    _, spy = run(mlp(), cache_host(sticky), (X,))
+    assert spy.calls == 0 and _refused(cache_log, sticky) == []
+
+
+def test_a_directory_of_another_user_is_refused(tmp_path, cache_log, monkeypatch):
+    owner = os.stat(tmp_path).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # as if this process ran as another user
+    _, spy = run(mlp(), cache_host(tmp_path), (X,))
+    assert spy.calls == 1 and list(tmp_path.iterdir()) == []
+    [warning] = _refused(cache_log, tmp_path)
+    assert "owned by another user" in warning
+
+
+def test_trust_shared_opts_in_to_a_shared_directory(tmp_path, cache_log):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o775)
+    table = {"plugins": {"export_cache": {"trust_shared": True}}}
+    run(mlp(), cache_host(shared, table=table), (X,))
+    host = make_host(
+        {"export_cache": plugin}, env={"ORTMODULE_CACHE_DIR": str(shared), "ORTCORE_EXPORT_CACHE_TRUST_SHARED": "1"}
+    )
+    _, spy = run(mlp(), host, (X,))
+    assert spy.calls == 0 and _refused(cache_log, shared) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_an_entry_owned_by_another_user_is_ignored_unless_trusted(tmp_path, cache_log):
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    run(mlp(), cache_host(sticky), (X,))
+    [path] = entries(sticky)
+    os.chown(path, 12345, -1)  # planted by another user of the sticky directory
+    _, spy = run(mlp(), cache_host(sticky), (X,))
+    assert spy.calls == 1 and path.exists()
+    assert any("owned by another user" in m and str(path) in m for m in cache_log.messages)
+    _, spy = run(mlp(), cache_host(sticky, table={"plugins": {"export_cache": {"trust_shared": True}}}), (X,))
+    assert spy.calls == 0
+
+
+def test_a_directory_the_cache_creates_is_private(tmp_path):
+    run(mlp(), cache_host(tmp_path / "new"), (X,))
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o700
 
 
 # -- everything that shapes a graph misses -------------------------------------------------------------------------
@@ -695,7 +832,8 @@ CORRUPTIONS: dict[str, Callable[[Path, Path], bytes]] = {
     "graph JSON garbled": lambda path, tmp: _rewrap(path, b"{not json\n" + b"\x08\x07"),
     "graph JSON with a wrong field type": lambda path, tmp: _with_graph_json(path, lambda s: s.update(input_names=3)),
     "graph JSON naming an output type never imported": lambda path, tmp: _with_graph_json(
-        path, lambda s: s["output_schema"].update(spec={"type": "no_such_module:T", "context": {"v": None}, "children": []})
+        path,
+        lambda s: s["output_schema"].update(spec={"type": "no_such_module:T", "context": {"v": None}, "children": []}),
     ),
     "ONNX bytes that do not parse": lambda path, tmp: _with_graph_json(path, lambda s: None, b"\xff" * 7),
     "entry of another fingerprint": lambda path, tmp: plugin.encode_entry(b"x", fingerprint="0" * 64, rank=0),

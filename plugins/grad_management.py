@@ -157,9 +157,19 @@ def insert_hand_overs(model: onnx.ModelProto, session: Any) -> int:
                 for j, v in enumerate(values):
                     if v == grad:
                         values[j] = value
+        typed = False
         for info in graph.value_info:
             if info.name == grad:
                 info.name = value
+                typed = True
+        if not typed:
+            # The gradient was typed only as a graph output: keep its type on the renamed value, for producers whose
+            # output type ORT cannot infer (an ATen node of a routed op).
+            for output in graph.output:
+                if output.name == grad and output.type.HasField("tensor_type"):
+                    info = graph.value_info.add()
+                    info.CopyFrom(output)
+                    info.name = value
         elem_type, rank = _input_type(model, name)
         hand_over = onnx.helper.make_node(
             python_op.PYTHON_OP,

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import base64
 import copy
 import os
 import re
@@ -24,12 +23,12 @@ import torch
 import transformers
 
 from ortcore import ORTModule
+from ortcore.files import atomic_write
 from ortcore.graph_passes import GraphPass
 from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
-from ortcore.hooks.divergence import _plot_png, find_divergence, write_html_report
-from ortcore.hooks.merge_activation_summary import merge
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import PluginHost, get_host
+from ortcore_plugins.activation_stats import find_divergence, merge, plot_png, write_html_report
 
 PERTURB: dict[str, object] = {"module": None}
 
@@ -111,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     write_html_report(report, os.path.join(args.out, "report.html"))
     if report.first is not None:
         series = next(s for s in report.series.values() if (s.kind, s.name) == (report.first.kind, report.first.name))
-        with open(os.path.join(args.out, "first_divergence.png"), "wb") as f:
-            f.write(base64.b64decode(_plot_png(series, 1e-3)))
+        atomic_write(os.path.join(args.out, "first_divergence.png"), plot_png(series, report.rtol))
     return 1 if report.diverged else 0
 
 

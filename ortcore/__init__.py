@@ -12,21 +12,30 @@ import sys as _sys
 if "torch" not in _sys.modules:
     _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from . import hf as _hf  # noqa: E402, F401  (registers the Hugging Face cache adapter)
-from .audit import GradientMismatchError  # noqa: E402
-from .errors import (  # noqa: E402
-    GraphBuildError,
-    OptionError,
-    OptionTypeError,
-    ORTCoreError,
-    UnsupportedDataError,
-    UnsupportedDeviceError,
-    UnsupportedModelError,
-)
-from .module import ORTModule  # noqa: E402
-from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy, LogLevel  # noqa: E402
+import importlib as _importlib  # noqa: E402
+from typing import Any as _Any  # noqa: E402
 
 __version__ = "0.1.0"
+
+# The public names, imported on first access (PEP 562): `import ortcore` and the `ortcore` command's --help and
+# --version stay free of torch and ONNX Runtime. name -> module that defines it.
+_LAZY = {
+    "ORTModule": ".module",
+    "GradientMismatchError": ".audit",
+    "ORTCoreError": ".errors",
+    "OptionError": ".errors",
+    "OptionTypeError": ".errors",
+    "UnsupportedDataError": ".errors",
+    "UnsupportedModelError": ".errors",
+    "UnsupportedDeviceError": ".errors",
+    "GraphBuildError": ".errors",
+    "DebugOptions": ".options",
+    "LogLevel": ".options",
+    "FallbackPolicy": ".options",
+    "ONNX_OPSET_VERSION": ".options",
+}
+# Modules that torch-side names need loaded first: the Hugging Face cache adapter registers itself on import.
+_WITH_TORCH = (".hf",)
 
 __all__ = [
     "ORTModule",
@@ -43,3 +52,19 @@ __all__ = [
     "GraphBuildError",
     "GradientMismatchError",
 ]
+
+
+def __getattr__(name: str) -> _Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module in (".module", ".audit"):
+        for needed in _WITH_TORCH:
+            _importlib.import_module(needed, __name__)
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

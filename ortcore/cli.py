@@ -287,33 +287,6 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return 1 if any(f.level == "error" for f in findings) else 0
 
 
-# -- ortcore merge-activation-summary / find-divergence -------------------------------------------------------------
-def _add_merge(subparsers: argparse._SubParsersAction) -> None:
-    from .hooks import merge_activation_summary
-
-    p = subparsers.add_parser(
-        "merge-activation-summary",
-        help="write per-step summaries of a PyTorch and an ortcore activation-statistics run side by side",
-        description="Merge two StatisticsSubscriber output directories into one side-by-side text file per step.",
-    )
-    merge_activation_summary.add_arguments(p)
-    p.set_defaults(run=merge_activation_summary.run)
-
-
-def _add_find_divergence(subparsers: argparse._SubParsersAction) -> None:
-    from .hooks import divergence
-
-    p = subparsers.add_parser(
-        "find-divergence",
-        help="report the first step and activation where two activation-statistics runs differ (exit 1 if any)",
-        description="Compare a PyTorch run and an ortcore run of StatisticsSubscriber records: the first divergence "
-        "in execution order, a ranked table of the worst activations, and an optional HTML report with plots.",
-    )
-    divergence.add_arguments(p)
-    p.set_defaults(run=divergence.run)
-
-
-# -- entry point -------------------------------------------------------------------------------------------------
 # -- ortcore explain ---------------------------------------------------------------------------------------------
 def _add_explain(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -376,28 +349,115 @@ _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_config,
     _add_doctor,
     _add_explain,
-    _add_merge,
-    _add_find_divergence,
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``ortcore`` argument parser with every subcommand registered."""
+# -- plugin commands ---------------------------------------------------------------------------------------------
+# Plugins that add commands name a light module here too (same plugin name as in ortcore.plugins), so that building
+# the command line imports no plugin's main module, and no torch.
+COMMANDS_ENTRY_POINT_GROUP = "ortcore.commands"
+
+
+def _disabled_plugins() -> set[str]:
+    """``[plugins] disable`` and ``ORTCORE_DISABLE_PLUGINS``; from the environment alone if ortcore.toml is broken
+    (``ortcore config`` then names the problem: --help must still work)."""
+    from .config import Config
+    from .errors import OptionError
+
+    try:
+        return set(Config.load().disable)
+    except (OptionError, OSError, ValueError):
+        return {n.strip() for n in os.environ.get("ORTCORE_DISABLE_PLUGINS", "").split(",") if n.strip()}
+
+
+def _add_commands_of(pm, subparsers: argparse._SubParsersAction, skip: set[str]) -> set[str]:
+    """Call ``ortcore_commands`` of every plugin in ``pm`` not named in ``skip``, in registration order; a plugin
+    that fails is reported on stderr and the others keep working. Returns the names of the plugins called."""
+    called = set()
+    for impl in reversed(pm.hook.ortcore_commands.get_hookimpls()):
+        if impl.plugin_name in skip:
+            continue
+        called.add(impl.plugin_name)
+        try:
+            impl.function(*[{"subparsers": subparsers}[a] for a in impl.argnames])
+        except Exception as e:  # a broken plugin must not take the other commands down
+            print(
+                f"ortcore: plugin {impl.plugin_name!r} failed to add its commands (hook ortcore_commands): "
+                f"{type(e).__name__}: {e}",
+                file=sys.stderr,
+            )
+    return called
+
+
+def _add_light_plugin_commands(subparsers: argparse._SubParsersAction) -> set[str]:
+    """The fast path: the plugins' light command modules, entry-point group ``ortcore.commands`` (same plugin name as
+    in ``ortcore.plugins``), in a plugin manager of their own: nothing else of any plugin is imported. A disabled
+    plugin's commands are left out. Returns the names of the plugins whose commands were added."""
+    import importlib_metadata
+    import pluggy
+
+    from . import hookspecs
+
+    disabled = _disabled_plugins()
+    pm = pluggy.PluginManager("ortcore")
+    pm.add_hookspecs(hookspecs)
+    for ep in importlib_metadata.entry_points(group=COMMANDS_ENTRY_POINT_GROUP):
+        if ep.name in disabled or pm.has_plugin(ep.name):
+            continue
+        try:
+            pm.register(ep.load(), name=ep.name)
+        except Exception as e:  # as with plugins: one that fails to import leaves the others working
+            dist = ep.dist.name if ep.dist else "<unknown>"
+            print(
+                f"ortcore: the commands of plugin {ep.name!r} (distribution {dist!r}, entry point {ep.value!r}) "
+                f"failed to import: {type(e).__name__}: {e}",
+                file=sys.stderr,
+            )
+    return _add_commands_of(pm, subparsers, set())
+
+
+def _add_all_plugin_commands(subparsers: argparse._SubParsersAction, skip: set[str]) -> None:
+    """The slow path, for a command not found among the light ones: load every plugin (``ortcore.plugins``, torch
+    included) and add the commands of those that implement ``ortcore_commands`` in their main module."""
+    host = _host_or_error()
+    if host is not None:
+        _add_commands_of(host.pm, subparsers, skip)
+
+
+def _command_word(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv``: the first word that is not an option (the top level has only flags)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``ortcore`` argument parser: the core's subcommands and the plugins' (``ortcore_commands``).
+
+    Plugin commands come from the light modules of the ``ortcore.commands`` entry points; only when ``argv`` names a
+    command found neither there nor in the core are all plugins loaded, for plugins that add commands from their
+    main module.
+    """
     from . import __version__
 
     parser = argparse.ArgumentParser(
-        prog="ortcore", description="Train PyTorch models in ONNX Runtime's training engine."
+        prog="ortcore",
+        description="Train PyTorch models in ONNX Runtime's training engine.",
+        epilog="Plugins add commands through the ortcore_commands hook; `ortcore plugins` lists the plugins.",
     )
     parser.add_argument("--version", action="version", version=f"ortcore {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(subparsers)
+    light = _add_light_plugin_commands(subparsers)
+    command = _command_word(argv or ())
+    if command is not None and command not in subparsers.choices:
+        _add_all_plugin_commands(subparsers, skip=light)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ortcore`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits on --help and on bad arguments; callers of main() want a code

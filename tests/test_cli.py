@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -238,3 +239,120 @@ def test_explain_lists_where_each_op_runs(capsys: pytest.CaptureFixture[str]) ->
 def test_explain_names_a_bad_model(capsys: pytest.CaptureFixture[str], spec: str) -> None:
     assert cli.main(["explain", spec]) == 2
     assert spec in capsys.readouterr().err
+
+
+# -- plugin commands and start-up cost ---------------------------------------------------------------------------
+# Runs the command in a fresh interpreter and reports whether torch was imported (the exit code is the command's).
+DRIVER = """
+import sys
+from ortcore.cli import main
+code = main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules)
+sys.exit(code)
+"""
+
+HELLO_COMMANDS = '''
+from ortcore.hookspecs import hookimpl
+
+def _run(args):
+    print(f"hello {args.name}")
+    return 0
+
+@hookimpl
+def ortcore_commands(subparsers):
+    p = subparsers.add_parser("hello", help="say hello (a test plugin's command)")
+    p.add_argument("name")
+    p.set_defaults(run=_run)
+'''
+
+GREET_PLUGIN = '''
+from ortcore.hookspecs import hookimpl
+
+def _run(args):
+    print("greetings from the main module")
+    return 0
+
+@hookimpl
+def ortcore_commands(subparsers):
+    subparsers.add_parser("greet", help="a command added by a plugin's main module").set_defaults(run=_run)
+'''
+
+
+def _distribution(root, name: str, modules: dict[str, str], entry_points: str) -> None:
+    """An installed distribution, as pip leaves it: modules and a dist-info with entry points, on ``root``."""
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(source)
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+@pytest.fixture
+def plugin_site(tmp_path):
+    """A site directory with three third-party distributions: light commands (``hello``), a commands module that
+    fails to import (``broken``), and a plugin whose main module adds a command (``greet``)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    _distribution(site, "hello_cmds", {"hello_cmds": HELLO_COMMANDS}, "[ortcore.commands]\nhello = hello_cmds\n")
+    _distribution(site, "broken_cmds", {}, "[ortcore.commands]\nbroken = broken_cmds_not_there\n")
+    _distribution(site, "greet_plugin", {"greet_plugin": GREET_PLUGIN}, "[ortcore.plugins]\ngreet = greet_plugin\n")
+    return site
+
+
+def _ortcore(args: list[str], cwd, site=None, **env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k not in ("ORTCORE_CONFIG", "ORTCORE_DISABLE_PLUGINS")}
+    if site is not None:
+        environment["PYTHONPATH"] = str(site)
+    return subprocess.run(
+        [sys.executable, "-c", DRIVER, *args], capture_output=True, text=True, cwd=cwd,
+        env={**environment, "COLUMNS": "120", **env},
+    )
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_do_not_import_torch(tmp_path, flag: str) -> None:
+    done = _ortcore([flag], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "torch imported: False" in done.stdout
+    assert ("usage: ortcore" if flag == "--help" else "ortcore 0.1.0") in done.stdout
+
+
+def test_help_lists_the_builtin_plugin_commands(tmp_path) -> None:
+    done = _ortcore(["--help"], tmp_path)
+    listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("    ")}
+    assert {"find-divergence", "merge-activation-summary"} <= listed, (
+        "activation_stats' commands are missing from `ortcore --help`: is its 'ortcore.commands' entry point "
+        "installed? (pip install -e .)\n" + done.stdout
+    )
+    assert "torch imported: False" in done.stdout
+
+
+def test_plugin_command_is_listed_in_help_and_runs(tmp_path, plugin_site) -> None:
+    shown = _ortcore(["--help"], tmp_path, plugin_site)
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"^\s+hello\s+say hello \(a test plugin's command\)$", shown.stdout, re.MULTILINE), shown.stdout
+    assert "torch imported: False" in shown.stdout
+    # A commands module that fails to import is named; the other commands keep working.
+    assert "plugin 'broken' (distribution 'broken_cmds', entry point 'broken_cmds_not_there') failed" in shown.stderr
+    ran = _ortcore(["hello", "world"], tmp_path, plugin_site)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["hello world", "torch imported: False"]
+
+
+def test_disabled_plugin_has_no_command(tmp_path, plugin_site) -> None:
+    by_env = _ortcore(["--help"], tmp_path, plugin_site, ORTCORE_DISABLE_PLUGINS="hello,broken")
+    assert by_env.returncode == 0 and "hello" not in by_env.stdout and "broken" not in by_env.stderr
+    (tmp_path / "ortcore.toml").write_text('[plugins]\ndisable = ["hello", "activation_stats"]\n')
+    by_file = _ortcore(["--help"], tmp_path, plugin_site)
+    assert by_file.returncode == 0
+    assert "hello" not in by_file.stdout and "find-divergence" not in by_file.stdout and "demo" in by_file.stdout
+    refused = _ortcore(["hello", "world"], tmp_path, plugin_site)
+    assert refused.returncode == 2 and "invalid choice: 'hello'" in refused.stderr
+
+
+def test_command_from_a_plugins_main_module_is_found_when_named(tmp_path, plugin_site) -> None:
+    """A plugin without a light commands module: its command is found by loading every plugin (torch included)."""
+    done = _ortcore(["greet"], tmp_path, plugin_site)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["greetings from the main module", "torch imported: True"]

@@ -1,23 +1,33 @@
-"""The offline convergence tools: merge_activation_summary and find-divergence, on record directories written here
-in the statistics record format (format 1) from real activations of a small model over 3 training steps."""
+"""The activation_stats plugin's offline convergence tools: merge-activation-summary and find-divergence, on record
+directories written here in the statistics record format (format 1) from real activations of a small model over 3
+training steps."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ortcore.hooks.divergence import find_divergence, write_html_report
-from ortcore.hooks.divergence import main as divergence_main
-from ortcore.hooks.merge_activation_summary import RecordError, merge
-from ortcore.hooks.merge_activation_summary import main as merge_main
+from ortcore_plugins.activation_stats import RecordError, find_divergence, merge, write_html_report
+from ortcore_plugins.activation_stats.divergence import main as divergence_main
+from ortcore_plugins.activation_stats.merge_activation_summary import main as merge_main
 
 STEPS = (1, 2, 3)
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """find-divergence writes its HTML report into the current directory by default."""
+    monkeypatch.chdir(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------- writer
@@ -196,6 +206,44 @@ def test_html_report(tmp_path, reference, perturbed):
     assert text.count('<img alt="') == 2 and "data:image/png;base64," in text
     same = write_html_report(find_divergence(pt, pt), tmp_path / "same.html")
     assert "No divergence" in same.read_text() and "<img" not in same.read_text()
+    assert not list(tmp_path.rglob("*.tmp"))  # written atomically, nothing left behind
+
+
+def test_html_report_is_written_by_default_and_its_path_printed(tmp_path, reference, perturbed, capsys):
+    pt = write_run(tmp_path / "runs" / "pt_out", reference)
+    ort = write_run(tmp_path / "runs" / "ort out", perturbed, source="ortcore")
+    assert divergence_main([str(pt), str(ort), "--top", "1"]) == 1
+    expected = tmp_path / "divergence_pt_out_vs_ort_out.html"  # the current directory, names made file-safe
+    assert f"HTML report: {expected}" in capsys.readouterr().out
+    assert "First divergence" in expected.read_text() and expected.read_text().count("<img") == 1
+    expected.unlink()
+    assert divergence_main([str(pt), str(ort), "--no-html"]) == 1
+    assert "HTML report" not in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.html"))
+
+
+def test_html_path_and_no_html_exclude_each_other(tmp_path, reference, capsys):
+    pt = write_run(tmp_path / "pt_out", reference)
+    with pytest.raises(SystemExit) as info:
+        divergence_main([str(pt), str(pt), "--no-html", "--html", "x.html"])
+    assert info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_html_report_without_matplotlib_says_how_to_get_plots(tmp_path, reference, perturbed, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    pt = write_run(tmp_path / "pt_out", reference)
+    ort = write_run(tmp_path / "ort_out", perturbed, source="ortcore")
+    text = write_html_report(find_divergence(pt, ort), tmp_path / "r.html").read_text()
+    assert "First divergence" in text and "<img" not in text and "pip install matplotlib" in text
+
+
+def test_unwritable_html_path_is_a_bad_input_error(tmp_path, reference, capsys):
+    pt = write_run(tmp_path / "pt_out", reference)
+    (tmp_path / "file").write_text("")
+    assert divergence_main([str(pt), str(pt), "--html", str(tmp_path / "file" / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the HTML report" in err and "file/r.html" in err
 
 
 # ---------------------------------------------------------------------------------------------------- merge
@@ -369,8 +417,34 @@ def test_ortcore_command_runs_both_tools(tmp_path, reference, perturbed, capsys)
     write_run(tmp_path / "pt", reference)
     write_run(tmp_path / "ort", perturbed, source="ortcore")
     assert main(["find-divergence", str(tmp_path / "pt"), str(tmp_path / "pt")]) == 0
+    assert f"HTML report: {tmp_path / 'divergence_pt_vs_pt.html'}" in capsys.readouterr().out
     assert main(["find-divergence", str(tmp_path / "pt"), str(tmp_path / "ort"), "--html", str(tmp_path / "r.html")]) == 1
     assert "fc2" in capsys.readouterr().out and (tmp_path / "r.html").is_file()
     args = ["merge-activation-summary", "--pt_dir", str(tmp_path / "pt"), "--ort_dir", str(tmp_path / "ort")]
     assert main([*args, "--output_dir", str(tmp_path / "merged")]) == 0
     assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == ["step_1.txt", "step_2.txt", "step_3.txt"]
+
+
+def test_former_module_paths_still_work(tmp_path, reference, perturbed):
+    """``ortcore.hooks.divergence`` / ``ortcore.hooks.merge_activation_summary``: imports and ``python -m``."""
+    import ortcore.hooks.divergence as old_divergence
+    import ortcore.hooks.merge_activation_summary as old_merge
+
+    assert old_divergence.find_divergence is find_divergence and old_merge.merge is merge
+    assert old_merge.RecordError is RecordError
+    pt = write_run(tmp_path / "pt", reference)
+    ort = write_run(tmp_path / "ort", perturbed, source="ortcore")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    found = subprocess.run(
+        [sys.executable, "-m", "ortcore.hooks.divergence", str(pt), str(ort), "--no-html"],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert found.returncode == 1, found.stderr
+    assert "first divergence: step 2" in found.stdout
+    merged = subprocess.run(
+        [sys.executable, "-m", "ortcore.hooks.merge_activation_summary", "--pt_dir", str(pt), "--ort_dir", str(ort),
+         "--output_dir", str(tmp_path / "m")],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert merged.returncode == 0, merged.stderr
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["step_1.txt", "step_2.txt", "step_3.txt"]

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
 
 import ortcore_plugins.activation_stats as plugin
+import ortcore_plugins.activation_stats.subscriber as subscriber_module
+from ortcore.hooks import SubscriberBase
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import set_host
 from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, make_host
@@ -97,6 +102,7 @@ def test_records_every_submodule_output_and_gradient_with_torch_statistics(hooks
         assert_stats(records[("forward", name)], tensor)
     for name, grad in backward.items():
         assert_stats(records[("backward", name)], grad)
+    assert all(set(r) == {*plugin.RECORD_FIELDS, "samples"} for r in records.values())  # the one format definition
     orders = sorted(r["order"] for r in records.values())
     assert orders == list(range(len(records)))  # one sequence: forward first, then backward
     assert max(r["order"] for (k, _), r in records.items() if k == "forward") < min(
@@ -109,7 +115,7 @@ def test_records_every_submodule_output_and_gradient_with_torch_statistics(hooks
 
 def test_one_file_per_activation_layout_holds_the_same_records(hooks_api, tmp_path):
     from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
-    from ortcore.hooks.divergence import find_divergence
+    from ortcore_plugins.activation_stats import find_divergence
 
     x = torch.randn(5, 4)
     for layout, per_file in (("lines", False), ("files", True)):
@@ -230,14 +236,14 @@ def test_atomic_writes_leave_no_temporary_files(hooks_api, tmp_path, monkeypatch
     def broken_dumps(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(plugin.json, "dumps", broken_dumps)
+    monkeypatch.setattr(subscriber_module.json, "dumps", broken_dumps)
     with pytest.raises(OSError, match="disk full"):
-        plugin._write_json(str(tmp_path / "out" / "x.json"), {})
+        subscriber_module._write_json(str(tmp_path / "out" / "x.json"), {})
     assert not (tmp_path / "out" / "x.json").exists()
     assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "step_0"]
 
 
-class Recorder(plugin.SubscriberBase):
+class Recorder(SubscriberBase):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.events = []
@@ -275,3 +281,27 @@ def test_subscriber_callbacks_and_plugin_contributed_subscribers(tmp_path):
         ("start", 1), ("forward", 1, 0, "Linear"), ("backward", 1, 1, "Linear"), ("end", 1),
     ]  # fmt: skip
     assert contributed.events == mine.events[4:]
+
+
+def test_loading_the_plugin_and_its_commands_imports_no_torch():
+    """The plugin host and ``ortcore --help`` load these modules; torch comes only with a subscriber or a tool."""
+    code = (
+        "import sys\n"
+        "import ortcore_plugins.activation_stats as p, ortcore_plugins.activation_stats.commands\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "p.StatisticsSubscriber\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_plugin_adds_its_commands_through_the_hook(tmp_path, capsys):
+    host = make_host({"activation_stats": plugin})
+    parser = argparse.ArgumentParser(prog="ortcore")
+    subparsers = parser.add_subparsers(dest="command")
+    host.hooks.commands(subparsers)
+    assert set(subparsers.choices) == {"find-divergence", "merge-activation-summary"}
+    args = parser.parse_args(["find-divergence", str(tmp_path / "a"), str(tmp_path / "b"), "--no-html"])
+    assert args.run(args) == 2  # bad input: the directories do not exist
+    assert f"{tmp_path / 'a'}: directory not found" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The cost of recording statistics: ``python -m ortcore_plugins.activation_stats --bench``.
+"""The cost of recording activation statistics: ``python benchmarks/activation_stats_bench.py [--engines ...]``.
 
 GPT-2 from a config (``ortcore.bench``'s model and batches), trained with AdamW twice from the same weights in one
 process, once with a :class:`StatisticsSubscriber` and once without, alternating step by step so both see the same
@@ -39,7 +39,7 @@ def _worker(engine: str, spec: dict[str, Any]) -> dict[str, Any]:
     from ortcore import ORTModule
     from ortcore.bench import BenchConfig, build_model, make_batches
     from ortcore.hooks import GlobalSubscriberManager
-    from ortcore_plugins.activation_stats import StatisticsSubscriber, _reducer
+    from ortcore_plugins.activation_stats import StatisticsSubscriber, statistics_kernel_fused
 
     cfg = BenchConfig(**spec)
     torch.manual_seed(cfg.seed)
@@ -75,7 +75,7 @@ def _worker(engine: str, spec: dict[str, Any]) -> dict[str, Any]:
         "first_on_s": times["on"][0],
         "disk_bytes_per_step": size / cfg.steps,
         "files_per_step": files / cfg.steps,
-        "fused_kernel": _reducer.fused,
+        "fused_kernel": statistics_kernel_fused(),
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses["off"], losses["on"])),
     }
 
@@ -84,7 +84,7 @@ def run(engines: Sequence[str], spec: dict[str, Any]) -> list[dict[str, Any]]:
     results = []
     env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
     for engine in engines:
-        cmd = [sys.executable, "-m", "ortcore_plugins.activation_stats", "--bench-worker", engine, json.dumps(spec)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--bench-worker", engine, json.dumps(spec)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or not lines:
@@ -97,9 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ortcore.argtypes import positive_int
 
     parser = argparse.ArgumentParser(
-        prog="python -m ortcore_plugins.activation_stats", description="Cost of recording activation statistics."
+        prog="python benchmarks/activation_stats_bench.py",
+        description="Step time and disk use of training with and without a StatisticsSubscriber.",
     )
-    parser.add_argument("--bench", action="store_true", help="measure step time and disk use with statistics on/off")
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
     for name, default in (("steps", 12), ("batch", 8), ("seq", 128), ("hidden", 256), ("layers", 4)):
         parser.add_argument(f"--{name}", type=positive_int, default=default)
@@ -108,9 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bench_worker:
         engine, spec = args.bench_worker
         print(json.dumps(_worker(engine, json.loads(spec))), flush=True)
-        return 0
-    if not args.bench:
-        parser.print_help()
         return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
@@ -142,3 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "loss diff")  # fmt: skip
     print(format_table(header, rows))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

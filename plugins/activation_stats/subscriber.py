@@ -1,10 +1,4 @@
-"""activation_stats: per-step statistics of every activation and gradient, written as one JSON file each.
-
-Compare a PyTorch run with another run (seed or code change, later an ORTModule run) step by step to find the
-first activation that diverges. Usage::
-
-    from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
-    GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(output_dir="pt_out", override_output_dir=True)])
+"""The statistics subscriber and its record format: the one definition the readers (merge, divergence) use.
 
 Layout (format 1, see docs/plugins/activation_stats.md): ``<output_dir>/meta.json`` and, per step,
 ``<output_dir>/step_<step>/records.jsonl`` (one record a line, written when the step is over), or with
@@ -21,18 +15,26 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from typing import Any
 
 import torch
 
+from ortcore.files import atomic_write
 from ortcore.hooks import SubscriberBase
-from ortcore.hookspecs import hookimpl
 
 logger = logging.getLogger("ortcore.activation_stats")
 
-FORMAT = 1
-RECORDS_FILE = "records.jsonl"
+# -- the record format -------------------------------------------------------------------------------------------
+FORMAT = 1  # written into meta.json and every record; readers refuse any other
+META_FILE = "meta.json"  # {"format", "source": "torch"|"ortcore", "rank", "world_size", "model"}
+RECORDS_FILE = "records.jsonl"  # a step's records, one a line (the default layout)
+STEP_DIR_PREFIX = "step_"  # one folder per step: step_<step>/
+KINDS = ("forward", "backward")
+# Every record holds these keys (and "samples": up to SAMPLES evenly spaced values of the flattened tensor).
+RECORD_FIELDS = (
+    "format", "name", "kind", "step", "order", "rank",
+    "shape", "dtype", "numel", "min", "max", "mean", "std", "abs_mean", "zeros", "nans", "infs",
+)  # fmt: skip
 SAMPLES = 8
 NAME_LIMIT = 120
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -58,21 +60,9 @@ def _json_number(value: float) -> float | str:
     return value
 
 
-def _write_text(path: str, text: str) -> None:
-    """Write atomically: a temporary file in the same directory, then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _write_json(path: str, data: dict[str, Any]) -> None:
     """Write one JSON object atomically (``json.dumps``: the C encoder; ``json.dump`` encodes in Python)."""
-    _write_text(path, json.dumps(data, allow_nan=False))
+    atomic_write(path, json.dumps(data, allow_nan=False))
 
 
 def _sums(x: torch.Tensor) -> torch.Tensor:
@@ -130,6 +120,11 @@ class _Reducer:
 
 
 _reducer = _Reducer()
+
+
+def statistics_kernel_fused() -> bool:
+    """Whether this process computes statistics with the compiled one-pass kernel (after the first record)."""
+    return _reducer.fused
 
 
 @functools.lru_cache(maxsize=256)
@@ -258,7 +253,7 @@ class StatisticsSubscriber(SubscriberBase):
                 )
             for entry in os.listdir(self.output_dir):
                 path = os.path.join(self.output_dir, entry)
-                if entry.startswith("step_") and os.path.isdir(path):
+                if entry.startswith(STEP_DIR_PREFIX) and os.path.isdir(path):
                     shutil.rmtree(path)
         os.makedirs(self.output_dir, exist_ok=True)
 
@@ -276,7 +271,7 @@ class StatisticsSubscriber(SubscriberBase):
             "world_size": self.world_size,
             "model": type(self._model).__name__,
         }
-        _write_json(os.path.join(self.output_dir, "meta.json"), meta)
+        _write_json(os.path.join(self.output_dir, META_FILE), meta)
         self._meta_source = self.engine
 
     def on_step_end(self, step: int) -> None:
@@ -292,7 +287,7 @@ class StatisticsSubscriber(SubscriberBase):
     def _flush_step(self, step: int, keep: bool = False) -> None:
         lines = self._pending.get(step) if keep else self._pending.pop(step, None)
         if lines:
-            _write_text(os.path.join(self._step_dir(step), RECORDS_FILE), "\n".join(lines) + "\n")
+            atomic_write(os.path.join(self._step_dir(step), RECORDS_FILE), "\n".join(lines) + "\n")
 
     def on_step_start(self, step: int) -> None:
         if self.engine != self._meta_source:  # the model was wrapped in ORTModule (or unwrapped) after subscribing
@@ -306,7 +301,7 @@ class StatisticsSubscriber(SubscriberBase):
         self._write(step, order, "backward", name, grad)
 
     def _step_dir(self, step: int) -> str:
-        return os.path.join(self.output_dir, f"step_{step}")
+        return os.path.join(self.output_dir, f"{STEP_DIR_PREFIX}{step}")
 
     def _write(self, step: int, order: int, kind: str, name: str, tensor: torch.Tensor) -> None:
         record = {"format": FORMAT, "name": name, "kind": kind, "step": step, "order": order, "rank": self.rank}
@@ -323,19 +318,3 @@ class StatisticsSubscriber(SubscriberBase):
             _write_json(os.path.join(folder, f"{order:05d}_{kind}_{safe_name(name)}.json"), record)
         else:
             self._pending.setdefault(step, []).append(json.dumps(record, allow_nan=False))
-
-
-SUBSCRIBER_CLASSES: dict[str, type] = {"StatisticsSubscriber": StatisticsSubscriber}
-
-
-@hookimpl
-def ortcore_subscriber_classes() -> dict[str, type]:
-    return SUBSCRIBER_CLASSES
-
-
-if __name__ == "__main__":
-    import sys
-
-    from ortcore_plugins._stats_bench import main
-
-    sys.exit(main())

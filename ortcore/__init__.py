@@ -34,8 +34,6 @@ _LAZY = {
     "FallbackPolicy": ".options",
     "ONNX_OPSET_VERSION": ".options",
 }
-# Modules that torch-side names need loaded first: the Hugging Face cache adapter registers itself on import.
-_WITH_TORCH = (".hf",)
 
 __all__ = [
     "ORTModule",
@@ -58,9 +56,6 @@ def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if module in (".module", ".audit"):
-        for needed in _WITH_TORCH:
-            _importlib.import_module(needed, __name__)
     value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value

@@ -61,3 +61,18 @@ def test_doctor_runs_a_training_step_and_flags_a_misspelled_variable(project, ca
     assert "one training step in ONNX Runtime matches torch" in out
     assert "ORTMODULE_PRINT_INPUT_DENSTY is set but nothing reads it" in out
     assert "did you mean ORTMODULE_PRINT_INPUT_DENSITY?" in out
+
+
+def test_plugins_lists_the_commands_hook_of_activation_stats(project, capsys):
+    assert main(["plugins"]) == 0
+    row = _row(capsys.readouterr().out, "activation_stats")
+    assert "subscriber_classes" in row and "commands" in row
+
+
+def test_disabled_plugin_command_is_refused(project, capsys):
+    (project / "ortcore.toml").write_text('[plugins]\ndisable = ["activation_stats"]\n')
+    assert main(["find-divergence", "a", "b"]) == 2
+    assert "invalid choice: 'find-divergence'" in capsys.readouterr().err
+    (project / "ortcore.toml").unlink()
+    assert main(["find-divergence", "a", "b", "--no-html"]) == 2  # enabled again: runs, and names the bad input
+    assert "a: directory not found" in capsys.readouterr().err

@@ -17,6 +17,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+# Activations are flattened through schema's leaf adapters, the Hugging Face cache adapter among them (registered on
+# import). ORTModule's outputs need it too, and ortcore.module imports this module.
+from .. import hf as _hf  # noqa: F401
+
 logger = logging.getLogger("ortcore.hooks")
 
 

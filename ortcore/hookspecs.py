@@ -102,10 +102,12 @@ def ortcore_export_key(config: Config) -> dict[str, Any] | None:
 def ortcore_load_export(config: Config, module: torch.nn.Module, fingerprint: str) -> ExportedGraph | None:
     """Return a previously exported, post-processed graph for ``fingerprint`` (an export cache), or None to export.
 
-    ``fingerprint`` is a sha256 over everything that shapes the graph: the input schema, train/eval, opset,
-    exporter, the module's structure (classes, parameter and buffer names, shapes, dtypes, requires_grad), the
-    graph passes and plugins' ``ortcore_export_key`` values, and the torch/onnx/onnxruntime/ortcore versions.
-    :meth:`ExportedGraph.from_bytes` restores what :meth:`ExportedGraph.to_bytes` stored.
+    ``fingerprint`` is :func:`ortcore.identity.graph_fingerprint`, a sha256 over everything that shapes the graph:
+    the input schema, train/eval, opset, exporter, the module's structure and what the tracer bakes in beyond it
+    (class code, hidden attributes, hooks, tensor attributes, default dtype, versions of the defining packages),
+    the graph passes and plugins' ``ortcore_export_key`` values, and the torch/onnx/onnxruntime/ortcore versions.
+    :meth:`ExportedGraph.from_bytes` restores what :meth:`ExportedGraph.to_bytes` stored (JSON and ONNX bytes:
+    data only).
     Called before each export. Stops at the first non-None result.
     """
 

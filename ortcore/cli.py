@@ -1,9 +1,11 @@
 """The ``ortcore`` console command.
 
-Each subcommand is a pair of functions: ``_add_<name>(subparsers)`` declares its arguments and binds
-``_run_<name>(args) -> int``. To add a subcommand, write both and append the first to :data:`_SUBCOMMANDS`.
-Optional dependencies (transformers, rich) are imported inside the run functions that need them, so the other
-subcommands work without them.
+Each core subcommand is a pair of functions: ``_add_<name>(subparsers)`` declares its arguments and binds
+``_run_<name>(args) -> int``. To add one, write both and append the first to :data:`_SUBCOMMANDS`. Plugins add
+theirs through the ``ortcore_commands`` hook (docs/cli.md), from light modules named in the ``ortcore.commands``
+entry-point group. Building the parser imports no torch: heavy and optional dependencies (torch, transformers,
+rich) are imported inside the run functions that need them, so ``ortcore --help`` and ``--version`` stay fast and
+the other subcommands work without the optional ones.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .argtypes import non_negative_int, positive_int
+
+if TYPE_CHECKING:
+    import pluggy
 
 
 # -- argument types ----------------------------------------------------------------------------------------------
@@ -370,7 +376,7 @@ def _disabled_plugins() -> set[str]:
         return {n.strip() for n in os.environ.get("ORTCORE_DISABLE_PLUGINS", "").split(",") if n.strip()}
 
 
-def _add_commands_of(pm, subparsers: argparse._SubParsersAction, skip: set[str]) -> set[str]:
+def _add_commands_of(pm: pluggy.PluginManager, subparsers: argparse._SubParsersAction, skip: set[str]) -> set[str]:
     """Call ``ortcore_commands`` of every plugin in ``pm`` not named in ``skip``, in registration order; a plugin
     that fails is reported on stderr and the others keep working. Returns the names of the plugins called."""
     called = set()
@@ -410,7 +416,7 @@ def _add_light_plugin_commands(subparsers: argparse._SubParsersAction) -> set[st
             dist = ep.dist.name if ep.dist else "<unknown>"
             print(
                 f"ortcore: the commands of plugin {ep.name!r} (distribution {dist!r}, entry point {ep.value!r}) "
-                f"failed to import: {type(e).__name__}: {e}",
+                f"failed to load: {type(e).__name__}: {e}",
                 file=sys.stderr,
             )
     return _add_commands_of(pm, subparsers, set())

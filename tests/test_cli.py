@@ -333,7 +333,7 @@ def test_plugin_command_is_listed_in_help_and_runs(tmp_path, plugin_site) -> Non
     assert shown.returncode == 0, shown.stderr
     assert re.search(r"^\s+hello\s+say hello \(a test plugin's command\)$", shown.stdout, re.MULTILINE), shown.stdout
     assert "torch imported: False" in shown.stdout
-    # A commands module that fails to import is named; the other commands keep working.
+    # A commands module that fails to load is named; the other commands keep working.
     assert "plugin 'broken' (distribution 'broken_cmds', entry point 'broken_cmds_not_there') failed" in shown.stderr
     ran = _ortcore(["hello", "world"], tmp_path, plugin_site)
     assert ran.returncode == 0, ran.stderr

@@ -28,13 +28,19 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w", *, encoding: str | N
     try:
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
+        # mkstemp makes the file owner-only; the result gets the permissions open() would give it.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:

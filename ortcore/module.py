@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import hf as _hf  # noqa: F401  (registers the Hugging Face cache adapter)
 from .audit import AuditRequest, AuditResult, GradientMismatchError, audit
 from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-_NUMBER = re.compile(r"[-+]?\d+(\.\d+)?(/\d+)?[x×%]?")
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?([eE][-+]?\d+)?|inf|nan)(/\d+)?[x×%]?")
 
 
 def _is_number(text: str) -> bool:

@@ -36,8 +36,7 @@ from ortcore.errors import OptionError
 from ortcore.exporter import TorchScriptExporter, custom_autograd_disabled, layer_norm
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
-
-from . import _aten_executor as executor
+from ortcore_plugins.services import aten_executor as executor
 
 logger = logging.getLogger("ortcore.aten_fallback")
 

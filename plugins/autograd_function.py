@@ -6,7 +6,7 @@ the node's inputs (zero-copy through DLPack) and the non-tensor arguments record
 gets a ``PythonOpGrad`` node that runs the Function's ``backward`` through PyTorch's autograd engine, so
 ``ctx.save_for_backward``, ``needs_input_grad``, ``mark_non_differentiable``, ``mark_dirty`` and
 ``set_materialize_grads`` behave as in PyTorch. The runners ORT calls are ``ctypes`` callbacks
-(:mod:`ortcore_plugins._pythonop_runner`): no compiler is needed.
+(:mod:`ortcore_plugins.services.python_op`): no compiler is needed.
 
 Options (``[plugins.autograd_function]`` in ortcore.toml, or the environment):
 
@@ -20,11 +20,9 @@ Options (``[plugins.autograd_function]`` in ortcore.toml, or the environment):
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import re
-import threading
 from typing import Any
 
 import attrs
@@ -37,14 +35,11 @@ from ortcore.exporter import INLINE, function_name, python_op_symbolic
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import parse_bool
-
-from . import _pythonop_runner as runner
+from ortcore_plugins.services.python_op import PYTHON_OP, PYTHON_OP_DOMAIN, install_runners, registry
 
 logger = logging.getLogger("ortcore.autograd_function")
 
 NAME = "autograd_function"
-PYTHON_OP_DOMAIN = "com.microsoft"
-PYTHON_OP = "PythonOp"
 SHAPES_PASS = "autograd_function.output_shapes"
 INFERENCE_PASS = "autograd_function.inference_mode"
 BOOL = onnx.TensorProto.BOOL
@@ -131,44 +126,6 @@ class CheckpointRefusal:
         )
 
 
-class _Registry:
-    """Function classes by the ``func_name`` their PythonOp nodes carry, and the non-tensor arguments kept alive."""
-
-    def __init__(self):
-        self.functions: dict[str, type] = {}
-        self.keys: dict[tuple[type, tuple[int, ...]], str] = {}
-        self.bool_inputs: dict[str, frozenset[int]] = {}
-        self.constants: dict[int, Any] = {}
-        self.lock = threading.Lock()
-
-    def key(self, function: type, bool_inputs: tuple[int, ...] = ()) -> str:
-        """The node name of ``function`` called with boolean tensors at argument positions ``bool_inputs``
-        (DLPack hands ORT's booleans over as uint8: the runner casts them back)."""
-        with self.lock:
-            if (function, bool_inputs) in self.keys:
-                return self.keys[(function, bool_inputs)]
-            base = function_name(function)
-            key = base
-            for n in itertools.count(2):  # two local classes may share a qualified name
-                if key not in self.functions:
-                    break
-                key = f"{base}#{n}"
-            self.functions[key], self.keys[(function, bool_inputs)] = function, key
-            self.bool_inputs[key] = frozenset(bool_inputs)
-        from onnxruntime.capi import _pybind_state as C
-
-        C.register_torch_autograd_function(key, function)
-        return key
-
-    def keep(self, value: Any) -> int:
-        with self.lock:
-            self.constants[id(value)] = value  # the graph refers to it by address for as long as the process lives
-        return id(value)
-
-
-registry = _Registry()
-
-
 def _onnx_dtype(value) -> int:
     from torch.onnx._internal.torchscript_exporter import _type_utils
 
@@ -206,7 +163,8 @@ def _dim_sources(inputs: list, outputs: list) -> list[list]:
 
 
 class PythonOpHandler:
-    """Exports one Function class as ``com.microsoft::PythonOp``; ORT runs it through :mod:`._pythonop_runner`."""
+    """Exports one Function class as ``com.microsoft::PythonOp``; ORT runs it through the PythonOp service
+    (:mod:`ortcore_plugins.services.python_op`)."""
 
     def __init__(self, function: type):
         self.function = function
@@ -299,93 +257,6 @@ def handler_for(config: Config, function: type) -> Any:
 
 
 # -- running --------------------------------------------------------------------------------------------------------
-class _Context:
-    """What one PythonOp call keeps for its PythonOpGrad: ORT holds it as the node's context output."""
-
-    __slots__ = ("function", "leaves", "outputs")
-
-    def __init__(self, function: type, leaves: list, outputs: list):
-        self.function, self.leaves, self.outputs = function, leaves, outputs
-
-
-# ORT checks a context's reference count right after the forward runner returns (safe run mode wants >= 2): the
-# thread's last context is held here until its next runner call.
-_held = threading.local()
-
-
-def held_contexts() -> list[_Context]:
-    """The contexts this thread holds for ORT's reference-count check (at most the last forward's)."""
-    if not hasattr(_held, "contexts"):
-        _held.contexts = []
-    return _held.contexts
-
-
-def _forward(func_name: str, requires_grad: list, tensor_flags: list, training: bool, _inplace, _safe, args: list):
-    held_contexts().clear()
-    function = registry.functions[func_name]
-    bool_inputs = registry.bool_inputs[func_name]
-    leaves: list[torch.Tensor | None] = []
-    call_args = []
-    for position, (arg, is_tensor, wants_grad) in enumerate(zip(args, tensor_flags, requires_grad)):
-        if not is_tensor or arg is None:
-            call_args.append(arg)
-            leaves.append(None)
-            continue
-        tensor = runner.from_capsule(arg)
-        if position in bool_inputs:
-            tensor = tensor.view(torch.bool)
-        leaf = tensor.detach().requires_grad_(bool(wants_grad) and training and tensor.is_floating_point())
-        # A copy per call: the Function may modify it in place (mark_dirty) or save it, and ORT owns the original.
-        with torch.set_grad_enabled(leaf.requires_grad):
-            call_args.append(leaf.clone())
-        leaves.append(leaf)
-    with torch.set_grad_enabled(training):
-        result = function.apply(*call_args)
-    outputs = [result] if isinstance(result, torch.Tensor) else [r for r in result if isinstance(r, torch.Tensor)]
-    saved: set[int] = set()
-    grad_fn = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
-    if grad_fn is not None and hasattr(grad_fn, "saved_tensors"):
-        saved = {t.untyped_storage().data_ptr() for t in grad_fn.saved_tensors if t is not None}
-    # An output the Function saved goes to ORT as a copy, so that nothing ORT does to its buffer reaches backward.
-    capsules = [
-        runner.to_capsule(o.detach().clone() if o.untyped_storage().data_ptr() in saved else o) for o in outputs
-    ]
-    if not training:
-        return [None, *capsules]
-    context = _Context(function, leaves, outputs)
-    held_contexts().append(context)
-    return [context, *capsules]
-
-
-def _backward(func_name: str, _requires_grad, tensor_flags: list, _training, _inplace, _safe, args: list):
-    held_contexts().clear()
-    context = args[0]
-    if not isinstance(context, _Context):
-        raise RuntimeError(f"PythonOpGrad of {func_name} received no forward context (got {type(context).__name__})")
-    grads = [runner.from_capsule(a) if a is not None else None for a in args[1:]]
-    pairs = [(o, g) for o, g in zip(context.outputs, grads) if g is not None and o.requires_grad]
-    wanted = [i for i, leaf in enumerate(context.leaves) if leaf is not None and leaf.requires_grad]
-    computed: tuple = ()
-    if pairs and wanted:
-        computed = torch.autograd.grad(
-            [o for o, _ in pairs], [context.leaves[i] for i in wanted], [g for _, g in pairs], allow_unused=True
-        )
-    results: list[Any] = [None] * len(context.leaves)
-    for i, grad in itertools.zip_longest(wanted, computed):
-        leaf = context.leaves[i]
-        results[i] = runner.to_capsule(grad if grad is not None else torch.zeros_like(leaf))
-    context.leaves = context.outputs = None  # ORT releases the context itself after this call
-    return results
-
-
-def install_runners() -> None:
-    """Register ortcore's PythonOp runners with ORT (idempotent); plugins that add PythonOp nodes call this."""
-    try:
-        runner.install(_forward, _backward)
-    except runner.RunnerUnavailableError as e:
-        raise UnsupportedModelError(str(e)) from e
-
-
 def _python_ops(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.op_type == PYTHON_OP and n.domain == PYTHON_OP_DOMAIN]
 

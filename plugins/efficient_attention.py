@@ -8,7 +8,7 @@ writes out with ``√scale`` on each side and a NaN guard after the softmax; wit
 with one ``org.pytorch.aten::ATen`` node running PyTorch's fused CPU kernel
 ``aten::_scaled_dot_product_flash_attention_for_cpu``, whose gradient definition runs
 ``aten::_scaled_dot_product_flash_attention_for_cpu_backward``. The ATen executor shared with ``aten_fallback``
-(:mod:`ortcore_plugins._aten_executor`) runs them; this plugin installs it itself.
+(:mod:`ortcore_plugins.services.aten_executor`) runs them; this plugin installs it itself.
 
 ORT 1.19.2 keeps only the first output of each node of a gradient definition, while the backward kernel computes the
 gradients of q, k and v together. So q, k and v are flattened and packed into one tensor (a ``Concat``, whose gradient
@@ -49,8 +49,7 @@ from ortcore.config import Config, option
 from ortcore.errors import OptionError
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
-
-from . import _aten_executor as executor
+from ortcore_plugins.services import aten_executor as executor
 
 logger = logging.getLogger("ortcore.efficient_attention")
 

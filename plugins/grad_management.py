@@ -4,10 +4,11 @@ Without this plugin ORT's backward run returns every gradient at its end, and to
 ``param.grad`` after it (so every gradient is alive at once, and gradient hooks fire only after ORT's backward).
 With it (``ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT=1``, or ``[plugins.grad_management] enabled = true``), the
 training graph gets, after the node that computes each parameter's gradient ``<param>_grad``, a
-``com.microsoft::PythonOp`` (run by the ``autograd_function`` plugin's runners) that copies the gradient out of ORT's
-buffer and calls ``torch.autograd.backward(param, grad)``: a backward rooted at the leaf, which fires the parameter's
-tensor hooks, accumulates into ``param.grad`` through its ``AccumulateGrad`` node and fires that node's hooks
-(``register_post_accumulate_grad_hook``, DistributedDataParallel's reducer), while ORT's backward is still running.
+``com.microsoft::PythonOp`` (run by the PythonOp service, :mod:`ortcore_plugins.services.python_op`) that copies the
+gradient out of ORT's buffer and calls ``torch.autograd.backward(param, grad)``: a backward rooted at the leaf, which
+fires the parameter's tensor hooks, accumulates into ``param.grad`` through its ``AccumulateGrad`` node and fires that
+node's hooks (``register_post_accumulate_grad_hook``, DistributedDataParallel's reducer), while ORT's backward is still
+running.
 The graph output ``<param>_grad`` becomes the PythonOp's scalar output, and the session's
 ``grads_handed_over`` makes the core's backward return None for that parameter, so it is accumulated once.
 
@@ -37,8 +38,7 @@ from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
 from ortcore.inspectors import RuntimeInspector
 from ortcore.options import parse_bool
-
-from . import autograd_function as python_op
+from ortcore_plugins.services import python_op
 
 logger = logging.getLogger("ortcore.grad_management")
 

@@ -32,8 +32,8 @@ from models import (
 )
 from torch import nn
 
-import ortcore_plugins._aten_executor as executor
 import ortcore_plugins.aten_fallback as plugin
+import ortcore_plugins.services.aten_executor as executor
 from ortcore import DebugOptions
 from ortcore.config import Config
 from ortcore.errors import OptionError

@@ -31,6 +31,7 @@ from torch import nn
 from torch.autograd import Function
 
 import ortcore_plugins.autograd_function as plugin
+import ortcore_plugins.services.python_op as python_op
 from ortcore import DebugOptions, FallbackPolicy, LogLevel, ORTModule
 from ortcore.config import Config
 from ortcore.errors import OptionError, UnsupportedModelError
@@ -260,7 +261,7 @@ def test_inference_runs_keep_no_context(ortcore_host):
     ref.eval()
     with torch.no_grad():
         assert_outputs_match(ort(x), ref(x))
-    assert plugin.held_contexts() == []  # no context was made for ORT to hold
+    assert python_op.held_contexts() == []  # no context was made for ORT to hold
     assert_ran_in_ort(ort)
 
 
@@ -504,7 +505,7 @@ def test_gradient_accumulation_and_eval_mode_with_grad_match_torch(ortcore_host)
         model.eval()
         step(model, batches[0])[1].backward()
     assert_grads_match(ort, ref)
-    assert plugin.held_contexts() == []  # the last backward released what the last forward kept
+    assert python_op.held_contexts() == []  # the last backward released what the last forward kept
 
 
 class KeepWhere(Function):
@@ -628,7 +629,7 @@ def test_error_in_forward_fails_the_step_and_is_logged(ortcore_host, caplog):
 
 
 def test_runners_need_x86_64_linux_and_say_so(ortcore_host, monkeypatch):
-    import ortcore_plugins._pythonop_runner as runner
+    import ortcore_plugins.services.python_op as runner
 
     monkeypatch.setattr(runner, "_installed", None)
     monkeypatch.setattr(runner.platform, "machine", lambda: "aarch64")

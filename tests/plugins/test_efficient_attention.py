@@ -343,7 +343,7 @@ def test_works_in_a_fresh_process_without_aten_fallback() -> None:
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch
-import ortcore_plugins._aten_executor as executor
+import ortcore_plugins.services.aten_executor as executor
 import ortcore_plugins.efficient_attention as plugin
 from models import check_step_and_training, gpt2_batch, make_batches, ort_and_torch, tiny_gpt2
 from ortcore.config import Config

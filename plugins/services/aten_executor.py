@@ -1,4 +1,9 @@
-"""An ATen op executor for ONNX Runtime, written with ``ctypes`` callbacks: no compiler, no C++ extension.
+"""The ATen executor service: ONNX Runtime's ATen nodes run PyTorch kernels, through ``ctypes`` callbacks.
+
+No compiler, no C++ extension. Plugins that put ``org.pytorch.aten::ATen`` nodes into a graph (``aten_fallback``,
+``op_routing``, ``efficient_attention``) call :func:`install` before ORT builds such a graph, and
+:func:`guard_runs` from their ``ortcore_session_plan`` (with :func:`on_run_boundary` for state that must not
+outlive a run): the first makes ORT able to run the nodes, the second raises a kernel's failure from the run it hit.
 
 ORT's ``org.pytorch.aten::ATen`` kernel hands each node (its ``operator`` and ``overload_name`` attributes and its
 inputs as DLPack tensors) to a process-wide executor. :func:`install` registers this module's executor, which runs
@@ -13,14 +18,14 @@ inputs as DLPack tensors) to a process-wide executor. :func:`install` registers 
   capsule is renamed ``used_dltensor`` so that torch does not free what ORT now owns. An undefined result is NULL.
 
 Operator names without a namespace are ``aten`` ops; ``"ortcore_aten::name"`` runs an op of another
-``torch.library`` namespace (the plugin defines its single-output backward helpers there).
+``torch.library`` namespace (plugins define their single-output backward helpers there).
 
 Errors: an exception cannot cross into C. The executor logs it (ERROR, with the traceback the first time per op),
 counts it, stores it for the calling thread, and makes ORT fail the node on the spot (it hands back an output ORT
 rejects), so the run stops at the failing ATen node instead of computing on garbage. Python code then takes the
-stored error with :func:`take_pending_error` and raises it (the plugin does so as soon as the run returns or fails);
-the count stays available from :func:`stats`. Ctrl-C inside a kernel is handled the same way and re-raised as
-``KeyboardInterrupt``.
+stored error with :func:`take_pending_error` and raises it (:func:`run_guard` does so as soon as the run returns or
+fails); the count stays available from :func:`stats`. Ctrl-C inside a kernel is handled the same way and re-raised
+as ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,15 @@
-"""The runners ONNX Runtime calls for ``com.microsoft::PythonOp`` / ``PythonOpGrad`` nodes, without a compiler.
+"""The PythonOp service: ONNX Runtime runs ``com.microsoft::PythonOp`` / ``PythonOpGrad`` nodes through PyTorch.
+
+Plugins that put PythonOp nodes into a graph (``autograd_function`` for custom autograd Functions,
+``grad_management`` for its gradient hand-over) share three things from here:
+
+* :data:`PYTHON_OP` / :data:`PYTHON_OP_DOMAIN`, the node's op type and domain;
+* :data:`registry`, the Function classes by the ``func_name`` their nodes carry (:meth:`FunctionRegistry.key`),
+  and the non-tensor arguments the nodes refer to by address (:meth:`FunctionRegistry.keep`);
+* :func:`install_runners`, which registers the forward and backward runners below with ORT (idempotent): a plugin
+  calls it before it exports or adds a PythonOp node.
+
+The runners, without a compiler:
 
 ORT 1.19 (``register_forward_runner`` / ``register_backward_runner``) takes the address of a C++ function::
 
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import itertools
 import logging
 import platform
 import sys
@@ -38,7 +50,13 @@ from typing import Any
 import torch
 import torch.utils.dlpack
 
+from ortcore.errors import UnsupportedModelError
+from ortcore.exporter import function_name
+
 logger = logging.getLogger("ortcore.autograd_function")
+
+PYTHON_OP_DOMAIN = "com.microsoft"
+PYTHON_OP = "PythonOp"
 
 _POINTER = ctypes.sizeof(ctypes.c_void_p)
 _RUNNER = ctypes.CFUNCTYPE(
@@ -172,3 +190,130 @@ def to_capsule(tensor: torch.Tensor) -> Any:
 
 def from_capsule(capsule: Any) -> torch.Tensor:
     return torch.utils.dlpack.from_dlpack(capsule)
+
+
+# -- the Function registry ------------------------------------------------------------------------------------------
+class FunctionRegistry:
+    """Function classes by the ``func_name`` their PythonOp nodes carry, and the non-tensor arguments kept alive."""
+
+    def __init__(self):
+        self.functions: dict[str, type] = {}
+        self.keys: dict[tuple[type, tuple[int, ...]], str] = {}
+        self.bool_inputs: dict[str, frozenset[int]] = {}
+        self.constants: dict[int, Any] = {}
+        self.lock = threading.Lock()
+
+    def key(self, function: type, bool_inputs: tuple[int, ...] = ()) -> str:
+        """The node name of ``function`` called with boolean tensors at argument positions ``bool_inputs``
+        (DLPack hands ORT's booleans over as uint8: the runner casts them back)."""
+        with self.lock:
+            if (function, bool_inputs) in self.keys:
+                return self.keys[(function, bool_inputs)]
+            base = function_name(function)
+            key = base
+            for n in itertools.count(2):  # two local classes may share a qualified name
+                if key not in self.functions:
+                    break
+                key = f"{base}#{n}"
+            self.functions[key], self.keys[(function, bool_inputs)] = function, key
+            self.bool_inputs[key] = frozenset(bool_inputs)
+        from onnxruntime.capi import _pybind_state as C
+
+        C.register_torch_autograd_function(key, function)
+        return key
+
+    def keep(self, value: Any) -> int:
+        with self.lock:
+            self.constants[id(value)] = value  # the graph refers to it by address for as long as the process lives
+        return id(value)
+
+
+registry = FunctionRegistry()
+
+
+# -- running ---------------------------------------------------------------------------------------------------------
+class _Context:
+    """What one PythonOp call keeps for its PythonOpGrad: ORT holds it as the node's context output."""
+
+    __slots__ = ("function", "leaves", "outputs")
+
+    def __init__(self, function: type, leaves: list, outputs: list):
+        self.function, self.leaves, self.outputs = function, leaves, outputs
+
+
+# ORT checks a context's reference count right after the forward runner returns (safe run mode wants >= 2): the
+# thread's last context is held here until its next runner call.
+_held = threading.local()
+
+
+def held_contexts() -> list[_Context]:
+    """The contexts this thread holds for ORT's reference-count check (at most the last forward's)."""
+    if not hasattr(_held, "contexts"):
+        _held.contexts = []
+    return _held.contexts
+
+
+def run_forward(func_name: str, requires_grad: list, tensor_flags: list, training: bool, _inplace, _safe, args: list):
+    held_contexts().clear()
+    function = registry.functions[func_name]
+    bool_inputs = registry.bool_inputs[func_name]
+    leaves: list[torch.Tensor | None] = []
+    call_args = []
+    for position, (arg, is_tensor, wants_grad) in enumerate(zip(args, tensor_flags, requires_grad)):
+        if not is_tensor or arg is None:
+            call_args.append(arg)
+            leaves.append(None)
+            continue
+        tensor = from_capsule(arg)
+        if position in bool_inputs:
+            tensor = tensor.view(torch.bool)
+        leaf = tensor.detach().requires_grad_(bool(wants_grad) and training and tensor.is_floating_point())
+        # A copy per call: the Function may modify it in place (mark_dirty) or save it, and ORT owns the original.
+        with torch.set_grad_enabled(leaf.requires_grad):
+            call_args.append(leaf.clone())
+        leaves.append(leaf)
+    with torch.set_grad_enabled(training):
+        result = function.apply(*call_args)
+    outputs = [result] if isinstance(result, torch.Tensor) else [r for r in result if isinstance(r, torch.Tensor)]
+    saved: set[int] = set()
+    grad_fn = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
+    if grad_fn is not None and hasattr(grad_fn, "saved_tensors"):
+        saved = {t.untyped_storage().data_ptr() for t in grad_fn.saved_tensors if t is not None}
+    # An output the Function saved goes to ORT as a copy, so that nothing ORT does to its buffer reaches backward.
+    capsules = [
+        to_capsule(o.detach().clone() if o.untyped_storage().data_ptr() in saved else o) for o in outputs
+    ]
+    if not training:
+        return [None, *capsules]
+    context = _Context(function, leaves, outputs)
+    held_contexts().append(context)
+    return [context, *capsules]
+
+
+def run_backward(func_name: str, _requires_grad, tensor_flags: list, _training, _inplace, _safe, args: list):
+    held_contexts().clear()
+    context = args[0]
+    if not isinstance(context, _Context):
+        raise RuntimeError(f"PythonOpGrad of {func_name} received no forward context (got {type(context).__name__})")
+    grads = [from_capsule(a) if a is not None else None for a in args[1:]]
+    pairs = [(o, g) for o, g in zip(context.outputs, grads) if g is not None and o.requires_grad]
+    wanted = [i for i, leaf in enumerate(context.leaves) if leaf is not None and leaf.requires_grad]
+    computed: tuple = ()
+    if pairs and wanted:
+        computed = torch.autograd.grad(
+            [o for o, _ in pairs], [context.leaves[i] for i in wanted], [g for _, g in pairs], allow_unused=True
+        )
+    results: list[Any] = [None] * len(context.leaves)
+    for i, grad in itertools.zip_longest(wanted, computed):
+        leaf = context.leaves[i]
+        results[i] = to_capsule(grad if grad is not None else torch.zeros_like(leaf))
+    context.leaves = context.outputs = None  # ORT releases the context itself after this call
+    return results
+
+
+def install_runners() -> None:
+    """Register ortcore's PythonOp runners with ORT (idempotent); plugins that add PythonOp nodes call this."""
+    try:
+        install(run_forward, run_backward)
+    except RunnerUnavailableError as e:
+        raise UnsupportedModelError(str(e)) from e

@@ -1,0 +1,28 @@
+"""Runtime services shared by plugins: the public home of machinery more than one plugin needs.
+
+Each service is a module, imported by the plugins that use it (``from ortcore_plugins.services import aten_executor``);
+this package imports none of them itself, so a plugin loads only the services it uses. They are public API for
+plugins, built-in or third-party: names without a leading underscore are supported, the rest are not.
+
+``aten_executor``
+    Runs ONNX Runtime's ``org.pytorch.aten::ATen`` nodes with PyTorch's kernels (``ctypes`` callbacks, DLPack, no
+    compiler). :func:`~ortcore_plugins.services.aten_executor.install` registers it with ORT once per process;
+    :func:`~ortcore_plugins.services.aten_executor.guard_runs`, called from a plugin's ``ortcore_session_plan``,
+    adds the run wrapper that raises a failing kernel's error from the run it hit.
+
+``aten_nodes``
+    Builds ATen nodes at export (TorchScript symbolics): :func:`~ortcore_plugins.services.aten_nodes.aten_node`, the
+    gradient definitions ORT needs for them, and the VJP helper ops that differentiate any PyTorch op under
+    ``torch.autograd`` (:func:`~ortcore_plugins.services.aten_nodes.register_vjp_gradient`). Used by
+    ``aten_fallback`` and ``op_routing``.
+
+``python_op``
+    Runs ``com.microsoft::PythonOp`` / ``PythonOpGrad`` nodes through PyTorch: the node's op type and domain
+    (``PYTHON_OP``, ``PYTHON_OP_DOMAIN``), the registry of autograd Functions the nodes name, and
+    :func:`~ortcore_plugins.services.python_op.install_runners`, which registers the runners with ORT. Used by
+    ``autograd_function`` and ``grad_management``.
+
+The core (``ortcore``) never imports these modules: it runs whatever graph the plugins give it, and a missing
+service shows up as a plugin that is not installed (``ortcore/graph.py`` finds out whether an ATen executor is
+registered by running a probe node, not by importing one).
+"""

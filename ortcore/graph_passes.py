@@ -2,12 +2,13 @@
 
 Plugins contribute :class:`GraphPass` objects through ``ortcore_graph_passes``. pluggy calls plugins
 last-registered-first, so the order of passes is never taken from registration: each pass names the passes it must
-run ``before`` or ``after``, and :func:`order_passes` sorts them (stable by name otherwise), failing loudly on a
-cycle, an unknown name or a duplicate name.
+run ``before`` or ``after``, and :func:`order_passes` sorts them (``graphlib``; by name among the passes ready at
+the same time), failing loudly on a cycle, an unknown name or a duplicate name.
 """
 
 from __future__ import annotations
 
+import graphlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -43,8 +44,12 @@ class GraphPass:
 
 
 def order_passes(passes: Iterable[GraphPass]) -> list[GraphPass]:
-    """Topologically sort passes by their ``before``/``after`` constraints."""
-    passes = list(passes)
+    """Topologically sort passes by their ``before``/``after`` constraints; among passes ready at the same time, by
+    name, so the order never depends on which plugin answered first.
+
+    Raises :class:`~ortcore.errors.OptionError` for a name declared twice, a ``before``/``after`` naming no pass, or
+    a cycle (naming the passes in it).
+    """
     by_name: dict[str, GraphPass] = {}
     for p in passes:
         if p.name in by_name:
@@ -52,26 +57,28 @@ def order_passes(passes: Iterable[GraphPass]) -> list[GraphPass]:
                 f"graph pass name {p.name!r} is declared twice (plugins {by_name[p.name].plugin!r} and {p.plugin!r})"
             )
         by_name[p.name] = p
-    edges: dict[str, set[str]] = {name: set() for name in by_name}  # name -> passes that must run first
-    for p in passes:
+    sorter: graphlib.TopologicalSorter[str] = graphlib.TopologicalSorter()
+    for p in by_name.values():
         for other in (*p.before, *p.after):
             if other not in by_name:
                 raise OptionError(
                     f"graph pass {p.name!r} (plugin {p.plugin!r}) orders itself against unknown pass {other!r}; "
                     f"known: {sorted(by_name)}"
                 )
-        for other in p.after:
-            edges[p.name].add(other)
+        sorter.add(p.name, *p.after)  # p runs after each of p.after
         for other in p.before:
-            edges[other].add(p.name)
+            sorter.add(other, p.name)  # and before each of p.before
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as e:
+        cycle = e.args[1]  # [a, b, ..., a]: each must run before the next
+        described = " -> ".join(f"{n!r} (plugin {by_name[n].plugin!r})" for n in cycle)
+        raise OptionError(
+            f"graph passes order themselves in a cycle (before/after; each must run before the next): {described}"
+        ) from None
     ordered: list[GraphPass] = []
-    done: set[str] = set()
-    while len(ordered) < len(by_name):
-        ready = sorted(n for n, deps in edges.items() if n not in done and deps <= done)
-        if not ready:
-            cycle = sorted(n for n in by_name if n not in done)
-            raise OptionError(f"graph passes {cycle} order themselves in a cycle (before/after)")
-        for name in ready:
-            ordered.append(by_name[name])
-            done.add(name)
+    while sorter.is_active():
+        ready = sorted(sorter.get_ready())
+        ordered.extend(by_name[name] for name in ready)
+        sorter.done(*ready)
     return ordered

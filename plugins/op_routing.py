@@ -2,7 +2,7 @@
 
 One op that ORT cannot handle should not send the whole model back to PyTorch. This plugin decides, while the model
 is exported, which ops ORT cannot serve on the model's device, and exports each of them as an
-``org.pytorch.aten::ATen`` node that the ATen executor (:mod:`ortcore_plugins._aten_executor`) runs with PyTorch's
+``org.pytorch.aten::ATen`` node that the ATen executor (:mod:`ortcore_plugins.services.aten_executor`) runs with PyTorch's
 kernel; its gradient is PyTorch's autograd gradient (a VJP node per differentiable input). Everything else stays in
 ORT. Three sources of decisions:
 
@@ -46,8 +46,20 @@ from ortcore.exporter import TorchScriptExporter, custom_autograd_disabled
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import parse_bool
-
-from . import aten_fallback as aten
+from ortcore_plugins.aten_fallback import ROUTABLE_OPS, FallbackExporter, prepare_runtime, type_aten_outputs
+from ortcore_plugins.services import aten_nodes
+from ortcore_plugins.services.aten_nodes import (
+    ATEN_DOMAIN,
+    FLOAT_TYPES,
+    aten_node,
+    constant_argument,
+    is_none,
+    is_string_constant,
+    op_packet,
+    register_vjp_gradient,
+    requires_grad,
+    schema_type,
+)
 
 logger = logging.getLogger("ortcore.op_routing")
 
@@ -73,7 +85,7 @@ def _const(args: tuple, schema: Any, name: str) -> Any:
     if name not in names:
         return None
     value = args[names.index(name)]
-    if aten._is_none(value) or not sh._is_constant(value):
+    if is_none(value) or not sh._is_constant(value):
         return None
     result = sh._maybe_get_const(value, "t")
     return result.item() if isinstance(result, torch.Tensor) and result.numel() == 1 else result
@@ -222,21 +234,21 @@ def _options(config: Config) -> OpRoutingOptions:
 
 
 def _is_list(value: Any) -> bool:
-    return value is not None and not aten._is_none(value) and value.node().kind() == "prim::ListConstruct"
+    return value is not None and not is_none(value) and value.node().kind() == "prim::ListConstruct"
 
 
 def _kind_fits(argument: Any, value: Any) -> bool:
     t = argument.type
     if t.kind() == "OptionalType":
-        if aten._is_none(value):
+        if is_none(value):
             return True
         t = t.getElementType()
-    elif aten._is_none(value):
+    elif is_none(value):
         return argument.has_default_value()
     if t.kind() == "ListType" and t.getElementType().kind() == "TensorType":
         return _is_list(value)
     if t.kind() == "StringType":
-        return aten._is_string_constant(value)
+        return is_string_constant(value)
     return not _is_list(value) or t.kind() == "ListType"
 
 
@@ -301,9 +313,9 @@ def _flatten_call(op: str, schema: Any, args: tuple) -> list[_Flat]:
             flat.extend(_Flat(k, i, "Tensor", v) for i, v in enumerate(sh._unpack_list(value)))
         else:
             try:
-                kind = aten._schema_type(a.type, op, a.name)
+                kind = schema_type(a.type, op, a.name)
             except TypeError as e:
-                if a.type.kind() == "OptionalType" and aten._is_none(value):
+                if a.type.kind() == "OptionalType" and is_none(value):
                     flat.append(_Flat(k, None, ABSENT, None))  # a generator left at None, say: the wrapper omits it
                     continue
                 raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: {e}") from e
@@ -361,7 +373,7 @@ def _wrapper(
 def _on(route: Route, args: tuple) -> bool:
     """Does the route apply on the device of the call's first tensor (unknown: it applies)?"""
     for value in args:
-        if value is None or aten._is_none(value) or _is_list(value):
+        if value is None or is_none(value) or _is_list(value):
             continue
         try:
             device = value.type().device()
@@ -382,7 +394,7 @@ def _gradient_flows(args: tuple) -> bool:
 
     values = []
     for value in args:
-        if value is None or aten._is_none(value):
+        if value is None or is_none(value):
             continue
         values.extend(sh._unpack_list(value) if _is_list(value) else [value])
     for value in values:
@@ -393,7 +405,7 @@ def _gradient_flows(args: tuple) -> bool:
             scalar = t.scalarType()
         except (AttributeError, RuntimeError):
             continue
-        if scalar is None or scalar in aten._FLOAT_TYPES:
+        if scalar is None or scalar in FLOAT_TYPES:
             return True
     return False
 
@@ -442,14 +454,14 @@ def _may_need_grad(value: Any) -> bool:
             scalar = t.scalarType() if t.kind() == "TensorType" else None
         except (AttributeError, RuntimeError):
             scalar = None
-        if scalar is not None and scalar not in aten._FLOAT_TYPES:
+        if scalar is not None and scalar not in FLOAT_TYPES:
             continue  # an integer or boolean value carries no gradient (a shape, indices, a mask)
         node = v.node()
         kind = node.kind()
         if kind in ("onnx::Constant", "prim::Constant"):
             continue
         if kind == "prim::Param":
-            if aten._requires_grad(v) is not False:
+            if requires_grad(v) is not False:
                 return True
             continue
         stack.extend(node.inputs())
@@ -458,7 +470,7 @@ def _may_need_grad(value: Any) -> bool:
 
 def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     """Export one call of ``aten::<op>`` as an ATen node run by PyTorch, with its VJP gradient."""
-    aten._prepare_runtime()
+    prepare_runtime()
     node = g.original_node
     outputs_traced = list(node.outputs())
     if any(r.type.kind() != "TensorType" for r in schema.returns):
@@ -466,7 +478,7 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     flat = _flatten_call(op, schema, args)
     tensors = [i for i, f in enumerate(flat) if f.kind in ("Tensor", "Tensor?")]
     floats = [
-        i for i in tensors if not aten._is_none(flat[i].value) and flat[i].value.type().scalarType() in aten._FLOAT_TYPES
+        i for i in tensors if not is_none(flat[i].value) and flat[i].value.type().scalarType() in FLOAT_TYPES
     ]
     needs = [i for i in floats if _may_need_grad(flat[i].value)]
     order = [i for i, f in enumerate(flat) if f.kind != ABSENT]
@@ -476,30 +488,30 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
         order.insert(0, needs[0])
     seen: set[str] = set()
     for k, f in enumerate(flat):
-        if f.kind in ("Tensor", "Tensor?") and not aten._is_none(f.value):
+        if f.kind in ("Tensor", "Tensor?") and not is_none(f.value):
             # One value twice among an ATen node's inputs breaks ORT's gradient build (two gradients of one name).
             if f.value.debugName() in seen:
                 flat[k] = attrs.evolve(f, value=g.op("Identity", f.value))
             seen.add(f.value.debugName())
     for f in flat:
-        if f.kind == "Tensor" and aten._is_none(f.value):
+        if f.kind == "Tensor" and is_none(f.value):
             raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: a tensor argument is None")
     ordered = [flat[i] for i in order]
     float_inputs = tuple(k for k, i in enumerate(order) if i in floats)
     # An output nothing reads gets no gradient from ORT: the gradient definition must not ask for it (an RNN's h_n).
     differentiable = tuple(
-        j for j, v in enumerate(outputs_traced) if v.type().scalarType() in aten._FLOAT_TYPES and v.uses()
+        j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES and v.uses()
     )
     # Always a wrapper op: its name carries this call's signature, so its gradient definition (registered once per
     # name, process-wide) fits this call's inputs and outputs.
     operator, overload = _wrapper(op, schema, flat, order, differentiable, float_inputs), ""
-    packet_schema = aten.op_packet(operator).default._schema
+    packet_schema = op_packet(operator).default._schema
     inputs = [
-        f.value if f.kind in ("Tensor", "Tensor?") else aten._constant_argument(g, f.value, f.kind, op, f"a{k}")
+        f.value if f.kind in ("Tensor", "Tensor?") else constant_argument(g, f.value, f.kind, op, f"a{k}")
         for k, f in enumerate(ordered)
     ]
-    aten._register_fallback_gradient(operator, overload, packet_schema, differentiable, float_inputs)
-    results = aten.aten_node(g, operator, overload, inputs, outputs_traced)
+    register_vjp_gradient(operator, overload, packet_schema, differentiable, float_inputs, prepare_runtime)
+    results = aten_node(g, operator, overload, inputs, outputs_traced)
     _note_routed(op, reason)
     return results
 
@@ -524,7 +536,7 @@ def symbolics(config: Config) -> dict[str, Callable[..., Any]]:
 # -- the exporter: exporter gaps, and the reasons of what was routed --------------------------------------------------
 
 
-class RoutingExporter(aten.FallbackExporter):
+class RoutingExporter(FallbackExporter):
     """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``)."""
 
 
@@ -538,12 +550,12 @@ def add_reasons(model: onnx.ModelProto) -> None:
     """Record ``ortcore.routed::<op>`` = reason for every ATen node of the exported ``model``."""
     reasons: dict[str, str] = {}
     for node in model.graph.node:
-        if node.op_type != "ATen" or node.domain != aten.ATEN_DOMAIN:
+        if node.op_type != "ATen" or node.domain != ATEN_DOMAIN:
             continue
         # Keyed as explain() reads it: the op kind the node serves (a wrapper's or helper's op, layer_norm for
         # native_layer_norm, linear for addmm).
         op = aten_kind(operator_of(node))
-        speed = FASTER_IN_TORCH if op in aten.ROUTABLE_OPS else None
+        speed = FASTER_IN_TORCH if op in ROUTABLE_OPS else None
         reasons.setdefault(op, _REASONS.get(op) or _CORE_OPS.get(op) or speed or EXPORTER_GAP)
     known = {p.key for p in model.metadata_props}
     for op, reason in sorted(reasons.items()):
@@ -569,7 +581,7 @@ def ortcore_options_class() -> type:
 @hookimpl
 def ortcore_configure(config: Config) -> None:
     if _options(config).enabled:
-        aten._prepare_runtime()
+        prepare_runtime()
 
 
 @hookimpl
@@ -589,7 +601,7 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
     if not _options(config).enabled:
         return []
     # type_aten_outputs is idempotent: aten_fallback may run it too.
-    return [GraphPass(TYPES_PASS, run=aten.type_aten_outputs), GraphPass(REASONS_PASS, run=_reasons_pass)]
+    return [GraphPass(TYPES_PASS, run=type_aten_outputs), GraphPass(REASONS_PASS, run=_reasons_pass)]
 
 
 @hookimpl
@@ -600,7 +612,8 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
 
 @hookimpl
 def ortcore_session_plan(config: Config, graph: Any, plan: Any) -> None:
-    """Executor failures in a graph with ATen nodes are raised from the run (the same guard as ``aten_fallback``'s,
-    which also clears the gradients a routed op's helper nodes share), also when that plugin is disabled."""
+    """Executor failures in a graph with ATen nodes are raised from the run, and the gradients a routed op's helper
+    nodes share are cleared around it (the ATen node service's guard, as ``aten_fallback`` installs it), also when
+    that plugin is disabled."""
     if _options(config).enabled:
-        aten.ortcore_session_plan(graph, plan)
+        aten_nodes.guard_runs(graph, plan)

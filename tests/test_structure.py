@@ -1,0 +1,322 @@
+"""The shape of the code base, read from the source with ``ast`` (nothing is imported):
+
+* the core's modules (``ortcore/``) import one another without a cycle (module-level imports: the ones that run
+  when a module is imported);
+* no plugin module reaches into another plugin: no private name (leading underscore) or private module of another
+  plugin is imported or read as an attribute; ``ortcore_plugins.services`` is a public package like any plugin;
+* the core does not import plugins at module level, except the compatibility shims named in :data:`CORE_TO_PLUGIN`.
+
+Each checker is also run on a small made-up tree, so that a checker that finds nothing is known to be able to.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE, CORE_PACKAGE = ROOT / "ortcore", "ortcore"
+PLUGINS, PLUGINS_PACKAGE = ROOT / "plugins", "ortcore_plugins"
+
+# Core modules allowed to import ortcore_plugins at module level, with the reason.
+CORE_TO_PLUGIN = {
+    "ortcore.hooks.divergence": "compatibility shim: the old import path of activation_stats' divergence tools",
+    "ortcore.hooks.merge_activation_summary": "compatibility shim: the old import path of activation_stats' merge tool",
+}
+
+
+# -- reading modules -------------------------------------------------------------------------------------------------
+
+
+def modules_of(root: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file under ``root`` (the directory of ``package``)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join([package, *parts])] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def module_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported: its body, inside ``if``/``try``/``with`` blocks too, but not
+    inside functions, classes or ``if TYPE_CHECKING:``."""
+    stack: list[ast.stmt] = list(reversed(tree.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                stack.extend(reversed(node.body))
+            stack.extend(reversed(node.orelse))
+        elif isinstance(node, ast.Try):
+            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                stack.extend(reversed(block))
+        elif isinstance(node, ast.With):
+            stack.extend(reversed(node.body))
+
+
+def all_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import of a file, at any depth (a plugin's function-level import reaches into another plugin too)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+
+
+def resolve_from(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` statement of ``module`` imports from."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> Iterator[str]:
+    """The modules an import statement loads by name: a ``from pkg import x`` loads ``pkg.x`` if that is a module of
+    ``known``, else ``pkg`` (``x`` is a name in it)."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name
+        return
+    source = resolve_from(node, module, is_package)
+    for alias in node.names:
+        candidate = f"{source}.{alias.name}"
+        yield candidate if candidate in known else source
+
+
+# -- (a) import cycles among the core's modules ----------------------------------------------------------------------
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports at module level."""
+    files = modules_of(root, package)
+    known = set(files)
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets = {t for node in module_level_imports(tree) for t in imported(node, module, is_package, known)}
+        graph[module] = {t for t in targets if t in known and t != module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` as the modules on it (the first repeated at the end), or None."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return list(e.args[1])
+    return None
+
+
+def test_core_modules_import_one_another_without_a_cycle() -> None:
+    graph = import_graph(CORE, CORE_PACKAGE)
+    assert len(graph) > 20 and graph["ortcore.module"], "the core's modules were not found"
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle among ortcore's modules: " + " -> ".join(cycle or [])
+
+
+# -- (b) plugins use only other plugins' public names ----------------------------------------------------------------
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def plugin_of(module: str) -> str:
+    """The plugin a module of ``ortcore_plugins`` belongs to: its first component (a module or a package)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def private_reaches(root: Path, package: str) -> list[str]:
+    """Every place a module of ``package`` imports, or reads as an attribute, a private name or a private module of
+    another plugin, as ``"<file>:<line>: <what>"``."""
+    files = modules_of(root, package)
+    known = set(files)
+    found = []
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        own = plugin_of(module)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        where = f"{path.relative_to(root.parent)}"
+        bound: dict[str, str] = {}  # local name -> plugin module of another plugin it stands for
+
+        def other(target: str, own: str = own) -> bool:
+            return target.split(".")[0] == package and target != package and plugin_of(target) != own
+
+        for node in all_imports(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if other(alias.name) and any(_private(p) for p in alias.name.split(".")):
+                        found.append(f"{where}:{node.lineno}: imports the private module {alias.name}")
+                    elif other(alias.name) and alias.asname:
+                        bound[alias.asname] = alias.name
+                continue
+            source = resolve_from(node, module, is_package)
+            for alias in node.names:
+                target = f"{source}.{alias.name}"
+                if not other(target):
+                    continue
+                if any(_private(p) for p in target.split(".")):
+                    kind = "private module" if target in known else "private name"
+                    found.append(f"{where}:{node.lineno}: imports the {kind} {target}")
+                elif target in known:
+                    bound[alias.asname or alias.name] = target
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and _private(node.attr)
+            ):
+                found.append(f"{where}:{node.lineno}: reads the private name {bound[node.value.id]}.{node.attr}")
+    return sorted(found, key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
+
+
+def test_plugins_use_only_public_names_of_other_plugins() -> None:
+    files = modules_of(PLUGINS, PLUGINS_PACKAGE)
+    assert {"ortcore_plugins.services.aten_executor", "ortcore_plugins.aten_fallback"} <= set(files)
+    reaches = private_reaches(PLUGINS, PLUGINS_PACKAGE)
+    assert not reaches, "plugins reaching into other plugins:\n" + "\n".join(reaches)
+
+
+def test_shared_services_are_public_modules() -> None:
+    services = [m for m in modules_of(PLUGINS, PLUGINS_PACKAGE) if m.startswith("ortcore_plugins.services")]
+    assert sorted(services) == [
+        "ortcore_plugins.services",
+        "ortcore_plugins.services.aten_executor",
+        "ortcore_plugins.services.aten_nodes",
+        "ortcore_plugins.services.python_op",
+    ]
+    assert ast.get_docstring(ast.parse((PLUGINS / "services" / "__init__.py").read_text())), "undocumented"
+
+
+# -- (c) the core does not import plugins ----------------------------------------------------------------------------
+
+
+def core_imports_of_plugins(root: Path, package: str, plugins_package: str) -> dict[str, list[str]]:
+    """Core module -> the ``plugins_package`` modules it imports at module level."""
+    result = {}
+    for module, path in modules_of(root, package).items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        targets = sorted(
+            {
+                t
+                for node in module_level_imports(tree)
+                for t in imported(node, module, is_package, set())
+                if t.split(".")[0] == plugins_package
+            }
+        )
+        if targets:
+            result[module] = targets
+    return result
+
+
+def test_core_imports_no_plugin_at_module_level_but_its_compatibility_shims() -> None:
+    found = core_imports_of_plugins(CORE, CORE_PACKAGE, PLUGINS_PACKAGE)
+    unexpected = {m: t for m, t in found.items() if m not in CORE_TO_PLUGIN}
+    assert not unexpected, f"core modules importing plugins at module level: {unexpected}"
+    stale = set(CORE_TO_PLUGIN) - set(found)
+    assert not stale, f"allowed core-to-plugin imports that no longer exist (drop them from CORE_TO_PLUGIN): {stale}"
+
+
+# -- the checkers find what they look for ------------------------------------------------------------------------------
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_cycle_check_names_the_modules_of_a_cycle(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path / "core",
+        {
+            "__init__.py": "",
+            "a.py": "from .b import x\n",
+            "b.py": "from . import c\nx = 1\n",
+            "c.py": "import core.a\n",
+            "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n\ndef f():\n    from . import a\n",
+        },
+    )
+    graph = import_graph(root, "core")
+    assert graph["core.d"] == set()  # TYPE_CHECKING and function-level imports do not run at import
+    cycle = find_cycle(graph)
+    assert cycle is not None and set(cycle) == {"core.a", "core.b", "core.c"} and cycle[0] == cycle[-1]
+    del graph["core.c"]
+    assert find_cycle(graph) is None
+
+
+@pytest.mark.parametrize(
+    ("source", "what"),
+    [
+        ("from ortcore_plugins.beta import _helper\n", "private name ortcore_plugins.beta._helper"),
+        ("from .beta import _helper\n", "private name ortcore_plugins.beta._helper"),
+        ("from . import _gamma\n", "private module ortcore_plugins._gamma"),
+        ("import ortcore_plugins._gamma as g\n", "private module ortcore_plugins._gamma"),
+        ("import ortcore_plugins.beta as b\nb._helper()\n", "private name ortcore_plugins.beta._helper"),
+        ("from . import beta\n\ndef f():\n    return beta._helper\n", "private name ortcore_plugins.beta._helper"),
+        ("from .shared import tools\ntools._cache.clear()\n", "private name ortcore_plugins.shared.tools._cache"),
+    ],
+)
+def test_private_reach_check_finds_each_form(tmp_path: Path, source: str, what: str) -> None:
+    root = write_tree(
+        tmp_path / "plugins",
+        {
+            "__init__.py": "",
+            "alpha.py": source,
+            "beta.py": "def _helper(): ...\n",
+            "_gamma.py": "",
+            "shared/__init__.py": "",
+            "shared/tools.py": "_cache = {}\n",
+        },
+    )
+    reaches = private_reaches(root, "ortcore_plugins")
+    assert len(reaches) == 1 and what in reaches[0] and reaches[0].startswith("plugins/alpha.py:"), reaches
+
+
+def test_private_reach_check_allows_a_plugins_own_private_names(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path / "plugins",
+        {
+            "__init__.py": "",
+            "alpha/__init__.py": "from . import _impl\nfrom ._impl import _x\n_impl._y\n",
+            "alpha/_impl.py": "_x = _y = 1\n",
+            "beta.py": "from ortcore_plugins.alpha import public\nimport ortcore_plugins.alpha as a\na.__name__\n",
+        },
+    )
+    assert private_reaches(root, "ortcore_plugins") == []
+
+
+def test_core_to_plugin_check_finds_module_level_imports_only(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path / "core",
+        {
+            "__init__.py": "",
+            "a.py": "import ortcore_plugins.x\n",
+            "b.py": "def f():\n    import ortcore_plugins.x\n",
+            "c.py": "from ortcore_plugins.y import z\n",
+        },
+    )
+    found = core_imports_of_plugins(root, "core", "ortcore_plugins")
+    assert found == {"core.a": ["ortcore_plugins.x"], "core.c": ["ortcore_plugins.y"]}

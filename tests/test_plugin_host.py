@@ -105,6 +105,42 @@ def test_hooks_run_in_lifecycle_order_for_one_export_and_training_step():
     assert plugin.calls == ["pre_forward:1", "post_forward:1", "pre_backward:1", "post_backward:1"]
 
 
+def test_provider_options_hook_sees_the_defaults_and_its_list_reaches_onnx_runtime():
+    seen = []
+
+    class Providers:
+        @hookimpl
+        def ortcore_provider_options(self, config, device, providers):
+            seen.append((device.type, [name for name, _ in providers]))
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": "0"}))
+
+    host = make_host({"providers": Providers()})
+    # ONNX Runtime warns about the provider it does not have, which shows the list it was given is the hook's.
+    with pytest.warns(UserWarning, match="Specified provider 'CUDAExecutionProvider' is not in available provider"):
+        assert_matches_torch(torch.nn.Linear(3, 2), (torch.randn(4, 3),), host=host)
+    assert seen == [("cpu", ["CPUExecutionProvider"])]
+
+
+def test_closing_the_host_unconfigures_every_plugin_with_its_config():
+    closed = []
+
+    class Closing:
+        def __init__(self, name):
+            self.name = name
+
+        @hookimpl
+        def ortcore_unconfigure(self, config):
+            closed.append((self.name, config.plugin_options("opts")))
+
+    host = make_host(
+        {"one": Closing("one"), "opts": OptionsPlugin(), "two": Closing("two")},
+        table={"plugins": {"opts": {"level": 9}}},
+    )
+    assert closed == []
+    host.close()
+    assert sorted(closed) == [("one", LevelOptions(level=9)), ("two", LevelOptions(level=9))]
+
+
 def test_plugin_exception_names_plugin_and_hook():
     class Broken:
         @hookimpl

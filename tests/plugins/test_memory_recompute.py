@@ -172,10 +172,14 @@ def test_table_marks_applied_plans_on(ortcore_host, dump, caplog):
 
 def test_unknown_cluster_is_named_with_the_closest_found(ortcore_host, dump, caplog):
     host = host_with(ortcore_host, dump, {"config": ["Gelo+:1:-1"]})
-    ORTModule(Stack(), host=host, **STRICT)(torch.randn(2, 4, 16)).sum().backward()
+    model = ORTModule(Stack(), host=host, **STRICT)
+    model(torch.randn(2, 4, 16)).sum().backward()
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "Gelo+" in r.getMessage()]
     assert "did you mean 'Gelu+'?" in warning
-    assert dump.sessions == 1  # the only entry named nothing ORT found: nothing to rebuild
+    # The probe found the opportunities; the only entry named nothing ORT found, so the session gets no plan.
+    counters = model.state_machine.counters
+    assert (dump.sessions, counters.probes, counters.builds) == (2, 1, 1)
+    assert recompute_nodes(dump.last()) == []
 
 
 def test_off_by_default_does_not_analyse_or_rebuild(ortcore_host, dump, monkeypatch):

@@ -9,18 +9,23 @@ Every parity test follows the same recipe:
 3. train each side with its own AdamW on the same seeded batches (:func:`train_curve`) and compare the loss
    curves (:func:`assert_curves_match`).
 
+The parity files run every test twice (:func:`plugin_host`): on a bare host (no plugin: ONNX Runtime's own kernels
+for embedding, GELU, LayerNorm, cross-entropy and the rest are checked against PyTorch) and on the default host
+(the installed plugins; ``aten_fallback`` routes those ops to PyTorch's kernels).
+
 The comparison helpers record the largest difference they see per test and quantity (:data:`MAX_ERRORS`); run
 pytest with ``--parity-errors`` to get the table in the terminal summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ortcore import FallbackPolicy, ORTModule
+from ortcore.plugins import PluginHost, get_host, set_host
+from ortcore.testing import make_host
 
 # fp32 tolerances of the parity suite: outputs and gradients (torch.testing.assert_close), losses (relative).
 RTOL = 1e-4
@@ -89,6 +96,32 @@ def assert_close(actual: Any, expected: Any, what: str, quantity: str, rtol: flo
 
 # -- wrapping ------------------------------------------------------------------------------------------------------
 
+# The hosts every parity test runs on: "bare" (the core alone, ORT's kernels) and "default" (the installed plugins).
+HOST_KINDS = ("bare", "default")
+
+
+@contextlib.contextmanager
+def plugin_host(kind: str) -> Iterator[PluginHost]:
+    """Pin the process-wide host ``ORTModule(model)`` uses: "bare" (no plugin besides the core's defaults, no
+    configuration file or environment) or "default" (the host built from the environment, all installed plugins)."""
+    if kind not in HOST_KINDS:
+        raise ValueError(f"host kind {kind!r}; allowed: {', '.join(HOST_KINDS)}")
+    if kind == "default":
+        previous = set_host(None)  # unpinned: the default host of this environment
+        try:
+            yield get_host()
+        finally:
+            set_host(previous)
+        return
+    host = make_host()
+    previous = set_host(host)
+    try:
+        yield host
+    finally:
+        set_host(previous)
+        host.close()
+
+
 
 def wrap(model: nn.Module, **kwargs: Any) -> ORTModule:
     """Wrap in ORTModule with fallback disabled: a parity test must never pass by silently running PyTorch."""
@@ -111,6 +144,33 @@ def assert_ran_in_ort(model: ORTModule, exports: int | None = None) -> None:
     if exports is not None:
         history = [f"{t.action}: {t.reason}" for t in model.state_machine.history]
         assert counters.exports == exports, f"expected {exports} export(s), got {counters}; history: {history}"
+
+
+def kernels(model: ORTModule) -> set[str]:
+    """What computes the last call's session: its ONNX op types, and ``aten::<operator>`` for an op routed to
+    PyTorch (an ATen node)."""
+    current = model.state_machine.current
+    assert current is not None, "the model has not run in ORT yet"
+    found = set()
+    for node in current[1].model.graph.node:
+        if node.op_type == "ATen":
+            found.add("aten::" + next((a.s.decode() for a in node.attribute if a.name == "operator"), "?"))
+        else:
+            found.add(node.op_type)
+    return found
+
+
+def assert_kernels(model: ORTModule, host: PluginHost, ort_kernels: set[str]) -> None:
+    """On a host that routes no op to PyTorch (no ``aten_fallback``), ONNX Runtime's own ``ort_kernels`` (forward
+    and gradient) are what the parity test checked; with ``aten_fallback``, some ops ran as PyTorch kernels."""
+    found = kernels(model)
+    routed = sorted(k for k in found if k.startswith("aten::"))
+    record = host.records.get("aten_fallback")
+    if record is None or not record.enabled:
+        assert not routed, f"ops routed to PyTorch on a host without aten_fallback: {routed}"
+        assert ort_kernels <= found, f"ORT kernels {sorted(ort_kernels - found)} are not in the graph: {sorted(found)}"
+    else:
+        assert routed, f"aten_fallback is loaded but no op ran in PyTorch: {sorted(found)}"
 
 
 # -- comparisons ---------------------------------------------------------------------------------------------------

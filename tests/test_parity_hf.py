@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from models import (
     HF_VOCAB,
+    HOST_KINDS,
     adamw,
     assert_close,
     assert_curves_match,
     assert_grads_match,
+    assert_kernels,
     assert_losses_match,
     assert_outputs_match,
     assert_ran_in_ort,
@@ -25,23 +28,40 @@ from models import (
     loss_of,
     make_batches,
     ort_and_torch,
+    plugin_host,
     tiny_bert,
     tiny_gpt2,
     train_curve,
     wrap,
 )
 
+from ortcore.plugins import PluginHost
+
 transformers = pytest.importorskip("transformers")
 
 STEPS = 20
 
 
-def test_bert_sequence_classification_with_padding_and_labels_matches_torch():
+@pytest.fixture(params=HOST_KINDS, autouse=True)
+def host(request: pytest.FixtureRequest) -> Iterator[PluginHost]:
+    """Every test runs on a bare host (ORT's own kernels) and on the default host (the installed plugins)."""
+    with plugin_host(request.param) as pinned:
+        yield pinned
+
+
+# ONNX Runtime's own kernels the bare host checks against PyTorch (forward and gradient).
+BERT_KERNELS = {"Gather", "GatherGrad", "LayerNormalization", "LayerNormalizationGrad", "Gelu", "GeluGrad"}
+GPT2_KERNELS = {"Gather", "GatherGrad", "LayerNormalization", "LayerNormalizationGrad", "FastGelu", "FastGeluGrad"}
+CROSS_ENTROPY_KERNELS = {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad"}
+
+
+def test_bert_sequence_classification_with_padding_and_labels_matches_torch(host):
     ort, ref = ort_and_torch(tiny_bert())
     batches = make_batches(bert_batch, STEPS + 1)
     assert (batches[0]["attention_mask"] == 0).any(), "the first batch should contain padding"
     check_step_and_training(ort, ref, batches, hf_step, STEPS)
     assert_ran_in_ort(ort, exports=1)
+    assert_kernels(ort, host, BERT_KERNELS | CROSS_ENTROPY_KERNELS)
 
     # After training, eval mode (dropout is off anyway, but eval is its own graph) under no_grad.
     ort.eval()
@@ -97,7 +117,7 @@ GPT2_CALLS = {
 
 
 @pytest.mark.parametrize("call", list(GPT2_CALLS))
-def test_gpt2_matches_torch(call):
+def test_gpt2_matches_torch(call, host):
     """Outputs (logits, loss, and the DynamicCache's keys and values), gradients, and a 20-step AdamW curve.
 
     lm_head.weight is tied to transformer.wte.weight: the shared parameter must get the sum of both uses' gradients
@@ -117,6 +137,7 @@ def test_gpt2_matches_torch(call):
     check_step_and_training(ort, ref, batches, step, STEPS)
     assert ort.module.lm_head.weight is ort.module.transformer.wte.weight
     assert_ran_in_ort(ort, exports=1)
+    assert_kernels(ort, host, GPT2_KERNELS | (CROSS_ENTROPY_KERNELS if call == "with_labels" else set()))
 
 
 def test_gpt2_without_cache_matches_torch():

@@ -153,14 +153,16 @@ class PluginHost:
                 self.records[ep.name] = record  # never imported
                 continue
             where = f"plugin {ep.name!r} (distribution {dist!r}, entry point {ep.value!r})"
+            stage = "import"
             try:
                 plugin = ep.load()
+                stage = "register"  # pluggy refuses a hook implementation whose arguments its spec does not have
                 self._register(ep.name, plugin, record, where=where)
-            except Exception as e:  # any import-time failure of a plugin must not take ortcore down
-                failure = f"{type(e).__name__}: {e}" if not isinstance(e, PluginError) else str(e)
+            except Exception as e:  # any failure of one plugin to load must not take ortcore down
+                failure = str(e) if isinstance(e, PluginError) else f"{type(e).__name__}: {e}"
                 record.status, record.error, record.plugin = "failed", failure, None
                 self.records[ep.name] = record
-                message = failure if isinstance(e, PluginError) else f"{where} failed to import: {failure}"
+                message = failure if isinstance(e, PluginError) else f"{where} failed to {stage}: {failure}"
                 if ep.name in self.config.enable:
                     raise PluginError(message) from e
                 logger.warning("%s; the other plugins keep working", message)

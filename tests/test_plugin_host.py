@@ -402,6 +402,21 @@ def test_installed_plugin_with_a_misspelled_hook_is_reported_and_others_keep_wor
     assert_matches_torch(torch.nn.Linear(3, 3), (torch.randn(2, 3),), host=host)
 
 
+def test_installed_plugin_whose_hook_takes_unknown_arguments_is_reported(tmp_path, monkeypatch, caplog):
+    (tmp_path / "ortcore_test_bad_arguments.py").write_text(
+        "from ortcore.hookspecs import hookimpl\n\n\n@hookimpl\ndef ortcore_configure(config, colour):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _fake_entry_point(monkeypatch, "bad_arguments", "ortcore_test_bad_arguments")
+    host = PluginHost(Config.from_table({}, env={}))
+    assert host.records["bad_arguments"].status == "failed"
+    assert "colour" in host.records["bad_arguments"].error
+    assert any(
+        "'bad_arguments' (distribution 'some-dist'" in r.getMessage() and "failed to register" in r.getMessage()
+        for r in caplog.records
+    )
+
+
 def test_enabled_plugin_with_a_misspelled_hook_is_an_error(tmp_path, monkeypatch):
     _fake_entry_point(monkeypatch, "typo", _misspelled_module(tmp_path, monkeypatch))
     with pytest.raises(PluginError, match=r"'typo' .*implements hooks that no spec declares: 'ortcore_session_create'"):

@@ -131,6 +131,10 @@ class PluginHost:
         for name, plugin in (plugins or {}).items():
             self._register(name, plugin, PluginRecord(name, "<registered>", "", False, "loaded"))
         self._configure()
+        try:  # plugins were checked as they registered; this also covers any a plugin registered itself
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"{e}; no spec declares this hook (@hookimpl(optionalhook=True) allows that)") from e
         self.hooks = Hooks(self)
 
     # -- loading ----------------------------------------------------------------------------------------------------

@@ -380,15 +380,19 @@ def _add_commands_of(pm: pluggy.PluginManager, subparsers: argparse._SubParsersA
     """Call ``ortcore_commands`` of every plugin in ``pm`` not named in ``skip``, in registration order; a plugin
     that fails is reported on stderr and the others keep working. Returns the names of the plugins called."""
     called = set()
-    for impl in reversed(pm.hook.ortcore_commands.get_hookimpls()):
-        if impl.plugin_name in skip:
+    names = [impl.plugin_name for impl in reversed(pm.hook.ortcore_commands.get_hookimpls())]
+    for name in dict.fromkeys(names):
+        if name in skip:
             continue
-        called.add(impl.plugin_name)
+        called.add(name)
+        # Through pluggy, one plugin at a time (its own hook wrappers apply), so that one failing plugin is named
+        # and the others keep their commands.
+        others = [pm.get_plugin(other) for other in names if other != name]
         try:
-            impl.function(*[{"subparsers": subparsers}[a] for a in impl.argnames])
+            pm.subset_hook_caller("ortcore_commands", remove_plugins=others)(subparsers=subparsers)
         except Exception as e:  # a broken plugin must not take the other commands down
             print(
-                f"ortcore: plugin {impl.plugin_name!r} failed to add its commands (hook ortcore_commands): "
+                f"ortcore: plugin {name!r} failed to add its commands (hook ortcore_commands): "
                 f"{type(e).__name__}: {e}",
                 file=sys.stderr,
             )

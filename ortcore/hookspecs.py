@@ -75,7 +75,7 @@ def ortcore_exporter(config: Config) -> Exporter | None:
 def ortcore_export_symbolics(config: Config) -> dict[str, Any] | None:
     """Extra TorchScript symbolics: ``{"::op_name": symbolic_fn}`` registered for the export opset.
 
-    Called once per export; later plugins cannot override an op an earlier one claimed (a duplicate is an error
+    Called once per ORTModule; later plugins cannot override an op an earlier one claimed (a duplicate is an error
     naming both plugins). Return None to contribute nothing.
     """
 

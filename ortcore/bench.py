@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .files import atomic_writer
+
 MODELS: tuple[str, ...] = ("bert", "gpt2")
 MODES: tuple[str, ...] = ("eager", "compile", "ortcore")
 
@@ -326,17 +328,10 @@ def run_worker(model_name: str, mode: str, cfg: BenchConfig) -> RunResult:
 
 
 def _write_json_atomic(path: str, payload: Any) -> None:
-    """Write JSON to ``path`` via a temporary file in the same directory and ``os.replace``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, allow_nan=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write JSON to ``path`` atomically (ortcore.files)."""
+    with atomic_writer(path) as f:
+        json.dump(payload, f, indent=2, allow_nan=True)
+        f.write("\n")
 
 
 def _worker_main(argv: Sequence[str] | None = None) -> int:

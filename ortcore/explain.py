@@ -19,6 +19,8 @@ from typing import Any
 
 import onnx
 
+from .tables import format_table
+
 ROUTED_METADATA_PREFIX = "ortcore.routed::"
 ATEN_DOMAIN = "org.pytorch.aten"
 
@@ -53,13 +55,8 @@ class Explanation(list):
     def __str__(self) -> str:
         if not self:
             return "no graph yet: call the model once"
-        width = max(len("op"), *(len(r["op"]) for r in self))
-        lines = [f"{'op':<{width}}  {'runs on':<8} {'forward':>7} {'backward':>8}  why"]
-        for r in self:
-            lines.append(
-                f"{r['op']:<{width}}  {r['runs_on']:<8} {r['forward']:>7} {r['backward']:>8}  {r['reason']}".rstrip()
-            )
-        return "\n".join(lines)
+        rows = [(r["op"], r["runs_on"], r["forward"], r["backward"], r["reason"]) for r in self]
+        return format_table(("op", "runs on", "forward", "backward", "why"), rows, indent="")
 
 
 def operator_of(node: onnx.NodeProto) -> str:

@@ -16,10 +16,11 @@ import io
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from ortcore.files import atomic_writer
 
 from .subscriber import COLUMNS, KINDS
 
@@ -153,7 +154,7 @@ def plot_l2(
     title: str | None = None,
 ) -> Path:
     """Plot the L2 norm over steps of the chosen activations into ``output`` (format from its suffix), written
-    atomically: a temporary file in the same directory, then ``os.replace``."""
+    atomically (``ortcore.files.atomic_writer``)."""
     try:
         import matplotlib
 
@@ -196,14 +197,8 @@ def plot_l2(
     axes.grid(True, alpha=0.3)
     if len(series) <= 30:
         axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            figure.savefig(f, format=suffix)
-        os.replace(tmp, output)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_writer(output, "wb") as f:
+        figure.savefig(f, format=suffix)
     return output
 
 

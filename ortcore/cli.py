@@ -71,11 +71,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     print("training in PyTorch, then with ortcore.ORTModule from the same initial weights ...", flush=True)
     result = run_demo(cfg)
     print(f"model parameters: {result.n_params:,}\n")
-    header = (
-        f"{'step':>4}  {'torch loss':>12}  {'ortcore loss':>12}  {'rel diff':>9}  {'torch ms':>9}  {'ortcore ms':>10}"
-    )
-    print(header)
-    print("-" * len(header))
+    from .tables import format_table
+
     rows = zip(
         result.torch_run.losses,
         result.ortcore_run.losses,
@@ -83,9 +80,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         result.torch_run.step_times_s,
         result.ortcore_run.step_times_s,
     )
-    for i, (a, b, d, ta, tb) in enumerate(rows, 1):
-        note = "  <- export + build + step" if i == 1 else ""
-        print(f"{i:>4}  {a:>12.6f}  {b:>12.6f}  {d:>9.1e}  {ta * 1e3:>9.1f}  {tb * 1e3:>10.1f}{note}")
+    table = [
+        (i, f"{a:.6f}", f"{b:.6f}", f"{d:.1e}", f"{ta * 1e3:.1f}", f"{tb * 1e3:.1f}", "export + build + step" if i == 1 else "")
+        for i, (a, b, d, ta, tb) in enumerate(rows, 1)
+    ]
+    print(format_table(("step", "torch loss", "ortcore loss", "rel diff", "torch ms", "ortcore ms", ""), table, indent=""))
     print()
     t, o = result.torch_run, result.ortcore_run
     if not result.ran_in_ort:

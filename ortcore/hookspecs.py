@@ -150,9 +150,10 @@ def ortcore_session_plan(config: Config, graph: BuiltGraph, plan: SessionPlan) -
     ``plan.config_entries`` (ORT session config entries), ``plan.execution_order``, ``plan.providers`` (a list of
     ``(name, options)``), ``plan.add_run_wrapper(name, wrapper)`` (a context manager factory entered around every
     forward, backward and inference run: ``wrapper(what)`` with ``what`` one of ``"forward"``, ``"backward"``,
-    ``"inference"``), ``plan.temporary_file(text, suffix)`` (a file that lives until the session exists) and
-    ``plan.probe()`` (a throw-away session of the graph as planned so far, for analysis; counted by the state
-    machine as a probe).
+    ``"inference"``), ``plan.add_optional(owner, entries, execution_order)`` (settings the session gets if ORT accepts
+    them; otherwise it is created without, with a warning naming ``owner``), ``plan.temporary_file(text, suffix)`` (a
+    file that lives until the session exists) and ``plan.probe(cause)`` (a throw-away session of the graph as
+    planned so far, for analysis; counted and logged by the state machine as a probe, with ``cause``).
 
     Called once per build, before ``ortcore_session_options`` and ``ortcore_provider_options``. Return value
     ignored.

@@ -10,7 +10,8 @@ Record a PyTorch run and an ortcore run, then find the first activation where th
 
 The package, one module per part (docs/plugins/activation_stats.md, docs/convergence.md):
 
-- ``subscriber``: :class:`StatisticsSubscriber` and the record format it writes (``FORMAT``, ``RECORD_FIELDS``);
+- ``records``: the record format (``FORMAT``, ``RECORD_FIELDS``, file names), without torch;
+- ``subscriber``: :class:`StatisticsSubscriber`, which writes records in that format;
 - ``merge_activation_summary``: reading and validating run directories; side-by-side text summaries per step;
 - ``divergence``: the first divergence, the ranked table of the worst activations and the HTML report;
 - ``commands``: the ``ortcore`` subcommands (a light module: ``ortcore --help`` imports it without torch).
@@ -33,11 +34,11 @@ _PUBLIC = {
     "tensor_statistics": "subscriber",
     "statistics_kernel_fused": "subscriber",
     "safe_name": "subscriber",
-    "FORMAT": "subscriber",
-    "META_FILE": "subscriber",
-    "RECORDS_FILE": "subscriber",
-    "RECORD_FIELDS": "subscriber",
-    "KINDS": "subscriber",
+    "FORMAT": "records",
+    "META_FILE": "records",
+    "RECORDS_FILE": "records",
+    "RECORD_FIELDS": "records",
+    "KINDS": "records",
     "RecordError": "merge_activation_summary",
     "Run": "merge_activation_summary",
     "load_run": "merge_activation_summary",

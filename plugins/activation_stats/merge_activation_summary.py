@@ -36,7 +36,7 @@ from typing import Any
 from ortcore.files import atomic_write
 from ortcore.tables import format_table
 
-from .subscriber import FORMAT, KINDS, META_FILE, RECORD_FIELDS, RECORDS_FILE, STEP_DIR_PREFIX
+from .records import FORMAT, KINDS, META_FILE, RECORD_FIELDS, RECORDS_FILE, STEP_DIR_PREFIX
 
 FLOAT_STATS = ("mean", "std", "min", "max", "abs_mean")
 COUNT_STATS = ("nans", "infs")

@@ -22,19 +22,11 @@ import torch
 from ortcore.files import atomic_write
 from ortcore.hooks import SubscriberBase
 
+from .records import FORMAT, KINDS, META_FILE, RECORD_FIELDS, RECORDS_FILE, STEP_DIR_PREFIX  # noqa: F401
+
 logger = logging.getLogger("ortcore.activation_stats")
 
-# -- the record format -------------------------------------------------------------------------------------------
-FORMAT = 1  # written into meta.json and every record; readers refuse any other
-META_FILE = "meta.json"  # {"format", "source": "torch"|"ortcore", "rank", "world_size", "model"}
-RECORDS_FILE = "records.jsonl"  # a step's records, one a line (the default layout)
-STEP_DIR_PREFIX = "step_"  # one folder per step: step_<step>/
-KINDS = ("forward", "backward")
-# Every record holds these keys (and "samples": up to SAMPLES evenly spaced values of the flattened tensor).
-RECORD_FIELDS = (
-    "format", "name", "kind", "step", "order", "rank",
-    "shape", "dtype", "numel", "min", "max", "mean", "std", "abs_mean", "zeros", "nans", "infs",
-)  # fmt: skip
+# -- the record format (records.py: one definition, light enough for the tools to import without torch) -----------
 SAMPLES = 8
 NAME_LIMIT = 120
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")

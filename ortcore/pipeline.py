@@ -71,6 +71,8 @@ class SessionPlan:
         providers: execution providers with their options, first preferred.
         optimized_model_filepath: where ORT writes the graph it runs (``save_onnx``), or None.
         run_wrappers: ``(name, wrapper)``: ``wrapper(what)`` is a context manager entered around each run.
+        profile_file_prefix: when set, ORT's profiler records every kernel the session runs into
+            ``<prefix>_<date>.json`` (Chrome trace format), written by :meth:`TrainingSession.end_profiling`.
     """
 
     device: torch.device
@@ -80,6 +82,7 @@ class SessionPlan:
     execution_order: Any = None
     optimized_model_filepath: str | None = None
     run_wrappers: list[tuple[str, RunWrapper]] = attrs.Factory(list)
+    profile_file_prefix: str | None = None
     optional: list[_Optional] = attrs.Factory(list)
     configure_session: Callable[[onnxruntime.SessionOptions, torch.device], None] | None = None
     temporary_files: list[str] = attrs.Factory(list)
@@ -127,6 +130,9 @@ class SessionPlan:
             so.execution_order = order
         if self.optimized_model_filepath:
             so.optimized_model_filepath = self.optimized_model_filepath
+        if self.profile_file_prefix:
+            so.enable_profiling = True
+            so.profile_file_prefix = self.profile_file_prefix
         if self.configure_session is not None:
             self.configure_session(so, self.device)
         return so
@@ -189,7 +195,9 @@ class _OrtWrittenGraphs:
 
 def save_model(model: onnx.ModelProto, options: CoreOptions, suffix: str) -> None:
     """Write ``<prefix>_<suffix>.onnx`` atomically into the save directory."""
-    path = atomic_write(os.path.join(options.save_dir, f"{options.onnx_prefix}_{suffix}.onnx"), model.SerializeToString())
+    path = atomic_write(
+        os.path.join(options.save_dir, f"{options.onnx_prefix}_{suffix}.onnx"), model.SerializeToString()
+    )
     logger.info("saved %s", path)
 
 
@@ -338,7 +346,10 @@ class Pipeline:
 
     def _probe(self, built: BuiltGraph, plan: SessionPlan, cause: str) -> TrainingSession:
         self.state.record_probe(cause)
-        return TrainingSession(built, attrs.evolve(plan, run_wrappers=[], optimized_model_filepath=None, prober=None))
+        return TrainingSession(
+            built,
+            attrs.evolve(plan, run_wrappers=[], optimized_model_filepath=None, profile_file_prefix=None, prober=None),
+        )
 
     def _create(self, built: BuiltGraph, plan: SessionPlan) -> TrainingSession:
         try:

@@ -216,7 +216,9 @@ class _GraphBuild:
         if yield_op is None or not tap_outputs:
             return
         attributes = {a.name: a for a in yield_op.attribute}
-        non_diff = set(attributes["non_differentiable_outputs"].ints) if "non_differentiable_outputs" in attributes else set()
+        non_diff = (
+            set(attributes["non_differentiable_outputs"].ints) if "non_differentiable_outputs" in attributes else set()
+        )
         differentiable = [i for i in range(len(yield_op.input)) if i not in non_diff]
         grad_of = dict(zip(differentiable, yield_op.output))  # yield input index -> its gradient value
         consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -251,9 +253,11 @@ class _GraphBuild:
         del yield_op.output[:]
         yield_op.output.extend(outputs)
         non_diff |= detached
-        full_shape = [i for i in attributes["full_shape_outputs"].ints if i not in detached] if (
-            "full_shape_outputs" in attributes
-        ) else None
+        full_shape = (
+            [i for i in attributes["full_shape_outputs"].ints if i not in detached]
+            if ("full_shape_outputs" in attributes)
+            else None
+        )
         del yield_op.attribute[:]
         for name, attribute in attributes.items():
             if name not in ("non_differentiable_outputs", "full_shape_outputs"):
@@ -350,12 +354,16 @@ class TrainingSession:
                 provider_options=[o for _, o in plan.providers],
             )
         except Exception as e:
-            raise GraphBuildError(f"ONNX Runtime could not create the {self.kind} session: {explain_ort_error(e)}") from e
+            raise GraphBuildError(
+                f"ONNX Runtime could not create the {self.kind} session: {explain_ort_error(e)}"
+            ) from e
         set_("_sess", sess)
         device = _ort_device(built.request.device)
         if built.request.build_gradient:
             n_fw = len(self.user_output_names) + len(built.graph_info.frontier_node_arg_map)
-            agent = C.TrainingAgent(sess._sess, feed_names, [device] * n_fw, fetch_names, [device] * len(fetch_names), 0)
+            agent = C.TrainingAgent(
+                sess._sess, feed_names, [device] * n_fw, fetch_names, [device] * len(fetch_names), 0
+            )
             set_("_agent", agent)
         else:
             set_("_agent", None)
@@ -387,6 +395,17 @@ class TrainingSession:
     def agent(self) -> C.TrainingAgent | None:
         """ORT's TrainingAgent of a training session (None for inference); e.g. for its memory statistics."""
         return self._agent
+
+    def end_profiling(self) -> str | None:
+        """Stop ORT's profiler (on when the plan set ``profile_file_prefix``) and return the trace file it wrote,
+        or None if profiling was off. Events' ``ts`` are microseconds after :attr:`profiling_start_ns`."""
+        path = self._sess.end_profiling()
+        return path or None
+
+    @property
+    def profiling_start_ns(self) -> int:
+        """ORT's profiler start time in nanoseconds (0 when profiling is off)."""
+        return int(self._sess.get_profiling_start_time_ns())
 
     # -- running -------------------------------------------------------------------------------------------
     def run_inference(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:

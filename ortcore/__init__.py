@@ -12,8 +12,38 @@ import sys as _sys
 if "torch" not in _sys.modules:
     _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+
+def _block_upstream_ortmodule() -> None:
+    """Keep ``import onnxruntime`` from importing upstream's ORTModule.
+
+    onnxruntime-training's package check imports ``onnxruntime.training.ortmodule`` on every ``import onnxruntime``:
+    on current PyTorch that import fails (``cannot import name 'jit_utils'``) after about 0.6 s spent importing sympy
+    and its shape inference, time every ortcore process paid before its first step. A stub module in its place fails
+    at once with an ImportError naming ortcore, which the check expects and ignores.
+    """
+    name = "onnxruntime.training.ortmodule"
+    if name in _sys.modules or "onnxruntime" in _sys.modules:
+        return
+    import types
+
+    stub = types.ModuleType(name, "Upstream ORTModule, which does not import on this PyTorch: use ortcore.ORTModule.")
+
+    def __getattr__(attr: str) -> _Any:
+        if attr.startswith("__"):  # hasattr(stub, "__file__") and the like (inspect, pickle) must stay quiet
+            raise AttributeError(attr)
+        raise ImportError(
+            f"onnxruntime.training.ortmodule.{attr}: upstream's ORTModule does not work with this PyTorch; "
+            "ortcore.ORTModule replaces it"
+        )
+
+    stub.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    _sys.modules[name] = stub
+
+
 import importlib as _importlib  # noqa: E402
 from typing import Any as _Any  # noqa: E402
+
+_block_upstream_ortmodule()
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Peak RSS above the pre-wrap baseline, eager against ortcore, with ORT's CPU arena on or off.
+"""Peak RSS above the pre-wrap baseline, eager against ortcore under several ORT memory settings.
 
     python benchmarks/memory_probe.py [bert|gpt2]
 
@@ -13,7 +13,15 @@ import json
 import subprocess
 import sys
 
-SETTINGS = ("eager", "ortcore", "ortcore, no CPU arena")
+#: Session option overrides per setting (None: eager PyTorch).
+SETTINGS: dict[str, dict[str, bool] | None] = {
+    "eager": None,
+    "ortcore": {},
+    "ortcore, no CPU arena": {"enable_cpu_mem_arena": False},
+    "ortcore, memory reuse": {"enable_mem_reuse": True},
+    "ortcore, memory reuse, no CPU arena": {"enable_mem_reuse": True, "enable_cpu_mem_arena": False},
+    "ortcore, memory reuse + pattern": {"enable_mem_reuse": True, "enable_mem_pattern": True},
+}
 
 
 def _worker(model_name: str, setting: str) -> dict:
@@ -31,18 +39,19 @@ def _worker(model_name: str, setting: str) -> dict:
     base = rss.current_bytes()
     rss.start()
     runner = model
-    if setting != "eager":
+    overrides = SETTINGS[setting]
+    if overrides is not None:
         from ortcore import ORTModule
         from ortcore.hookspecs import hookimpl
         from ortcore.plugins import PluginHost
 
-        class NoArena:
+        class Overrides:
             @hookimpl
             def ortcore_session_options(self, session_options):
-                session_options.enable_cpu_mem_arena = False
+                for name, value in overrides.items():
+                    setattr(session_options, name, value)
 
-        plugins = {"no_arena": NoArena()} if "no CPU arena" in setting else {}
-        runner = ORTModule(model, host=PluginHost(plugins=plugins))
+        runner = ORTModule(model, host=PluginHost(plugins={"overrides": Overrides()}))
     after = []
     for batch in batches[:8]:
         loss = runner(**batch).loss
@@ -59,6 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="bert", choices=("bert", "gpt2"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", nargs="*", choices=list(SETTINGS), help="default: all")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(args.model, args.worker)))
@@ -66,7 +76,7 @@ def main() -> int:
     from ortcore.tables import format_table
 
     rows = []
-    for setting in SETTINGS:
+    for setting in args.settings or SETTINGS:
         out = subprocess.run(
             [sys.executable, __file__, args.model, "--worker", setting], capture_output=True, text=True, check=True
         )

@@ -319,3 +319,28 @@ def test_core_to_plugin_check_finds_module_level_imports_only(tmp_path: Path) ->
     )
     found = core_imports_of_plugins(root, "core", "ortcore_plugins")
     assert found == {"core.a": ["ortcore_plugins.x"], "core.c": ["ortcore_plugins.y"]}
+
+
+def test_importing_ortcore_keeps_onnxruntime_from_importing_upstreams_ortmodule() -> None:
+    """onnxruntime's package check imports upstream's ORTModule (sympy and all, about 0.6 s, then fails on this
+    torch); after ``import ortcore`` it meets a stub that fails at once, and ortcore still trains."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ortcore, sys\n"
+        "model = ortcore.ORTModule(torch.nn.Linear(3, 2))\n"
+        "model(torch.ones(4, 3)).sum().backward()\n"
+        "assert model.state_machine.counters.fallbacks == 0\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('onnxruntime.training.ortmodule.'))\n"
+        "assert not loaded, loaded\n"
+        "assert 'sympy' not in sys.modules\n"
+        "try:\n"
+        "    from onnxruntime.training.ortmodule import ORTModule\n"
+        "except ImportError as e:\n"
+        "    assert 'ortcore.ORTModule' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('upstream ORTModule imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -3,8 +3,10 @@
 Every (model, mode) pair runs in a fresh worker process (``python -m ortcore.bench --worker MODEL MODE ...``) so that
 peak memory, compile caches and OpenMP settings of one run cannot leak into another. The worker writes its
 measurements as JSON to a file named by the parent; the parent (:func:`run_bench`) collects them, adds ratios to
-eager and can render a ``rich`` table (:func:`results_table`). Nothing in this module prints except the worker's
-own error report on stderr.
+eager and can render a ``rich`` table (:func:`results_table`). :func:`run_suite` runs several configurations
+(:data:`PRESETS`) and, on request, one more worker per model that explains where the time goes (the ``op_profiler``
+plugin). A :class:`BenchSuite` saves to JSON and loads back (:meth:`BenchSuite.from_json`) with everything the tables
+show, and :func:`plot_suite` draws it. Nothing in this module prints except the worker's own error report on stderr.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import attrs
 
 from .files import atomic_writer
 
@@ -37,9 +41,14 @@ WORKER_ENV: dict[str, str] = {"GOMP_SPINCOUNT": "10000"}
 _MIB = 1024 * 1024
 
 
-@dataclass
+@attrs.frozen
 class BenchConfig:
-    """Model sizes and training settings shared by every run of one benchmark."""
+    """Model sizes and training settings shared by every run of one benchmark.
+
+    Example::
+
+        cfg = attrs.evolve(PRESETS["large"], steps=4)
+    """
 
     batch: int = 8
     seq: int = 128
@@ -64,6 +73,27 @@ class BenchConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup must be in [0, steps), got warmup {self.warmup} with steps {self.steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+#: Named configurations for ``ortcore bench --config NAME``; explicit flags override single values.
+#: ``large`` is BERT-base/GPT-2-small sized (about 92M parameters with the 8000-word vocabulary): on 2 cores a step
+#: takes 7-12 s and peak RSS reaches about 4.5 GiB, hence batch 4 and 8 steps. ``quick`` is a smoke run of every
+#: model and mode; torch.compile's cold compilation (about 12 s per model on 2 cores) is most of its time.
+PRESETS: dict[str, BenchConfig] = {
+    "default": BenchConfig(),
+    "large": BenchConfig(batch=4, seq=256, hidden=768, layers=12, steps=8, warmup=2),
+    "quick": BenchConfig(batch=2, seq=32, hidden=64, layers=1, steps=5, warmup=2, vocab=1000),
+}
+
+
+def preset(name: str, **overrides: int) -> BenchConfig:
+    """The preset ``name`` with ``overrides`` (settings left None keep the preset's value)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown config {name!r}; allowed: {', '.join(PRESETS)}")
+    return attrs.evolve(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
 @dataclass
@@ -90,6 +120,7 @@ class RunResult:
     wall_s: float | None = None  # whole worker process, imports included (measured by the parent)
     others_cpu_pct: float | None = None  # share of the machine's CPU other processes used during the run
     vs_eager: dict[str, float | None] = field(default_factory=dict)
+    config: str = ""  # name of the configuration (preset) the run belongs to, set by the parent
 
     @property
     def fell_back(self) -> bool:
@@ -334,13 +365,38 @@ def _write_json_atomic(path: str, payload: Any) -> None:
         f.write("\n")
 
 
+#: The plugin whose ``explain_bench(model_name, cfg, steps=3, warmup=2) -> dict`` and ``render_explain(data)`` serve
+#: ``ortcore bench --explain``.
+EXPLAIN_PLUGIN = "op_profiler"
+EXPLAIN_MODULE = f"ortcore_plugins.{EXPLAIN_PLUGIN}"
+
+
+def run_explain_worker(model_name: str, cfg: BenchConfig) -> dict[str, Any]:
+    """Where one training step of ``model_name`` spends its time, from the op_profiler plugin (JSON-able)."""
+    if model_name not in MODELS:
+        raise ValueError(f"unknown model {model_name!r}; allowed: {', '.join(MODELS)}")
+    import importlib
+
+    return importlib.import_module(EXPLAIN_MODULE).explain_bench(model_name, cfg)
+
+
 def _worker_main(argv: Sequence[str] | None = None) -> int:
-    """Entry of ``python -m ortcore.bench --worker MODEL MODE --config JSON --out PATH``."""
+    """Entry of ``python -m ortcore.bench (--worker MODEL MODE | --explain MODEL) --config JSON --out PATH``."""
     parser = argparse.ArgumentParser(prog="python -m ortcore.bench", description="ortcore bench worker (internal)")
-    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), required=True)
+    task = parser.add_mutually_exclusive_group(required=True)
+    task.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help="train and measure MODEL under MODE")
+    task.add_argument("--explain", metavar="MODEL", help="explain MODEL's step through the op_profiler plugin")
     parser.add_argument("--config", required=True, help="BenchConfig as JSON")
-    parser.add_argument("--out", required=True, help="where to write the RunResult JSON")
+    parser.add_argument("--out", required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
+    if args.explain is not None:
+        try:
+            payload = {"ok": True, "data": run_explain_worker(args.explain, BenchConfig(**json.loads(args.config)))}
+        except Exception as e:
+            traceback.print_exc()
+            payload = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        _write_json_atomic(args.out, payload)
+        return 0 if payload["ok"] else 1
     model_name, mode = args.worker
     try:
         cfg = BenchConfig(**json.loads(args.config))
@@ -358,11 +414,10 @@ def _tail(text: str, lines: int = 5) -> str:
     return "\n".join(line for line in text.strip().splitlines()[-lines:])
 
 
-def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float = 1800.0) -> RunResult:
-    """Run :func:`run_worker` in a fresh Python process with :data:`WORKER_ENV` and return its result.
+def _spawn(task: list[str], cfg: BenchConfig, timeout_s: float) -> tuple[Any, str, float]:
+    """Run ``python -m ortcore.bench TASK --config ... --out ...`` in a fresh process with :data:`WORKER_ENV`.
 
-    Never raises for a failed run: a crash, a timeout or an exception inside the worker becomes ``ok=False`` with
-    ``error`` set.
+    Returns the JSON the worker wrote (None if it wrote none), why it wrote none, and the process's wall time.
     """
     with tempfile.TemporaryDirectory(prefix="ortcore-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -375,23 +430,41 @@ def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float 
         # temporary directory so that no `ortcore` folder in the caller's working directory shadows it.
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "ortcore.bench", "--worker", model_name, mode]
-        cmd += ["--config", json.dumps(asdict(cfg)), "--out", out]
+        cmd = [sys.executable, "-m", "ortcore.bench", *task, "--config", json.dumps(cfg.to_dict()), "--out", out]
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            return RunResult(model=model_name, mode=mode, error=f"timed out after {timeout_s:.0f} s")
+            return None, f"timed out after {timeout_s:.0f} s", time.perf_counter() - start
         wall = time.perf_counter() - start
         try:
             with open(out) as f:
-                data = json.load(f)
-            result = RunResult(**data)
-        except (OSError, ValueError, TypeError):
-            detail = _tail(proc.stderr) or "no output"
-            result = RunResult(model=model_name, mode=mode, error=f"worker exited with {proc.returncode}: {detail}")
+                return json.load(f), "", wall
+        except (OSError, ValueError):
+            return None, f"worker exited with {proc.returncode}: {_tail(proc.stderr) or 'no output'}", wall
+
+
+def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float = 1800.0) -> RunResult:
+    """Run :func:`run_worker` in a fresh Python process with :data:`WORKER_ENV` and return its result.
+
+    Never raises for a failed run: a crash, a timeout or an exception inside the worker becomes ``ok=False`` with
+    ``error`` set.
+    """
+    data, why, wall = _spawn(["--worker", model_name, mode], cfg, timeout_s)
+    try:
+        result = RunResult(**data) if data is not None else RunResult(model=model_name, mode=mode, error=why)
+    except TypeError:
+        result = RunResult(model=model_name, mode=mode, error=f"worker wrote an unexpected result: {_short(str(data))}")
     result.wall_s = wall
     return result
+
+
+def explain_isolated(model_name: str, cfg: BenchConfig, timeout_s: float = 1800.0) -> tuple[dict | None, str | None]:
+    """Run :func:`run_explain_worker` in a fresh process: (the plugin's dict, None) or (None, why it failed)."""
+    data, why, _ = _spawn(["--explain", model_name], cfg, timeout_s)
+    if data is None:
+        return None, why
+    return (data["data"], None) if data.get("ok") else (None, data.get("error") or "failed")
 
 
 class OthersCPU:
@@ -462,35 +535,157 @@ def _rel_diff(a: float | None, b: float | None) -> float | None:
     return abs(a - b) / scale if scale else 0.0
 
 
+#: Version of the JSON layout :meth:`BenchSuite.to_json` writes; :meth:`BenchSuite.from_json` also reads files
+#: without one (a single configuration, written before presets existed).
+JSON_FORMAT = "ortcore-bench/2"
+
+
 @dataclass
 class BenchReport:
-    """All runs of one benchmark and the settings they ran with."""
+    """All runs of one configuration and the settings they ran with."""
 
     config: BenchConfig
     results: list[RunResult]
     worker_env: dict[str, str]
     wall_s: float
+    name: str = "default"  # the preset the configuration started from
+    overrides: dict[str, int] = field(default_factory=dict)  # settings given on the command line
+    explain: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> op_profiler's explain_bench dict
+    explain_errors: dict[str, str] = field(default_factory=dict)  # model -> why its explain worker failed
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results)
+        return all(r.ok for r in self.results) and not self.explain_errors
+
+    @property
+    def n_params(self) -> dict[str, int]:
+        """Parameter count of each model, from any of its runs that got as far as building it."""
+        return {r.model: r.n_params for r in self.results if r.n_params is not None}
 
     def to_json(self) -> dict[str, Any]:
+        """The whole report as one suite (see :meth:`BenchSuite.to_json`)."""
+        return BenchSuite([self], {}, self.wall_s).to_json()
+
+    def config_json(self) -> dict[str, Any]:
         return {
+            "name": self.name,
+            "overrides": self.overrides,
+            **self.config.to_dict(),
+            "heads": self.config.heads,
+            "n_params": self.n_params,
+            "steady_step": f"median of steps {self.config.warmup + 1}..{self.config.steps}",
+            "wall_s": self.wall_s,
+            "explain": self.explain,
+            "explain_errors": self.explain_errors,
+        }
+
+
+def _run_result(data: dict[str, Any]) -> RunResult:
+    known = {f.name for f in fields(RunResult)}
+    return RunResult(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class BenchSuite:
+    """The reports of one ``ortcore bench`` command, one per configuration, and where they ran."""
+
+    reports: list[BenchReport]
+    environment: dict[str, Any]  # the parent's view: platform, cores, Python; each run has the worker's view
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.reports)
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything the tables, the summaries and the plot show, and the raw measurements behind them."""
+        worker_env = next((r.worker_env for r in self.reports), dict(WORKER_ENV))
+        results = []
+        for report in self.reports:
+            for r in report.results:
+                results.append({**asdict(r), "config": report.name})
+        return {
+            "format": JSON_FORMAT,
             "settings": {
-                **asdict(self.config),
-                "heads": self.config.heads,
                 "optimizer": "AdamW",
                 "dropout": 0.0,
-                "worker_env": self.worker_env,
+                "worker_env": worker_env,
                 "isolation": "one fresh subprocess per (model, mode); fresh inductor cache dir per run",
                 "first_step": "setup call + step 1 (ortcore: export + build + step; compile: compile + step)",
-                "steady_step": f"median of steps {self.config.warmup + 1}..{self.config.steps}",
+                "steady_step": "median of the step times after the warmup steps",
                 "rss": "rss_peak_mib is the peak during training; baseline is after model creation",
+                "busy_warning_pct": BUSY_WARNING_PCT,
             },
-            "results": [asdict(r) for r in self.results],
+            "environment": self.environment,
+            "configs": [r.config_json() for r in self.reports],
+            "results": results,
             "wall_s": self.wall_s,
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BenchSuite:
+        """The suite :meth:`to_json` wrote; raises ``ValueError`` naming what is missing."""
+        try:
+            settings = data["settings"]
+            worker_env = dict(settings.get("worker_env") or {})
+            if "configs" not in data:  # a single configuration, its settings inline
+                known = {f.name for f in attrs.fields(BenchConfig)}
+                cfg = BenchConfig(**{k: v for k, v in settings.items() if k in known})
+                results = [_run_result(r) for r in data["results"]]
+                report = BenchReport(cfg, results, worker_env, data.get("wall_s") or 0.0)
+                return cls([report], data.get("environment") or {}, data.get("wall_s") or 0.0)
+            reports = []
+            for c in data["configs"]:
+                known = {f.name for f in attrs.fields(BenchConfig)}
+                cfg = BenchConfig(**{k: v for k, v in c.items() if k in known})
+                results = [_run_result(r) for r in data["results"] if r.get("config") == c["name"]]
+                reports.append(
+                    BenchReport(
+                        cfg,
+                        results,
+                        worker_env,
+                        c.get("wall_s") or 0.0,
+                        name=c["name"],
+                        overrides=dict(c.get("overrides") or {}),
+                        explain=dict(c.get("explain") or {}),
+                        explain_errors=dict(c.get("explain_errors") or {}),
+                    )
+                )
+            return cls(reports, data.get("environment") or {}, data.get("wall_s") or 0.0)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not an ortcore bench result file ({type(e).__name__}: {e})") from None
+
+
+def load_suite(path: str) -> BenchSuite:
+    """Read a file written by :func:`write_json`; raises ``ValueError`` naming the file if it is not one."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path!r}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"{path!r} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path!r}: not an ortcore bench result file (top level is not an object)")
+    try:
+        return BenchSuite.from_json(data)
+    except ValueError as e:
+        raise ValueError(f"{path!r}: {e}") from None
+
+
+def host_environment() -> dict[str, Any]:
+    """The parent's platform, cores and Python (versions of torch and the rest are in each run's environment)."""
+    import platform
+
+    from . import __version__
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "ortcore": __version__,
+    }
 
 
 def run_bench(
@@ -500,6 +695,7 @@ def run_bench(
     on_start: Callable[[str, str, int, int], None] | None = None,
     on_done: Callable[[RunResult, int, int], None] | None = None,
     timeout_s: float = 1800.0,
+    name: str = "default",
 ) -> BenchReport:
     """Run every (model, mode) pair, one after the other, each in its own process.
 
@@ -507,12 +703,7 @@ def run_bench(
     ``on_start(model, mode, index, total)`` and ``on_done(result, index, total)`` report progress.
     """
     cfg.validate()
-    for m in models:
-        if m not in MODELS:
-            raise ValueError(f"unknown model {m!r}; allowed: {', '.join(MODELS)}")
-    for m in modes:
-        if m not in MODES:
-            raise ValueError(f"unknown mode {m!r}; allowed: {', '.join(MODES)}")
+    _check_names(models, modes)
     # Eager first within each model, so that a partial run still has the baseline for ratios.
     ordered = sorted(modes, key=lambda m: m != "eager")
     pairs = [(model, mode) for model in models for mode in ordered]
@@ -524,21 +715,102 @@ def run_bench(
         others = OthersCPU()
         result = run_isolated(model, mode, cfg, timeout_s=timeout_s)
         result.others_cpu_pct = others.stop()
+        result.config = name
         results.append(result)
         if on_done is not None:
             on_done(result, i, len(pairs))
     add_ratios(results)
-    return BenchReport(cfg, results, dict(WORKER_ENV), time.perf_counter() - start)
+    return BenchReport(cfg, results, dict(WORKER_ENV), time.perf_counter() - start, name=name)
 
 
-def write_json(report: BenchReport, path: str) -> None:
-    """Write the whole report as JSON, atomically (a reader never sees a half-written file)."""
+def _check_names(models: Sequence[str], modes: Sequence[str]) -> None:
+    for m in models:
+        if m not in MODELS:
+            raise ValueError(f"unknown model {m!r}; allowed: {', '.join(MODELS)}")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}; allowed: {', '.join(MODES)}")
+
+
+def run_suite(
+    models: Sequence[str],
+    modes: Sequence[str],
+    configs: dict[str, BenchConfig],
+    *,
+    overrides: dict[str, int] | None = None,
+    explain: bool = False,
+    on_start: Callable[[str, int, int], None] | None = None,
+    on_done: Callable[[bool, float, str, int, int], None] | None = None,
+    timeout_s: float = 1800.0,
+) -> BenchSuite:
+    """:func:`run_bench` for each named configuration, in order; with ``explain``, after each configuration's runs,
+    one more fresh worker per model calls the op_profiler plugin's ``explain_bench``.
+
+    ``on_start(label, index, total)`` and ``on_done(ok, wall_s, what, index, total)`` report progress, where ``label``
+    names the task (``"quick: gpt2 / ortcore"``) and ``what`` sums up its outcome in one line.
+    """
+    for cfg in configs.values():
+        cfg.validate()
+    _check_names(models, modes)
+    total = len(configs) * len(models) * (len(modes) + bool(explain))
+    done = 0
+    start = time.perf_counter()
+    reports = []
+    for name, cfg in configs.items():
+
+        def started(model: str, mode: str, i: int, n: int, name: str = name, offset: int = done) -> None:
+            if on_start is not None:
+                on_start(f"{name}: {model} / {mode}", offset + i, total)
+
+        def finished(r: RunResult, i: int, n: int, offset: int = done) -> None:
+            if on_done is not None:
+                on_done(r.ok, r.wall_s or 0.0, _run_outcome(r), offset + i, total)
+
+        report = run_bench(models, modes, cfg, started, finished, timeout_s, name=name)
+        done += len(report.results)
+        report.overrides = dict(overrides or {})
+        if explain:
+            explain_start = time.perf_counter()
+            for model in models:
+                done += 1
+                if on_start is not None:
+                    on_start(f"{name}: {model} / explain ({EXPLAIN_PLUGIN})", done, total)
+                t0 = time.perf_counter()
+                data, error = explain_isolated(model, cfg, timeout_s=timeout_s)
+                if data is not None:
+                    report.explain[model] = data
+                else:
+                    report.explain_errors[model] = error or "failed"
+                if on_done is not None:
+                    what = "explained" if data is not None else f"failed: {_first_line(error)}"
+                    on_done(data is not None, time.perf_counter() - t0, what, done, total)
+            report.wall_s += time.perf_counter() - explain_start
+        reports.append(report)
+    return BenchSuite(reports, host_environment(), time.perf_counter() - start)
+
+
+def _first_line(text: str | None) -> str:
+    return ((text or "").strip() or "failed").splitlines()[0][:200]
+
+
+def _run_outcome(r: RunResult) -> str:
+    if r.ok:
+        return f"first step {r.first_step_s:.2f} s, steady {r.steady_step_s * 1e3:.1f} ms"
+    return f"failed: {_first_line(r.error)}"
+
+
+def write_json(report: BenchReport | BenchSuite, path: str) -> None:
+    """Write the whole suite (or one report) as JSON, atomically (a reader never sees a half-written file)."""
     _write_json_atomic(path, report.to_json())
 
 
 # -- presentation ------------------------------------------------------------------------------------------------
 def _ratio(value: float | None) -> str:
     return "" if value is None or not math.isfinite(value) else f" ({value:.2f}×)"
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.0f}k"
 
 
 def _plural(n: int, noun: str) -> str:
@@ -581,9 +853,11 @@ def results_table(report: BenchReport) -> Any:
     cfg = report.config
     env = next((r.environment for r in report.results if r.environment), {})
     settings = ", ".join(f"{k}={v}" for k, v in report.worker_env.items())
+    params = ", ".join(f"{m} {_millions(n)}" for m, n in report.n_params.items())
     title = (
-        f"ortcore bench: {cfg.steps} AdamW steps, batch {cfg.batch} × seq {cfg.seq}, hidden {cfg.hidden}, "
-        f"{_plural(cfg.layers, 'layer')}, {_plural(cfg.heads, 'head')}, vocab {cfg.vocab}, dropout 0\n"
+        f"ortcore bench, config {report.name!r}: {cfg.steps} AdamW steps, batch {cfg.batch} × seq {cfg.seq}, "
+        f"hidden {cfg.hidden}, {_plural(cfg.layers, 'layer')}, {_plural(cfg.heads, 'head')}, vocab {cfg.vocab}, "
+        f"dropout 0{f'; parameters: {params}' if params else ''}\n"
         f"worker env: {settings} (set before torch is imported), torch threads {env.get('torch_threads', '?')}; "
         f"one fresh process per row, cold inductor cache"
     )
@@ -658,6 +932,105 @@ def summary_lines(report: BenchReport) -> list[str]:
         lines.append(f"slowest first step: {slow.model}/{slow.mode} {slow.first_step_s:.1f} s")
     lines.append(f"total wall time {report.wall_s:.0f} s (imports and model creation included)")
     return lines
+
+
+# -- plot --------------------------------------------------------------------------------------------------------
+#: What each panel of :func:`plot_suite` shows: title, RunResult field, scale to the unit shown, unit.
+PLOT_PANELS: tuple[tuple[str, str, float, str], ...] = (
+    ("steady step", "steady_step_s", 1e3, "ms"),
+    ("memory added (peak − base RSS)", "rss_peak_above_baseline_mib", 1.0, "MiB"),
+)
+PLOT_SIZE_IN: tuple[float, float] = (12.0, 5.0)
+PLOT_DPI = 100
+_MODE_COLORS = {"eager": "tab:gray", "compile": "tab:orange", "ortcore": "tab:blue"}
+_MODEL_STYLES = {"bert": ("o", "-"), "gpt2": ("s", "--")}
+
+
+def _plot_points(suite: BenchSuite) -> dict[tuple[str, str], list[tuple[str, int, RunResult]]]:
+    """(model, mode) -> [(config name, parameter count, run)] of the successful runs, smallest model first."""
+    points: dict[tuple[str, str], list[tuple[str, int, RunResult]]] = {}
+    for report in suite.reports:
+        n_params = report.n_params
+        for r in report.results:
+            if r.ok and r.model in n_params:
+                points.setdefault((r.model, r.mode), []).append((report.name, n_params[r.model], r))
+    for series in points.values():
+        series.sort(key=lambda p: p[1])
+    return points
+
+
+def plot_suite(suite: BenchSuite, path: str) -> None:
+    """Draw steady step time and memory added for every model and mode into a PNG at ``path``, atomically.
+
+    Several configurations: one line per (model, mode) against the parameter count. One configuration: bars. Every
+    point but eager's is annotated with its ratio to eager. Needs matplotlib; uses its Agg canvas, so no display.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    points = _plot_points(suite)
+    if not points:
+        raise ValueError("nothing to plot: no successful run in the results")
+    configs = [r.name for r in suite.reports if any(c == r.name for s in points.values() for c, _, _ in s)]
+    fig = Figure(figsize=PLOT_SIZE_IN, dpi=PLOT_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(PLOT_PANELS))
+    for ax, (title, key, scale, unit) in zip(axes, PLOT_PANELS):
+        if len(configs) == 1:
+            _bars(ax, points, key, scale)
+        else:
+            _lines(ax, points, key, scale)
+        ax.set_title(f"{title}, {unit}")
+        ax.set_ylabel(unit)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(f"ortcore bench: eager vs torch.compile vs ortcore (config{'s' if len(configs) > 1 else ''} "
+                 f"{', '.join(configs)}); ×: ratio to eager")  # fmt: skip
+    with atomic_writer(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=PLOT_DPI)
+
+
+def _value(r: RunResult, key: str, scale: float) -> float | None:
+    v = getattr(r, key)
+    return None if v is None or not math.isfinite(v) else v * scale
+
+
+def _lines(ax: Any, points: dict, key: str, scale: float) -> None:
+    for (model, mode), series in sorted(points.items()):
+        xs = [n / 1e6 for _, n, r in series if _value(r, key, scale) is not None]
+        ys = [_value(r, key, scale) for _, _, r in series if _value(r, key, scale) is not None]
+        marker, style = _MODEL_STYLES.get(model, ("^", ":"))
+        ax.plot(xs, ys, marker=marker, linestyle=style, color=_MODE_COLORS.get(mode), label=f"{model} / {mode}")
+        if mode == "eager":
+            continue
+        for _, n, r in series:
+            ratio, y = r.vs_eager.get(key), _value(r, key, scale)
+            if ratio is not None and y is not None:
+                ax.annotate(f"{ratio:.2f}×", (n / 1e6, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                            color=_MODE_COLORS.get(mode))  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters (millions)")
+
+
+def _bars(ax: Any, points: dict, key: str, scale: float) -> None:
+    models = list(dict.fromkeys(model for model, _ in sorted(points)))
+    modes = [m for m in MODES if any(mode == m for _, mode in points)]
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        for i, model in enumerate(models):
+            series = points.get((model, mode))
+            y = _value(series[0][2], key, scale) if series else None
+            if y is None:
+                continue
+            x = i + (j - (len(modes) - 1) / 2) * width
+            ax.bar(x, y, width, color=_MODE_COLORS.get(mode), label=mode if i == 0 else None)
+            ratio = series[0][2].vs_eager.get(key)
+            if mode != "eager" and ratio is not None:
+                ax.annotate(f"{ratio:.2f}×", (x, y), textcoords="offset points", xytext=(0, 2), ha="center",
+                            fontsize=8)  # fmt: skip
+    params = {model: series[0][1] for (model, _), series in points.items()}
+    ax.set_xticks(range(len(models)), [f"{m}\n{_millions(params[m])} parameters" for m in models])
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "grad_management",
     "gradient_fixes",
     "op_routing",
+    "op_profiler",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"

@@ -1,0 +1,387 @@
+"""``ortcore bench``: presets and overrides, the JSON that rebuilds every table, the plot, ``--from``, ``--explain``.
+
+The fast tests replace the worker processes with synthetic results; one slow test runs ``ortcore bench --quick``
+end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from ortcore import bench, cli
+
+
+# -- synthetic results -------------------------------------------------------------------------------------------
+def _run(model: str, mode: str, step_ms: float, added_mib: float, n_params: int, **extra: Any) -> bench.RunResult:
+    steps = [1.0 + step_ms / 1e3] + [step_ms / 1e3] * 4
+    losses = [2.0, 1.9, 1.8, 1.7, 1.6 + (1e-7 if mode != "eager" else 0.0)]
+    fields = dict(
+        ok=True,
+        setup_s=0.01,
+        first_step_s=0.01 + steps[0],
+        steady_step_s=step_ms / 1e3,
+        step_times_s=steps,
+        losses=losses,
+        final_loss=losses[-1],
+        rss_baseline_mib=400.0,
+        rss_peak_mib=400.0 + added_mib,
+        rss_peak_above_baseline_mib=added_mib,
+        peak_method="kernel high-water mark",
+        n_params=n_params,
+        environment={"GOMP_SPINCOUNT": "10000", "torch_threads": 2, "torch": "2.x", "onnxruntime": "1.x"},
+        wall_s=3.0,
+        others_cpu_pct=1.0,
+    )
+    fields.update(extra)
+    return bench.RunResult(model=model, mode=mode, **fields)
+
+
+def _report(name: str, scale: float, *, failed_compile: bool = False) -> bench.BenchReport:
+    cfg = bench.PRESETS[name]
+    results = []
+    for model, n in (("bert", int(4.6e6 * scale)), ("gpt2", int(3.2e6 * scale))):
+        results.append(_run(model, "eager", 200 * scale, 200 * scale, n))
+        if failed_compile and model == "bert":
+            results.append(bench.RunResult(model=model, mode="compile", error="BackendCompilerFailed: no compiler"))
+        else:
+            results.append(_run(model, "compile", 250 * scale, 300 * scale, n, details={"graph_breaks": 1}))
+        ortcore_details = {"exports": 1, "builds": 1, "reuses": 4, "fallbacks": 0, "fallback_reason": None}
+        results.append(
+            _run(model, "ortcore", 220 * scale, 240 * scale, n, details=ortcore_details, others_cpu_pct=40.0)
+        )
+    for r in results:
+        r.config = name
+    bench.add_ratios(results)
+    return bench.BenchReport(cfg, results, dict(bench.WORKER_ENV), 30.0 * scale, name=name)
+
+
+def _suite(*names: str, failed_compile: bool = False) -> bench.BenchSuite:
+    scales = {"quick": 0.05, "default": 1.0, "large": 20.0}
+    reports = [_report(n, scales[n], failed_compile=failed_compile) for n in names]
+    return bench.BenchSuite(reports, {"cpu_count": 2, "python": "3.x"}, sum(r.wall_s for r in reports))
+
+
+def _rendered(suite: bench.BenchSuite) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    cli._print_suite(console, suite)
+    return console.export_text()
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def _expected_png_size() -> tuple[int, int]:
+    w, h = bench.PLOT_SIZE_IN
+    return round(w * bench.PLOT_DPI), round(h * bench.PLOT_DPI)
+
+
+# -- presets and overrides ---------------------------------------------------------------------------------------
+def test_presets_are_the_documented_sizes() -> None:
+    assert set(bench.PRESETS) == {"default", "large", "quick"}
+    assert bench.PRESETS["default"] == bench.BenchConfig()
+    large = bench.PRESETS["large"]
+    assert (large.hidden, large.layers, large.seq, large.batch, large.heads) == (768, 12, 256, 4, 12)
+    for cfg in bench.PRESETS.values():
+        cfg.validate()
+
+
+def _configs(argv: list[str]) -> tuple[dict[str, bench.BenchConfig], dict[str, int]]:
+    args = cli.build_parser(["bench"]).parse_args(["bench", *argv])
+    return cli._bench_configs(args)
+
+
+def test_config_names_run_in_order_and_quick_is_an_alias() -> None:
+    configs, overrides = _configs(["--config", "large,default"])
+    assert list(configs) == ["large", "default"] and overrides == {}
+    assert configs["large"] == bench.PRESETS["large"]
+    assert _configs(["--quick"])[0] == {"quick": bench.PRESETS["quick"]}
+    assert _configs([])[0] == {"default": bench.BenchConfig()}
+
+
+def test_flags_override_every_config_and_only_what_they_name() -> None:
+    configs, overrides = _configs(["--config", "default,large", "--hidden", "128", "--steps", "6"])
+    assert overrides == {"hidden": 128, "steps": 6}
+    assert configs["default"] == attrs.evolve(bench.BenchConfig(), hidden=128, steps=6)
+    assert configs["large"] == attrs.evolve(bench.PRESETS["large"], hidden=128, steps=6)
+    assert bench.preset("quick", batch=None, layers=3) == attrs.evolve(bench.PRESETS["quick"], layers=3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--config", "default,huge"], "argument --config: unknown config 'huge'; allowed: default, large, quick"),
+        (["--config", "large", "--quick"], "argument --quick: not allowed with argument --config"),
+        (["--quick", "--steps", "2"], "--warmup (2) must be less than --steps (2) (config 'quick')"),
+        (["--plot", "/nonexistent-dir/p.png"], "--plot: directory of '/nonexistent-dir/p.png' does not exist"),
+        (["--from", "x.json", "--quick", "--steps", "3"], "--from redraws a saved run; --quick, --steps would need"),
+        (["--from", "/nonexistent-dir/r.json"], "--from: cannot read '/nonexistent-dir/r.json'"),
+    ],
+)
+def test_bad_bench_arguments_are_named(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", *argv]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_an_unknown_preset_is_refused_by_the_api_too() -> None:
+    with pytest.raises(ValueError, match=r"unknown config 'huge'; allowed: default, large, quick"):
+        bench.preset("huge")
+
+
+def test_help_imports_no_torch() -> None:
+    code = "import sys; from ortcore import cli; cli.build_parser(['bench']); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"
+
+
+# -- the JSON rebuilds every table -------------------------------------------------------------------------------
+def test_json_round_trip_rebuilds_every_table_cell(tmp_path: Path) -> None:
+    suite = _suite("quick", "default", failed_compile=True)
+    suite.reports[0].explain_errors["gpt2"] = "RuntimeError: no profiler"
+    before = _rendered(suite)
+    assert "FAILED, see [1]" in before and "others used 40% CPU" in before and "graph breaks 1" in before
+    path = tmp_path / "r.json"
+    bench.write_json(suite, str(path))
+    loaded = bench.load_suite(str(path))
+    assert _rendered(loaded) == before
+    assert loaded.to_json() == json.loads(path.read_text())
+
+
+def test_json_carries_configs_environment_and_raw_measurements(tmp_path: Path) -> None:
+    suite = _suite("quick", "large")
+    suite.reports[0].overrides = {"steps": 5}
+    path = tmp_path / "r.json"
+    bench.write_json(suite, str(path))
+    data = json.loads(path.read_text())
+    assert data["format"] == bench.JSON_FORMAT
+    assert set(data) == {"format", "settings", "environment", "configs", "results", "wall_s"}
+    assert data["settings"]["worker_env"] == {"GOMP_SPINCOUNT": "10000"}
+    assert data["environment"] == {"cpu_count": 2, "python": "3.x"}
+    quick, large = data["configs"]
+    assert quick["name"] == "quick" and quick["overrides"] == {"steps": 5}
+    assert {k: large[k] for k in ("hidden", "layers", "seq", "batch", "heads")} == {
+        "hidden": 768, "layers": 12, "seq": 256, "batch": 4, "heads": 12,
+    }  # fmt: skip
+    assert large["n_params"] == {"bert": 92_000_000, "gpt2": 64_000_000}
+    assert [(r["config"], r["model"], r["mode"]) for r in data["results"][:3]] == [
+        ("quick", "bert", "eager"), ("quick", "bert", "compile"), ("quick", "bert", "ortcore"),
+    ]  # fmt: skip
+    first = data["results"][0]
+    for key in ("step_times_s", "losses", "first_step_s", "steady_step_s", "rss_baseline_mib", "rss_peak_mib",
+                "rss_peak_above_baseline_mib", "vs_eager", "others_cpu_pct", "environment", "details"):  # fmt: skip
+        assert key in first
+
+
+def test_a_file_without_format_one_config_inline_still_loads(tmp_path: Path) -> None:
+    report = _report("default", 1.0)
+    legacy = {
+        "settings": {**report.config.to_dict(), "heads": 4, "worker_env": {"GOMP_SPINCOUNT": "10000"}},
+        "results": [{k: v for k, v in vars(r).items() if k != "config"} for r in report.results],
+        "wall_s": 30.0,
+    }
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(legacy))
+    loaded = bench.load_suite(str(path))
+    assert [(r.model, r.mode) for r in loaded.reports[0].results] == [(r.model, r.mode) for r in report.results]
+    assert loaded.reports[0].config == report.config
+
+
+def test_from_a_file_that_is_not_a_bench_result_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "other.json"
+    path.write_text('{"loss": 1}')
+    assert cli.main(["bench", "--from", str(path)]) == 2
+    assert f"--from: '{path}': not an ortcore bench result file (KeyError: 'settings')" in capsys.readouterr().err
+
+
+# -- the plot ----------------------------------------------------------------------------------------------------
+def test_plot_from_saved_json_draws_lines_for_several_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "r.json"
+    bench.write_json(_suite("quick", "default", "large"), str(source))
+    drawn = []
+    monkeypatch.setattr(bench, "_lines", lambda ax, *a, _f=bench._lines: drawn.append("lines") or _f(ax, *a))
+    monkeypatch.setattr(bench, "_bars", lambda ax, *a, _f=bench._bars: drawn.append("bars") or _f(ax, *a))
+    # Nothing may run: a worker process would fail this test.
+    monkeypatch.setattr(bench, "_spawn", lambda *a, **k: pytest.fail("--from ran a worker"))
+    png = tmp_path / "plot.png"
+    assert cli.main(["bench", "--from", str(source), "--plot", str(png)]) == 0
+    assert _png_size(png) == _expected_png_size()
+    assert drawn == ["lines", "lines"]  # one panel each: steady step, memory added
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "r.json"]
+
+
+def test_plot_of_one_config_draws_bars_and_tolerates_a_failed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn = []
+    monkeypatch.setattr(bench, "_bars", lambda ax, *a, _f=bench._bars: drawn.append("bars") or _f(ax, *a))
+    png = tmp_path / "one.png"
+    bench.plot_suite(_suite("default", failed_compile=True), str(png))
+    assert drawn == ["bars", "bars"] and _png_size(png) == _expected_png_size()
+
+
+def test_plot_is_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.figure import Figure
+
+    png = tmp_path / "plot.png"
+    png.write_bytes(b"old")
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: replaced.append((src, dst)) or real_replace(src, dst))
+    bench.plot_suite(_suite("quick", "default"), str(png))
+    ((src, dst),) = replaced
+    assert Path(src).parent == tmp_path and Path(dst) == png  # rendered beside the target, then moved into place
+    assert _png_size(png) == _expected_png_size()
+
+    def broken_savefig(self: Any, f: Any, **kwargs: Any) -> None:
+        f.write(b"\x89PNG half")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", broken_savefig)
+    before = png.read_bytes()
+    with pytest.raises(RuntimeError, match="disk full"):
+        bench.plot_suite(_suite("quick"), str(png))
+    assert png.read_bytes() == before and os.listdir(tmp_path) == ["plot.png"]
+
+
+def test_plot_without_any_successful_run_is_an_error(tmp_path: Path) -> None:
+    failed = bench.RunResult(model="bert", mode="eager", error="MemoryError")
+    suite = bench.BenchSuite([bench.BenchReport(bench.BenchConfig(), [failed], {}, 1.0)], {}, 1.0)
+    with pytest.raises(ValueError, match="nothing to plot: no successful run"):
+        bench.plot_suite(suite, str(tmp_path / "p.png"))
+    assert not (tmp_path / "p.png").exists()
+
+
+# -- --explain ---------------------------------------------------------------------------------------------------
+def test_explain_without_the_plugin_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench, "_spawn", lambda *a, **k: pytest.fail("ran a worker although --explain cannot work"))
+    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", bench.EXPLAIN_PLUGIN)
+    assert cli.main(["bench", "--quick", "--explain"]) == 2
+    assert "--explain needs the op_profiler plugin, which is disabled" in capsys.readouterr().err
+
+    monkeypatch.delenv("ORTCORE_DISABLE_PLUGINS")
+    real_find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(
+        cli.importlib.util,
+        "find_spec",
+        lambda name, package=None: None if name == bench.EXPLAIN_MODULE else real_find_spec(name, package),
+    )
+    assert cli.main(["bench", "--quick", "--explain-only"]) == 2
+    assert "--explain needs the op_profiler plugin, which is not installed" in capsys.readouterr().err
+
+
+def _fake_plugin(monkeypatch: pytest.MonkeyPatch, calls: list) -> None:
+    """An op_profiler module with the plugin's interface, in place of the real one."""
+    fake = types.ModuleType(bench.EXPLAIN_MODULE)
+
+    def explain_bench(model_name: str, cfg: bench.BenchConfig, steps: int = 3, warmup: int = 2) -> dict:
+        calls.append((model_name, cfg))
+        return {"model": model_name, "categories": [{"category": "matmul", "ratio": 1.1}], "hidden": cfg.hidden}
+
+    fake.explain_bench = explain_bench
+    fake.render_explain = lambda data: f"EXPLAINED {data['model']} hidden {data['hidden']}"
+    monkeypatch.setitem(sys.modules, bench.EXPLAIN_MODULE, fake)
+    monkeypatch.setattr(cli, "_explain_unavailable", lambda: None)
+
+
+def _fake_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs and explain workers in this process: the run is synthetic, the explain worker's own code runs."""
+    monkeypatch.setattr(
+        bench, "run_isolated", lambda model, mode, cfg, timeout_s: _run(model, mode, cfg.hidden, cfg.hidden, cfg.hidden)
+    )
+
+    def explain_in_process(model: str, cfg: bench.BenchConfig, timeout_s: float) -> tuple[dict | None, str | None]:
+        out = os.path.join(os.environ["BENCH_TEST_TMP"], f"{model}.json")
+        bench._worker_main(["--explain", model, "--config", json.dumps(cfg.to_dict()), "--out", out])
+        data = json.loads(Path(out).read_text())
+        return (data["data"], None) if data["ok"] else (None, data["error"])
+
+    monkeypatch.setattr(bench, "explain_isolated", explain_in_process)
+
+
+def test_explain_data_goes_into_the_json_under_each_model_and_is_rendered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list = []
+    _fake_plugin(monkeypatch, calls)
+    _fake_workers(monkeypatch)
+    monkeypatch.setenv("BENCH_TEST_TMP", str(tmp_path))
+    out = tmp_path / "r.json"
+    argv = ["bench", "--config", "quick,default", "--modes", "eager,ortcore", "--explain", "--json", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "EXPLAINED bert hidden 64" in printed and "EXPLAINED gpt2 hidden 256" in printed
+    assert [(m, c.hidden) for m, c in calls] == [("bert", 64), ("gpt2", 64), ("bert", 256), ("gpt2", 256)]
+    data = json.loads(out.read_text())
+    quick, default = data["configs"]
+    assert quick["explain"]["gpt2"] == {"model": "gpt2", "categories": [{"category": "matmul", "ratio": 1.1}],
+                                        "hidden": 64}  # fmt: skip
+    assert set(default["explain"]) == {"bert", "gpt2"} and default["explain_errors"] == {}
+    assert len(data["results"]) == 8
+    # --from prints the same explain data again.
+    assert cli.main(["bench", "--from", str(out)]) == 0
+    assert "EXPLAINED gpt2 hidden 256" in capsys.readouterr().out
+
+
+def test_explain_only_runs_no_timed_rows_and_a_failing_explain_fails_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_plugin(monkeypatch, [])
+    _fake_workers(monkeypatch)
+    monkeypatch.setenv("BENCH_TEST_TMP", str(tmp_path))
+
+    def broken(model_name: str, cfg: bench.BenchConfig, steps: int = 3, warmup: int = 2) -> dict:
+        raise RuntimeError(f"cannot profile {model_name}")
+
+    sys.modules[bench.EXPLAIN_MODULE].explain_bench = broken
+    out = tmp_path / "r.json"
+    assert cli.main(["bench", "--quick", "--models", "gpt2", "--explain-only", "--json", str(out)]) == 1
+    assert "explain quick/gpt2 FAILED: RuntimeError: cannot profile gpt2" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["results"] == [] and data["configs"][0]["explain_errors"] == {
+        "gpt2": "RuntimeError: cannot profile gpt2"
+    }
+
+
+# -- end to end --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_quick_runs_every_model_and_mode_and_its_json_redraws_the_same_table(tmp_path: Path) -> None:
+    """``ortcore bench --quick --json --plot`` through the console script (about a minute on 2 cores)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"}
+    out, png = tmp_path / "quick.json", tmp_path / "quick.png"
+    argv = [sys.executable, "-m", "ortcore.cli", "bench", "--quick", "--json", str(out), "--plot", str(png)]
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(out.read_text())
+    assert [(r["model"], r["mode"]) for r in data["results"]] == [
+        (model, mode) for model in bench.MODELS for mode in ("eager", "compile", "ortcore")
+    ]
+    for r in data["results"]:
+        assert r["ok"], r["error"]
+        assert r["config"] == "quick" and len(r["step_times_s"]) == bench.PRESETS["quick"].steps
+        assert r["vs_eager"]["max_loss_rel_diff"] < 1e-4  # same seed, weights and batches: same loss curve
+    assert data["configs"][0]["n_params"].keys() == {"bert", "gpt2"}
+    assert _png_size(png) == _expected_png_size()
+
+    redrawn = subprocess.run(
+        [sys.executable, "-m", "ortcore.cli", "bench", "--from", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert redrawn.returncode == 0, redrawn.stderr
+    table = run.stdout[: run.stdout.index("results written to")]
+    assert redrawn.stdout == table

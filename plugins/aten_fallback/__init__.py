@@ -31,15 +31,19 @@ from ortcore.hookspecs import hookimpl
 from ortcore_plugins.services import aten_nodes
 from ortcore_plugins.services.aten_nodes import ATEN_DOMAIN, HELPER_NAMESPACE
 
+from . import kernel_choice
 from .graph_passes import TANH_GELU_PASS, TYPE_OUTPUTS_PASS, replace_tanh_gelu, type_aten_outputs
-from .kernel_routing import prepare_runtime, symbolics_for
+from .kernel_choice import explain_kernel_choices, kernel_choices
+from .kernel_routing import auto_symbolics, prepare_runtime, symbolics_for, take_tanh_sizes
 from .options import (
+    ALL,
     AUTO,
     DEFAULT_OPS,
     NAME,
     ROUTABLE_OPS,
     AtenFallbackOptions,
     fallback_ops,
+    is_auto,
     parse_fallback_ops,
     routed_ops,
 )
@@ -52,8 +56,11 @@ __all__ = [
     "HELPER_NAMESPACE",
     "NAME",
     "ROUTABLE_OPS",
+    "ALL",
     "FallbackExporter",
+    "explain_kernel_choices",
     "fallback_symbolic",
+    "kernel_choices",
     "parse_fallback_ops",
     "prepare_runtime",
     "routed_ops",
@@ -85,7 +92,8 @@ def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
     listed = fallback_ops(config)
     if ops or listed:
         prepare_runtime()  # idempotent; ortcore_configure did it already for hosts that configure plugins
-    return {**symbolics_for(ops), **fallback_symbolics(listed)}
+    routing = auto_symbolics(config) if is_auto(config) else symbolics_for(ops)
+    return {**routing, **fallback_symbolics(listed)}
 
 
 @hookimpl
@@ -102,14 +110,41 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
     if not ops and not fallback_ops(config):
         return []
     passes = [GraphPass(TYPE_OUTPUTS_PASS, run=type_aten_outputs)]
-    if "gelu" in ops:
+    if is_auto(config):
+        passes.append(GraphPass(TANH_GELU_PASS, run=_measured_tanh_gelu, before=(TYPE_OUTPUTS_PASS,)))
+        passes.append(GraphPass(KERNEL_CHOICE_PASS, run=_record_choices, after=(TANH_GELU_PASS,)))
+    elif "gelu" in ops:
         passes.append(GraphPass(TANH_GELU_PASS, run=replace_tanh_gelu, before=(TYPE_OUTPUTS_PASS,)))
     return passes
 
 
+KERNEL_CHOICE_PASS = "aten_fallback.kernel_choice"
+
+
+def _measured_tanh_gelu(model: Any, context: Any) -> int:
+    """The tanh-GELU pass of ``auto``: each written-out formula becomes an ATen gelu only where PyTorch measured
+    faster, on the sizes traced at its Tanh."""
+    route = kernel_choice.tanh_gelu_route(context.config, model, take_tanh_sizes())
+    return replace_tanh_gelu(model, context, route=route)
+
+
+def _record_choices(model: Any, context: Any) -> int:
+    """The export's kernel decisions go into the graph's metadata (so a cached graph carries them)."""
+    decisions = kernel_choice.take_pending()
+    kernel_choice.record(model, decisions)
+    return len(decisions)
+
+
 @hookimpl
 def ortcore_export_key(config: Config) -> dict[str, Any]:
-    key: dict[str, Any] = {"aten_fallback.torch_kernels": sorted(routed_ops(config))}
+    if is_auto(config):
+        # The choice depends on the machine and threads as well: a graph exported elsewhere is not reused here.
+        key: dict[str, Any] = {
+            "aten_fallback.torch_kernels": AUTO,
+            "aten_fallback.kernel_choice": kernel_choice.environment(),
+        }
+    else:
+        key = {"aten_fallback.torch_kernels": sorted(routed_ops(config))}
     listed = fallback_ops(config)
     if listed:  # only then: the keys (and export caches) of models without fallback ops stay as they were
         key["aten_fallback.fallback_ops"] = sorted(listed)

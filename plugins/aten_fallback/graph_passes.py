@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -142,21 +143,34 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     return {**{v.name: v.type.tensor_type.elem_type for v in inferred}, **{k: t for k, t in declared.items() if t}}
 
 
-def replace_tanh_gelu(model: onnx.ModelProto, context: PassContext | None = None) -> int:
-    """Replace each written-out tanh-GELU in ``model`` with an ATen gelu node; returns how many were replaced."""
+def replace_tanh_gelu(
+    model: onnx.ModelProto,
+    context: PassContext | None = None,
+    route: Callable[[int], bool] | None = None,
+) -> int:
+    """Replace each written-out tanh-GELU in ``model`` with an ATen gelu node; returns how many were replaced.
+
+    ``route(k)``, if given, decides for the formula around the graph's ``k``-th Tanh node (``torch_kernels = auto``).
+    """
     graph = model.graph
     index = _GraphIndex(graph)
     removed: set[int] = set()
     replacements: dict[int, list[onnx.NodeProto]] = {}
     typed: list[tuple[str, str, onnx.NodeProto]] = []
+    ordinal = -1
     for node in index.nodes:
-        if node.op_type != "Tanh" or id(node) in removed:
+        if node.op_type != "Tanh":
+            continue
+        ordinal += 1
+        if id(node) in removed:
             continue
         match = _match_tanh_gelu(index, node)
         if match is None:
             continue
         x, output, nodes = match
         if any(id(n) in removed for n in nodes):
+            continue
+        if route is not None and not route(ordinal):
             continue
         name = f"{node.name or output}/ortcore_gelu_tanh"
         approximate = onnx.helper.make_node(

@@ -319,10 +319,6 @@ def _aten(g: Any, operator: str, *inputs: Any, outputs: int = 1) -> Any:
     return g.op(f"{ATEN_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s="", outputs=outputs)
 
 
-
-
-
-
 def _sizes(value: Any) -> list[int | None] | None:
     """A value's sizes as far as the exporter knows them (None entries are dynamic), or None if its rank is unknown."""
     return value.type().varyingSizes()
@@ -333,8 +329,6 @@ def _typed(value: Any, like: Any, sizes: list[int | None] | None) -> Any:
     t = like.type()
     value.setType(t.with_sizes(list(sizes)) if sizes is not None else torch._C.TensorType.get().with_dtype(t.dtype()))
     return value
-
-
 
 
 def _gradient_reaches_first_input(first: Any, *others: Any) -> bool:
@@ -514,4 +508,50 @@ def symbolics_for(ops: Iterable[str]) -> dict[str, Callable[..., Any]]:
             result.update(dict.fromkeys(names, fn))
     for symbol, (option_name, name, routed) in _EXTRA_SYMBOLICS.items():
         result[name] = routed if option_name in ops else _DEFAULTS[symbol]
+    return result
+
+
+# -- torch_kernels = "auto": each call routed where PyTorch measured faster (see kernel_choice) -----------------------
+
+_tanh_sizes: list[tuple[tuple[int, ...], str, str] | None] = []
+
+
+def _symbolic_tanh(g: Any, self: Any) -> Any:
+    """ONNX's Tanh, noting the traced sizes: the tanh-GELU pass decides the written-out formula on them."""
+    from . import kernel_choice
+
+    _tanh_sizes.append(kernel_choice._traced(next(iter(g.original_node.inputs()))))
+    return g.op("Tanh", self)
+
+
+def take_tanh_sizes() -> list[tuple[tuple[int, ...], str, str] | None]:
+    """The traced sizes of the export's tanh calls, in graph order (and forget them)."""
+    taken = list(_tanh_sizes)
+    _tanh_sizes.clear()
+    return taken
+
+
+def _auto_symbolic(op: str, routed: Callable[..., Any], default: Callable[..., Any], config: Any) -> Callable[..., Any]:
+    def symbolic(g: Any, *args: Any) -> Any:
+        from . import kernel_choice
+
+        decision = kernel_choice.decide_call(config, op, g, args)
+        if decision is None:
+            return default(g, *args)
+        kernel_choice.note(decision)
+        return (routed if decision.routed else default)(g, *args)
+
+    symbolic.__name__ = f"auto_{op}"
+    return symbolic
+
+
+def auto_symbolics(config: Any) -> dict[str, Callable[..., Any]]:
+    """The symbolics of ``torch_kernels = "auto"``: each call is routed or not by its measured decision."""
+    result: dict[str, Callable[..., Any]] = {}
+    for op, (names, routed) in _SYMBOLICS.items():
+        default = _DEFAULTS.get(op, layer_norm)
+        result.update(dict.fromkeys(names, _auto_symbolic(op, routed, default, config)))
+    for symbol, (_option, name, routed) in _EXTRA_SYMBOLICS.items():
+        result[name] = _auto_symbolic(symbol, routed, _DEFAULTS[symbol], config)
+    result["::tanh"] = _symbolic_tanh
     return result

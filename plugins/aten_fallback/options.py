@@ -19,30 +19,37 @@ FALLBACK_ENV = "ORTCORE_ATEN_FALLBACK_OPS"
 ROUTABLE_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy", "linear")
 DEFAULT_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy")
 
+AUTO = "auto"
+ALL = "all"
+_ALLOWED = f"{', '.join(ROUTABLE_OPS)}, or one of 'auto', 'all', 'none'"
+
+
 def parse_ops(value: object, source: str) -> tuple[str, ...]:
-    """A list of op names, or a comma-separated string; ``""`` and ``"none"`` mean no op."""
+    """A list of op names, or a comma-separated string; ``""`` and ``"none"`` mean no op, ``"all"`` every routable
+    op, ``"auto"`` the ops measured faster in PyTorch (returned as ``("auto",)``)."""
     if isinstance(value, str):
         items = [] if value.strip().lower() in ("", "none") else [v.strip() for v in value.split(",")]
     elif isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
         items = [v.strip() for v in value]
     else:
         raise OptionError(
-            f"{source}={value!r} must be a list of op names (or a comma-separated string); "
-            f"allowed: {', '.join(ROUTABLE_OPS)}, or 'none'"
+            f"{source}={value!r} must be a list of op names (or a comma-separated string); allowed: {_ALLOWED}"
         )
-    if [item.lower() for item in items] == ["none"]:
+    lowered = [item.lower() for item in items]
+    if lowered == ["none"]:
         items = []
+    elif lowered == [AUTO]:
+        return (AUTO,)
+    elif lowered == [ALL]:
+        return ROUTABLE_OPS
     for item in items:
+        if item.lower() in (AUTO, ALL, "none"):
+            raise OptionError(f"{source}={value!r}: {item!r} cannot be combined with op names; allowed: {_ALLOWED}")
         if item not in ROUTABLE_OPS:
             close = difflib.get_close_matches(item, ROUTABLE_OPS, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise OptionError(
-                f"{source}={value!r}: unknown op {item!r}; allowed: {', '.join(ROUTABLE_OPS)}, or 'none'.{hint}"
-            )
+            raise OptionError(f"{source}={value!r}: unknown op {item!r}; allowed: {_ALLOWED}.{hint}")
     return tuple(dict.fromkeys(items))  # ordered, without duplicates
-
-
-AUTO = "auto"
 
 
 def parse_fallback_ops(value: object, source: str) -> tuple[str, ...]:
@@ -78,7 +85,9 @@ class AtenFallbackOptions:
     torch_kernels: tuple[str, ...] = option(
         DEFAULT_OPS,
         parse_ops,
-        f"ops run with PyTorch's kernels inside the ORT graph; any of {', '.join(ROUTABLE_OPS)}, or none",
+        "ops run with PyTorch's kernels inside the ORT graph: a list of "
+        f"{', '.join(ROUTABLE_OPS)}; or 'auto' (each op where it measured faster on the model's shapes), 'all', "
+        "'none'",
         env=ENV,
     )
     fallback_ops: tuple[str, ...] = option(
@@ -90,14 +99,24 @@ class AtenFallbackOptions:
     )
 
 
+def is_auto(config: Config) -> bool:
+    """Is ``torch_kernels`` ``auto`` (each op routed where PyTorch measured faster)?"""
+    if config.env.get(ENV) is not None and config.env[ENV].strip() == "":
+        return False
+    options = config.plugin_options(NAME)
+    return (options.torch_kernels if options is not None else DEFAULT_OPS) == (AUTO,)
+
+
 def routed_ops(config: Config) -> frozenset[str]:
-    """The ops routed to PyTorch under ``config``.
+    """The ops routed to PyTorch under ``config``; with ``auto``, the ops that may be (every routable op).
 
     An empty ``ORTCORE_TORCH_KERNELS`` means "none" here, although the core's option loader treats an empty
     variable as unset: for this switch, ``ORTCORE_TORCH_KERNELS= python train.py`` must turn routing off.
     """
     if config.env.get(ENV) is not None and config.env[ENV].strip() == "":
         return frozenset()
+    if is_auto(config):
+        return frozenset(ROUTABLE_OPS)
     options = config.plugin_options(NAME)
     return frozenset(options.torch_kernels if options is not None else DEFAULT_OPS)
 

@@ -1,0 +1,897 @@
+"""Kernel choice by measurement: with ``torch_kernels = "auto"`` an op runs on PyTorch's kernel only where PyTorch
+measured faster, on the model's own shapes.
+
+While a model is exported, each routable call (embedding, GELU, LayerNorm, cross-entropy, linear/addmm) is described
+by a :class:`Case`: the op, the sizes of its tensor inputs as traced (the real ones, not the dynamic axes), dtype,
+device and the arguments that change the kernels (GELU's ``approximate``, a reduction, a bias). :class:`KernelChooser`
+answers each case once per machine: from memory, else from its JSON file, else by measuring both sides
+(:func:`measure_case`) and keeping the faster. A measurement builds two one-op graphs with the core's own path
+(:func:`ortcore.session.build_graph`, a :class:`ortcore.session.TrainingSession` and its ``TrainingAgent``): ORT's
+node (``Gather``, ``Gelu``, ``LayerNormalization``, ``SoftmaxCrossEntropyLoss``, ``Gemm``/``MatMul``) and the ATen node
+the routed symbolic emits, whose forward and gradient run the same ATen kernels through the executor; then it times
+forward + backward of both, interleaved, and takes the medians.
+
+Decisions are keyed by :meth:`Case.key` plus :func:`environment` (threads, torch and ORT versions, the CPU), and
+stored in ``kernel_choice.json`` in the export cache directory (``ORTMODULE_CACHE_DIR``) or ``~/.cache/ortcore``
+(:func:`cache_path`), written with :func:`ortcore.files.atomic_writer`. A corrupt file is a warning and the cases
+are measured again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import onnx
+import onnxruntime
+import torch
+from onnx import TensorProto, helper
+
+from ortcore.config import Config
+from ortcore.files import atomic_writer
+from ortcore.tables import format_table
+
+logger = logging.getLogger("ortcore.aten_fallback")
+
+CACHE_FILE = "kernel_choice.json"
+FILE_FORMAT = 1
+PYTORCH, ORT = "PyTorch", "ORT"
+MEASURED, CACHED, REQUIRED, UNMEASURED = "measured", "cached", "required", "unmeasured"
+# Within this fraction of ORT's time, ORT keeps the op: a graph without an ATen node for no measurable gain.
+TIE = 0.02
+REPEATS = 5  # timed forward + backward runs per side (after one warm-up each), interleaved
+MIN_REPEATS = 3  # ... at least this many when the budget runs out
+BUDGET_SECONDS = 0.6  # per case, for the timed runs (graph builds and warm-ups come on top)
+
+
+# -- cases and decisions ----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Case:
+    """One routable call as traced: ``op`` (an option name: embedding, gelu, layer_norm, cross_entropy, linear),
+    ``form`` (which of the op's graphs: ``linear``, ``addmm``...), the tensor inputs' ``shapes``, ``dtype``,
+    ``device``, and ``params``: the arguments that change the kernels, including which inputs need a gradient."""
+
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str = "float32"
+    device: str = "cpu"
+    params: tuple[tuple[str, Any], ...] = ()
+    form: str = ""
+
+    @property
+    def param(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def key(self) -> str:
+        """The case as a stable string (the file cache adds :func:`environment`)."""
+        return json.dumps(
+            {
+                "op": self.op,
+                "form": self.form or self.op,
+                "shapes": [list(s) for s in self.shapes],
+                "dtype": self.dtype,
+                "device": self.device,
+                "params": {k: v for k, v in self.params},
+            },
+            sort_keys=True,
+        )
+
+    def describe(self) -> str:
+        shapes = ", ".join("×".join(map(str, s)) or "scalar" for s in self.shapes)
+        extra = "".join(f" {k}={v}" for k, v in self.params if not k.startswith("grad_"))
+        return f"{self.form or self.op}({shapes}) {self.dtype}{extra}"
+
+
+@attrs.frozen
+class Decision:
+    """Where a :class:`Case` runs: ``side`` is ``"PyTorch"`` or ``"ORT"``; ``source`` is ``"measured"`` (now),
+    ``"cached"`` (an earlier measurement, this process or the file), ``"required"`` (only one side computes
+    torch's result) or ``"unmeasured"`` (no measurement possible: the fixed default list decided)."""
+
+    case: Case
+    side: str
+    source: str
+    ort_ms: float | None = None
+    torch_ms: float | None = None
+    note: str = ""
+
+    @property
+    def routed(self) -> bool:
+        return self.side == PYTORCH
+
+    def reason(self) -> str:
+        if self.ort_ms is not None and self.torch_ms is not None:
+            faster = "faster" if self.routed else "not faster"
+            return (
+                f"PyTorch's kernel {faster} on {self.case.describe()}: {self.torch_ms:.2f} ms vs ORT "
+                f"{self.ort_ms:.2f} ms forward+backward ({self.source})"
+            )
+        return f"{self.note} ({self.case.describe()})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "case": json.loads(self.case.key()),
+            "side": self.side,
+            "source": self.source,
+            "ort_ms": self.ort_ms,
+            "torch_ms": self.torch_ms,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Decision:
+        c = data["case"]
+        case = Case(
+            op=c["op"],
+            shapes=tuple(tuple(int(d) for d in s) for s in c["shapes"]),
+            dtype=c["dtype"],
+            device=c["device"],
+            params=tuple(sorted((k, v) for k, v in c["params"].items())),
+            form="" if c["form"] == c["op"] else c["form"],
+        )
+        side = data["side"]
+        if side not in (PYTORCH, ORT):
+            raise ValueError(f"side {side!r}")
+        ort_ms, torch_ms = data.get("ort_ms"), data.get("torch_ms")
+        return cls(
+            case,
+            side,
+            data["source"],
+            None if ort_ms is None else float(ort_ms),
+            None if torch_ms is None else float(torch_ms),
+            str(data.get("note", "")),
+        )
+
+
+def choose(ort_ms: float, torch_ms: float, tie: float = TIE) -> str:
+    """The side to run: PyTorch only when it is faster than ORT by more than ``tie`` (a fraction of ORT's time)."""
+    return PYTORCH if torch_ms < ort_ms * (1.0 - tie) else ORT
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict[str, Any]:
+    """What besides the case decides which side is faster: torch's thread count, the CPU, the library versions."""
+    return {
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "cpu": _cpu_name(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def environment_key() -> str:
+    return json.dumps(environment(), sort_keys=True)
+
+
+# -- the cache -------------------------------------------------------------------------------------------------
+
+
+def cache_path(config: Config | None = None) -> Path:
+    """Where decisions are kept: the export cache directory if one is set (``[plugins.export_cache] dir`` or
+    ``ORTMODULE_CACHE_DIR``), else ``$XDG_CACHE_HOME/ortcore`` (``~/.cache/ortcore``)."""
+    env = config.env if config is not None else os.environ
+    directory = ""
+    if config is not None:
+        options = config.plugin_options("export_cache")
+        directory = getattr(options, "dir", "") or ""
+    directory = directory or env.get("ORTMODULE_CACHE_DIR", "").strip()
+    if not directory:
+        base = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+        directory = os.path.join(base, "ortcore")
+    return Path(os.path.abspath(os.path.expanduser(directory))) / CACHE_FILE
+
+
+Timer = Callable[[Case], tuple[float, float]]
+
+
+class KernelChooser:
+    """Decides cases, each once per machine: memory, then the JSON file at ``path``, then ``timer`` (``case ->
+    (ort_ms, torch_ms)``, :func:`measure_case` by default). ``measurements`` counts the cases timed.
+
+    Example::
+
+        chooser = KernelChooser(cache_path())
+        decision = chooser.decide(Case("gelu", ((8, 128, 1024),), params=(("approximate", "none"),)))
+    """
+
+    def __init__(self, path: Path | None, timer: Timer | None = None, tie: float = TIE):
+        self.path = path
+        self.timer = timer or measure_case
+        self.tie = tie
+        self.measurements = 0
+        self.seconds = 0.0  # time spent measuring
+        self._memory: dict[str, Decision] = {}
+        self._loaded = False
+        self._lock = threading.RLock()
+        self._logged: set[str] = set()
+
+    def _full_key(self, case: Case) -> str:
+        return f"{environment_key()}|{case.key()}"
+
+    def _read_file(self) -> dict[str, Any]:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if (
+                not isinstance(data, dict)
+                or data.get("format") != FILE_FORMAT
+                or not isinstance(data.get("entries"), dict)
+            ):
+                raise ValueError(f"not a kernel-choice file of format {FILE_FORMAT}")
+            return data["entries"]
+        except (OSError, ValueError) as e:
+            logger.warning("kernel choice cache %s is unusable (%s): measuring again", self.path, e)
+            return {}
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for key, value in self._read_file().items():
+            try:
+                self._memory.setdefault(key, attrs.evolve(Decision.from_json(value), source=CACHED))
+            except (KeyError, TypeError, ValueError) as e:
+                logger.warning("kernel choice cache %s: entry skipped (%s: %s)", self.path, type(e).__name__, e)
+
+    def _store(self, key: str, decision: Decision) -> None:
+        if self.path is None:
+            return
+        try:
+            entries = self._read_file()  # merge what other processes wrote since
+            entries[key] = decision.to_json()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_writer(self.path) as f:
+                json.dump({"format": FILE_FORMAT, "entries": entries}, f, indent=1, sort_keys=True)
+        except OSError as e:
+            logger.warning(
+                "kernel choice cache %s cannot be written (%s); the choice holds for this process", self.path, e
+            )
+
+    def cached(self, case: Case) -> Decision | None:
+        """The known decision of ``case`` (memory or file), or None."""
+        with self._lock:
+            self._load()
+            return self._memory.get(self._full_key(case))
+
+    def decide(self, case: Case) -> Decision:
+        """The side ``case`` runs on, measuring it if no decision is known; logged once per case at INFO."""
+        with self._lock:
+            key = self._full_key(case)
+            known = self.cached(case)
+            if known is not None:
+                decision = attrs.evolve(known, source=CACHED, case=case)
+            else:
+                start = time.perf_counter()
+                ort_ms, torch_ms = self.timer(case)
+                self.seconds += time.perf_counter() - start
+                self.measurements += 1
+                decision = Decision(case, choose(ort_ms, torch_ms, self.tie), MEASURED, ort_ms, torch_ms)
+                self._memory[key] = attrs.evolve(decision, source=CACHED)
+                self._store(key, decision)
+            self.log(decision)
+            return decision
+
+    def log(self, decision: Decision) -> None:
+        key = decision.case.key()
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        if decision.ort_ms is not None and decision.torch_ms is not None:
+            logger.info(
+                "kernel choice %s: ORT %.2f ms, PyTorch %.2f ms -> %s (%s)",
+                decision.case.describe(),
+                decision.ort_ms,
+                decision.torch_ms,
+                decision.side,
+                decision.source,
+            )
+        else:
+            logger.info(
+                "kernel choice %s: %s (%s: %s)", decision.case.describe(), decision.side, decision.source, decision.note
+            )
+
+
+_choosers: dict[Path, KernelChooser] = {}
+_choosers_lock = threading.Lock()
+
+
+def chooser_for(config: Config) -> KernelChooser:
+    """The process-wide chooser of ``config``'s cache file (one per file, so a second model measures nothing)."""
+    path = cache_path(config)
+    with _choosers_lock:
+        if path not in _choosers:
+            _choosers[path] = KernelChooser(path)
+        return _choosers[path]
+
+
+# -- what an export decided: recorded in the graph ----------------------------------------------------------------
+
+CHOICE_METADATA_PREFIX = "ortcore.kernel_choice::"
+_pending: list[Decision] = []
+_pending_lock = threading.Lock()
+
+
+def note(decision: Decision) -> None:
+    """Remember a decision of the export under way (the metadata pass writes them into the graph)."""
+    with _pending_lock:
+        if all(d.case != decision.case for d in _pending):
+            _pending.append(decision)
+
+
+def take_pending() -> list[Decision]:
+    with _pending_lock:
+        taken = list(_pending)
+        _pending.clear()
+        return taken
+
+
+def record(model: onnx.ModelProto, decisions: Sequence[Decision]) -> None:
+    """Write ``decisions`` into ``model``'s metadata: ``ortcore.kernel_choice::<op>`` (JSON, every decision) and, for
+    the ops routed, ``ortcore.routed::<op>`` (the reason ``model.explain()`` shows), replacing a generic reason."""
+    from ortcore.explain import ROUTED_METADATA_PREFIX
+
+    by_op: dict[str, list[Decision]] = {}
+    for d in decisions:
+        by_op.setdefault(d.case.op, []).append(d)
+    props = {p.key: p for p in model.metadata_props}
+    for op, ds in sorted(by_op.items()):
+        entries = [d.to_json() for d in ds]
+        key = CHOICE_METADATA_PREFIX + op
+        if key in props:
+            entries = json.loads(props[key].value) + [e for e in entries if e not in json.loads(props[key].value)]
+            props[key].value = json.dumps(entries)
+        else:
+            props[key] = model.metadata_props.add(key=key, value=json.dumps(entries))
+        routed = [d.reason() for d in ds if d.routed]
+        if routed:
+            reason = "; ".join(dict.fromkeys(routed))
+            if ROUTED_METADATA_PREFIX + op in props:
+                props[ROUTED_METADATA_PREFIX + op].value = reason
+            else:
+                props[ROUTED_METADATA_PREFIX + op] = model.metadata_props.add(
+                    key=ROUTED_METADATA_PREFIX + op, value=reason
+                )
+
+
+def kernel_choices(model: Any) -> list[Decision]:
+    """The kernel decisions recorded in a graph: an ``onnx.ModelProto``, an ``ExportedGraph`` or an ORTModule (its
+    current graph; empty before the first call)."""
+    if hasattr(model, "state_machine"):
+        current = model.state_machine.current
+        if current is None:
+            return []
+        model = current[0]
+    if hasattr(model, "model") and not isinstance(model, onnx.ModelProto):
+        model = model.model
+    result = []
+    for p in model.metadata_props:
+        if p.key.startswith(CHOICE_METADATA_PREFIX):
+            result.extend(Decision.from_json(e) for e in json.loads(p.value))
+    return result
+
+
+def explain_kernel_choices(model: Any) -> str:
+    """A table of :func:`kernel_choices`: op, shapes, ORT ms, PyTorch ms, chosen side, and how it was decided."""
+    rows = []
+    for d in kernel_choices(model):
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        rows.append((d.case.op, d.case.describe(), fmt(d.ort_ms), fmt(d.torch_ms), d.side, d.source or d.note))
+    if not rows:
+        return "no kernel choice recorded (torch_kernels is not 'auto', or no graph yet)"
+    return format_table(("op", "call", "ORT ms", "PyTorch ms", "runs on", "decided"), rows, indent="")
+
+
+# -- measuring ---------------------------------------------------------------------------------------------------
+
+_ONNX_TYPES = {
+    "float32": TensorProto.FLOAT,
+    "float64": TensorProto.DOUBLE,
+    "float16": TensorProto.FLOAT16,
+    "bfloat16": TensorProto.BFLOAT16,
+    "int64": TensorProto.INT64,
+}
+_TORCH_TYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_ATEN = "org.pytorch.aten"
+
+
+@attrs.define
+class _OneOp:
+    """A one-op graph pair: the same inputs and output, ORT's nodes and the routed ATen nodes."""
+
+    inputs: list[tuple[str, torch.Tensor]]
+    train: list[str]
+    ort_nodes: list[onnx.NodeProto]
+    torch_nodes: list[onnx.NodeProto]
+    # values the ATen nodes produce besides the output, with their reference tensors (ORT needs their types)
+    aten_values: dict[str, torch.Tensor]
+    output: torch.Tensor
+
+
+def _const(name: str, value: Any, dtype: torch.dtype) -> onnx.NodeProto:
+    array = torch.tensor(value, dtype=dtype).numpy()
+    return helper.make_node("Constant", [], [name], name=name, value=onnx.numpy_helper.from_array(array, name))
+
+
+def _aten_node(operator: str, inputs: list[str], outputs: list[str]) -> onnx.NodeProto:
+    return helper.make_node(
+        "ATen", inputs, outputs, name=f"aten_{operator}", domain=_ATEN, operator=operator, overload_name=""
+    )
+
+
+def _one_op(case: Case, generator: torch.Generator) -> _OneOp:
+    p = case.param
+    dtype = _TORCH_TYPES[case.dtype]
+
+    def rand(shape: Sequence[int]) -> torch.Tensor:
+        return torch.randn(tuple(shape), generator=generator, dtype=torch.float32).to(dtype)
+
+    if case.op == "embedding":
+        (rows, width), index_shape = case.shapes
+        weight = rand((rows, width))
+        indices = torch.randint(0, rows, tuple(index_shape), generator=generator)
+        consts = [_const("pad", p.get("padding_idx", -1), torch.int64), _const("scale", False, torch.bool)]
+        consts.append(_const("sparse", False, torch.bool))
+        return _OneOp(
+            [("weight", weight), ("indices", indices)],
+            ["weight"],
+            [helper.make_node("Gather", ["weight", "indices"], ["y"])],
+            [*consts, _aten_node("embedding", ["weight", "indices", "pad", "scale", "sparse"], ["y"])],
+            {},
+            torch.nn.functional.embedding(indices, weight),
+        )
+    if case.op == "gelu":
+        (shape,) = case.shapes[:1]
+        x = rand(shape)
+        approximate = p.get("approximate", "none")
+        inputs, h, ort_pre, train = [("x", x)], "x", [], ["x"]
+        h_value = x
+        if p.get("bias"):
+            b = rand(shape[-1:])
+            inputs.append(("b", b))
+            train.append("b")
+            ort_pre = [helper.make_node("Add", ["x", "b"], ["h"])]
+            h, h_value = "h", x + b
+        kind = "FastGelu" if approximate == "tanh" else "Gelu"
+        text = _const("approximate", list(approximate.encode()), torch.uint8)
+        return _OneOp(
+            inputs,
+            train,
+            [*ort_pre, helper.make_node(kind, [h], ["y"], domain="com.microsoft")],
+            [*ort_pre, text, _aten_node("gelu", [h, "approximate"], ["y"])],
+            {},
+            torch.nn.functional.gelu(h_value, approximate=approximate),
+        )
+    if case.op == "layer_norm":
+        shape, normalized = case.shapes[0], tuple(case.shapes[1])
+        x, w, b = rand(shape), rand(normalized), rand(normalized)
+        train = ["x"] + [n for n, g in (("w", p.get("grad_weight")), ("b", p.get("grad_bias"))) if g]
+        eps = float(p.get("eps", 1e-5))
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized), w, b, eps)
+        return _OneOp(
+            [("x", x), ("w", w), ("b", b)],
+            train,
+            [
+                helper.make_node(
+                    "LayerNormalization", ["x", "w", "b"], ["y", "mean", "rstd"], axis=-len(normalized), epsilon=eps
+                )
+            ],
+            [
+                _const("shape", list(normalized), torch.int64),
+                _const("eps", eps, torch.float64),
+                _aten_node("native_layer_norm", ["x", "shape", "w", "b", "eps"], ["y", "mean", "rstd"]),
+            ],
+            {"mean": mean, "rstd": rstd},
+            y,
+        )
+    if case.op == "cross_entropy":
+        from .kernel_routing import _cross_entropy
+
+        logits_shape, target_shape = case.shapes[0], case.shapes[1]
+        logits = rand(logits_shape)
+        classes = logits_shape[1] if len(logits_shape) >= 2 else logits_shape[0]
+        target = torch.randint(0, classes, tuple(target_shape), generator=generator)
+        reduction = int(p.get("reduction", 1))
+        ignore = int(p.get("ignore_index", -100))
+        inputs = [("logits", logits), ("target", target)]
+        weight = None
+        if len(case.shapes) > 2:
+            weight = rand(case.shapes[2]).abs()
+            inputs.append(("class_weight", weight))
+        loss, log_probs, total = _cross_entropy(logits, target, weight, reduction, ignore, 0.0)
+        ort_inputs = ["logits", "target"] + (["class_weight"] if weight is not None else [])
+        names = {0: "none", 1: "mean", 2: "sum"}
+        return _OneOp(
+            inputs,
+            ["logits"],
+            [
+                helper.make_node(
+                    "SoftmaxCrossEntropyLoss",
+                    ort_inputs,
+                    ["y", "log_prob"],
+                    reduction=names[reduction],
+                    ignore_index=ignore,
+                )
+            ],
+            [
+                _const("reduction", reduction, torch.int64),
+                _const("ignore", ignore, torch.int64),
+                _const("smoothing", 0.0, torch.float64),
+                _aten_node(
+                    "ortcore_aten::cross_entropy",
+                    [
+                        "logits",
+                        "target",
+                        "class_weight" if weight is not None else "",
+                        "reduction",
+                        "ignore",
+                        "smoothing",
+                    ],
+                    ["y", "log_probs", "total_weight"],
+                ),
+            ],
+            {"log_probs": log_probs, "total_weight": total},
+            loss,
+        )
+    if case.op == "linear" and case.form == "addmm":
+        bias_shape, mat1_shape, mat2_shape = case.shapes
+        bias, mat1, mat2 = rand(bias_shape), rand(mat1_shape), rand(mat2_shape)
+        beta, alpha = float(p.get("beta", 1.0)), float(p.get("alpha", 1.0))
+        train = [
+            n
+            for n, g in (("bias", p.get("grad_bias")), ("mat1", p.get("grad_mat1")), ("mat2", p.get("grad_mat2")))
+            if g
+        ]
+        return _OneOp(
+            [("bias", bias), ("mat1", mat1), ("mat2", mat2)],
+            train,
+            [helper.make_node("Gemm", ["mat1", "mat2", "bias"], ["y"], alpha=alpha, beta=beta)],
+            [
+                _const("beta", beta, torch.float64),
+                _const("alpha", alpha, torch.float64),
+                _aten_node("addmm", ["bias", "mat1", "mat2", "beta", "alpha"], ["y"]),
+            ],
+            {},
+            torch.addmm(bias, mat1, mat2, beta=beta, alpha=alpha),
+        )
+    if case.op == "linear":
+        x_shape, w_shape = case.shapes[0], case.shapes[1]
+        x, w = rand(x_shape), rand(w_shape)
+        has_bias = len(case.shapes) > 2
+        inputs = [("x", x), ("w", w)]
+        train = [n for n, g in (("x", p.get("grad_input")), ("w", p.get("grad_weight"))) if g]
+        b = None
+        if has_bias:
+            b = rand(case.shapes[2])
+            inputs.append(("b", b))
+            if p.get("grad_bias"):
+                train.append("b")
+        if has_bias and len(x_shape) == 2:
+            ort_nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)]
+        else:
+            ort_nodes = [
+                helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+                helper.make_node("MatMul", ["x", "wt"], ["xw" if has_bias else "y"]),
+            ]
+            if has_bias:
+                ort_nodes.append(helper.make_node("Add", ["xw", "b"], ["y"]))
+        aten = (
+            _aten_node("linear", ["x", "w", "b"], ["y"])
+            if has_bias
+            else _aten_node("ortcore_aten::linear_no_bias", ["x", "w"], ["y"])
+        )
+        return _OneOp(inputs, train, ort_nodes, [aten], {}, torch.nn.functional.linear(x, w, b))
+    raise ValueError(f"no measurement for op {case.op!r}")
+
+
+def _value_info(name: str, tensor: torch.Tensor) -> onnx.ValueInfoProto:
+    dtype = {torch.int64: "int64", torch.bool: "int64"}.get(tensor.dtype) or str(tensor.dtype).replace("torch.", "")
+    return helper.make_tensor_value_info(name, _ONNX_TYPES[dtype], list(tensor.shape))
+
+
+def _model(pair: _OneOp, nodes: list[onnx.NodeProto], aten: bool) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "kernel_choice",
+        [_value_info(name, t) for name, t in pair.inputs],
+        [_value_info("y", pair.output)],
+        # ORT cannot infer an ATen node's output types, and drops graph output types in the gradient build.
+        value_info=[_value_info(n, t) for n, t in {**pair.aten_values, "y": pair.output}.items()] if aten else [],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    if aten:
+        opsets.append(helper.make_opsetid(_ATEN, 1))
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+def _session(model: onnx.ModelProto, pair: _OneOp) -> Any:
+    from ortcore.options import LogLevel
+    from ortcore.pipeline import SessionPlan
+    from ortcore.session import BuildRequest, TrainingSession, build_graph, default_providers
+
+    names = [name for name, _ in pair.inputs]
+    device = torch.device("cpu")
+    request = BuildRequest(
+        model=model,
+        input_names=names,
+        user_input_names=names,
+        train_names=list(pair.train),
+        build_gradient=True,
+        device=device,
+        log_level=LogLevel.ERROR,
+    )
+    built = build_graph(request, purpose="kernel_choice")
+    return TrainingSession(
+        built, SessionPlan(device=device, log_level=LogLevel.ERROR, providers=default_providers(device))
+    )
+
+
+def _step(session: Any, feeds: list[torch.Tensor], grad: torch.Tensor) -> float:
+    start = time.perf_counter()
+    outputs, state = session.run_forward(feeds)
+    session.run_backward([grad], [(tuple(grad.shape), grad.dtype)], state)
+    del outputs, state
+    return (time.perf_counter() - start) * 1000.0
+
+
+def measure_case(case: Case, repeats: int = REPEATS, budget: float = BUDGET_SECONDS) -> tuple[float, float]:
+    """``(ort_ms, torch_ms)``: median forward + backward time of ``case`` with ORT's kernels and with the ATen
+    nodes the routed symbolic emits, on random inputs of the case's sizes; runs interleaved, order alternating."""
+    from .kernel_routing import prepare_runtime
+
+    if case.device != "cpu":
+        raise ValueError(f"kernel choice measures on CPU only, not {case.device}")
+    prepare_runtime()
+    generator = torch.Generator().manual_seed(0)
+    pair = _one_op(case, generator)
+    sessions = {
+        ORT: _session(_model(pair, pair.ort_nodes, False), pair),
+        PYTORCH: _session(_model(pair, pair.torch_nodes, True), pair),
+    }
+    feeds = [t for _, t in pair.inputs]
+    grad = torch.randn(pair.output.shape, generator=generator).to(pair.output.dtype)
+    times: dict[str, list[float]] = {ORT: [], PYTORCH: []}
+    for side in (ORT, PYTORCH):  # warm-up: first runs allocate
+        _step(sessions[side], feeds, grad)
+    start = time.perf_counter()
+    for i in range(repeats):
+        for side in (ORT, PYTORCH) if i % 2 == 0 else (PYTORCH, ORT):
+            times[side].append(_step(sessions[side], feeds, grad))
+        if i + 1 >= MIN_REPEATS and time.perf_counter() - start > budget:
+            break
+    return statistics.median(times[ORT]), statistics.median(times[PYTORCH])
+
+
+# -- cases from traced calls ---------------------------------------------------------------------------------------
+
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16"}
+
+
+def _traced(value: Any) -> tuple[tuple[int, ...], str, str] | None:
+    """Sizes, dtype and device of a traced value as the tracer saw them (the real input's), or None if unknown."""
+    try:
+        t = value.type()
+        sizes = t.varyingSizes()
+        if sizes is None or any(s is None for s in sizes):
+            return None
+        device = t.device()
+        return (
+            tuple(int(s) for s in sizes),
+            _DTYPES.get(t.scalarType(), str(t.scalarType())),
+            (device.type if device is not None else "cpu"),
+        )
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _flag(value: Any) -> bool:
+    """Does the traced value need a gradient (unknown: yes)?"""
+    from ortcore_plugins.services.aten_nodes import requires_grad
+
+    return requires_grad(value) is not False
+
+
+def _is_bias_add(value: Any) -> bool:
+    """Is ``value`` an Add with a 1-D parameter (a Linear's bias, which ORT fuses into BiasGelu)?"""
+    node = value.node()
+    if node.kind() != "onnx::Add":
+        return False
+    for operand in node.inputs():
+        sizes = operand.type().varyingSizes() if operand.type().kind() == "TensorType" else None
+        if operand.node().kind() == "prim::Param" and sizes is not None and len(sizes) == 1:
+            return True
+    return False
+
+
+def case_of_call(op: str, g: Any, args: tuple) -> Case | Decision | None:
+    """The :class:`Case` of a routable call being exported (sizes from the traced call), a :class:`Decision` when
+    only PyTorch computes torch's result (a padding row, label smoothing), or None when the routed symbolic would not
+    route this call anyway."""
+    from torch.onnx import symbolic_helper as sh
+
+    from ortcore_plugins.services.aten_nodes import is_none
+
+    traced = [_traced(v) for v in g.original_node.inputs()]
+    # A graph input has dynamic sizes by now; the traced output keeps the real ones, from which its sizes follow.
+    out = _traced(next(iter(g.original_node.outputs())))
+    params: dict[str, Any] = {}
+    shapes: list[Any] = []
+    form = ""
+    if op == "embedding":
+        weight, indices, padding_idx, scale_grad_by_freq = args[:4]
+        if traced[1] is None and out is not None:
+            traced[1] = (out[0][:-1], "int64", out[2])
+        shapes = [traced[0], traced[1]]
+        pad = sh._get_const(padding_idx, "i", "padding_idx")
+        scale = bool(sh._get_const(scale_grad_by_freq, "b", "scale_grad_by_freq"))
+        params = {"padding_idx": -1}
+        if pad >= 0 or scale:
+            case = Case(
+                op,
+                tuple(t[0] for t in shapes if t),
+                shapes[0][1] if shapes[0] else "unknown",
+                params=(("padding_idx", pad), ("scale", scale)),
+            )
+            return Decision(
+                case, PYTORCH, REQUIRED, note="ORT's Gather gradient ignores padding_idx and scale_grad_by_freq"
+            )
+    elif op == "gelu":
+        self, approximate = args
+        if not isinstance(approximate, str):
+            approximate = sh._get_const(approximate, "s", "approximate")
+        shapes = [traced[0] or out]
+        params = {"approximate": approximate, "bias": _is_bias_add(self)}
+    elif op == "layer_norm":
+        from .kernel_routing import _gradient_reaches_first_input
+
+        input, normalized_shape, weight, bias, eps = args[:5]
+        if not _gradient_reaches_first_input(input, weight, bias):
+            return None
+        normalized = tuple(sh._get_const(normalized_shape, "is", "normalized_shape"))
+        traced[0] = traced[0] or out
+        shapes = [traced[0], None if traced[0] is None else (normalized, traced[0][1], traced[0][2])]
+        params = {
+            "eps": float(sh._get_const(eps, "f", "eps")),
+            "grad_weight": not is_none(weight) and _flag(weight),
+            "grad_bias": not is_none(bias) and _flag(bias),
+        }
+    elif op == "cross_entropy":
+        self, target, weight, reduction, ignore_index, label_smoothing = args
+        if target.type().scalarType() in _DTYPES:
+            return None  # class probabilities: not the routed op's formula
+        if traced[1] is None and traced[0] is not None:  # the labels, a graph input: the logits without classes
+            logits = traced[0][0]
+            traced[1] = (logits[:1] + logits[2:] if len(logits) >= 2 else (), "int64", traced[0][2])
+        shapes = [traced[0], traced[1]] + ([traced[2]] if not is_none(weight) else [])
+        params = {
+            "reduction": int(sh._get_const(reduction, "i", "reduction")),
+            "ignore_index": int(sh._get_const(ignore_index, "i", "ignore_index")),
+        }
+        smoothing = sh._maybe_get_const(label_smoothing, "f")
+        if smoothing:
+            case = Case(op, tuple(t[0] for t in shapes if t), params=tuple(sorted(params.items())))
+            return Decision(case, PYTORCH, REQUIRED, note="ONNX's export of cross-entropy has no label smoothing")
+    elif op == "linear":
+        from .kernel_routing import _gradient_reaches_first_input
+
+        input, weight, bias = args
+        if not _gradient_reaches_first_input(input, weight, bias):
+            return None
+        if traced[0] is None and out is not None and traced[1] is not None:
+            traced[0] = ((*out[0][:-1], traced[1][0][1]), out[1], out[2])
+        shapes = [traced[0], traced[1]] + ([traced[2]] if not is_none(bias) else [])
+        params = {
+            "grad_input": _flag(input),
+            "grad_weight": _flag(weight),
+            "grad_bias": not is_none(bias) and _flag(bias),
+        }
+    elif op == "addmm":
+        from .kernel_routing import _gradient_reaches_first_input
+
+        self, mat1, mat2, beta, alpha = args
+        if not _gradient_reaches_first_input(self, mat1, mat2):
+            return None
+        scales = [sh._maybe_get_const(v, "f") for v in (beta, alpha)]
+        if any(sh._is_value(s) for s in scales):
+            return None
+        op, form = "linear", "addmm"
+        if traced[1] is None and out is not None and traced[2] is not None:
+            traced[1] = ((out[0][0], traced[2][0][0]), out[1], out[2])
+        shapes = [traced[0], traced[1], traced[2]]
+        params = {
+            "beta": float(scales[0]),
+            "alpha": float(scales[1]),
+            "grad_bias": _flag(self),
+            "grad_mat1": _flag(mat1),
+            "grad_mat2": _flag(mat2),
+        }
+    else:
+        raise ValueError(f"no kernel choice for op {op!r}")
+    known = all(t is not None for t in shapes)
+    dtype = shapes[0][1] if shapes and shapes[0] is not None else "unknown"
+    device = shapes[0][2] if shapes and shapes[0] is not None else "unknown"
+    return Case(
+        op,
+        tuple(t[0] for t in shapes) if known else (),
+        dtype=dtype,
+        device=device,
+        params=tuple(sorted(params.items())),
+        form=form,
+    )
+
+
+def decide_call(config: Config, op: str, g: Any, args: tuple) -> Decision | None:
+    """The decision for a routable call being exported (None: the routed symbolic would not route it)."""
+    found = case_of_call(op, g, args)
+    if found is None or isinstance(found, Decision):
+        return found
+    return decide_case(config, found)
+
+
+def decide_case(config: Config, case: Case) -> Decision:
+    """The decision for ``case``: measured or cached where measuring is possible, else the default list's."""
+    from .options import DEFAULT_OPS
+
+    fallback = PYTORCH if case.op in DEFAULT_OPS else ORT
+    if not case.shapes:
+        return Decision(case, fallback, UNMEASURED, note="sizes unknown at export: the default list decided")
+    if case.device != "cpu" or case.dtype not in _TORCH_TYPES:
+        return Decision(case, fallback, UNMEASURED, note="measured on CPU floats only: the default list decided")
+    chooser = chooser_for(config)
+    try:
+        return chooser.decide(case)
+    except Exception as e:  # a failed measurement must not fail the export: the default list decides
+        logger.warning(
+            "kernel choice: measuring %s failed (%s: %s); the default list decides",
+            case.describe(),
+            type(e).__name__,
+            e,
+        )
+        return Decision(case, fallback, UNMEASURED, note=f"measurement failed ({type(e).__name__})")
+
+
+def tanh_gelu_route(config: Config, model: onnx.ModelProto, sizes: list[Any]) -> Callable[[int], bool]:
+    """For the tanh-GELU pass: route the formula around the ``k``-th Tanh node? ``sizes`` are the traced sizes of the
+    export's tanh calls in order; if they do not line up with the graph's Tanh nodes, only a single size serves."""
+    count = sum(1 for n in model.graph.node if n.op_type == "Tanh")
+    distinct = set(sizes)
+
+    def route(k: int) -> bool:
+        traced = sizes[k] if len(sizes) == count else (next(iter(distinct)) if len(distinct) == 1 else None)
+        if traced is None:
+            case = Case("gelu", (), params=(("approximate", "tanh"), ("bias", False)))
+        else:
+            case = Case("gelu", (traced[0],), traced[1], traced[2], params=(("approximate", "tanh"), ("bias", False)))
+        decision = decide_case(config, case)
+        note(decision)
+        return decision.routed
+
+    return route

@@ -108,6 +108,26 @@ def summarize(events: list[Any], clock: StepClock) -> dict[str, Any]:
     }
 
 
+class EagerProfile:
+    """Profiling eager steps one at a time (each under its own ``torch.profiler``), so that other work can run in
+    between unprofiled; :meth:`finish` summarizes them. :func:`profile_eager_steps` is the usual way in."""
+
+    def __init__(self) -> None:
+        self.clock = StepClock(record_functions=True)
+        self.events: list[Any] = []
+
+    def step(self, step_fn: Callable[[], Any]) -> None:
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with active(self.clock), self.clock.step():
+                step_fn()
+        self.events.extend(prof.events())
+
+    def finish(self) -> dict[str, Any]:
+        return summarize(self.events, self.clock)
+
+
 def profile_eager_steps(step_fn: Callable[[], Any], steps: int, warmup: int = 1) -> dict[str, Any]:
     """Profile ``steps`` training steps of a model in PyTorch eager under ``torch.profiler`` (CPU).
 
@@ -128,15 +148,11 @@ def profile_eager_steps(step_fn: Callable[[], Any], steps: int, warmup: int = 1)
     category), ``outside`` (step wall, op time per phase, phase walls and their time outside ops), ``step_ms``,
     ``phases_ms``.
     """
-    import torch
-
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     for _ in range(warmup):
         step_fn()
-    clock = StepClock(record_functions=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, active(clock):
-        for _ in range(steps):
-            with clock.step():
-                step_fn()
-    return summarize(list(prof.events()), clock)
+    profile = EagerProfile()
+    for _ in range(steps):
+        profile.step(step_fn)
+    return profile.finish()

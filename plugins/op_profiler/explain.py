@@ -51,15 +51,6 @@ def _bench_step(runner: Any, optimizer: Any, batches: list[dict[str, Any]], loss
     return step
 
 
-def _unprofiled(step: Callable[[], None], steps: int) -> StepClock:
-    clock = StepClock()
-    with active(clock):
-        for _ in range(steps):
-            with clock.step():
-                step()
-    return clock
-
-
 def _evolve(cfg: Any, **changes: Any) -> Any:
     return attrs.evolve(cfg, **changes) if attrs.has(type(cfg)) else dataclasses.replace(cfg, **changes)
 
@@ -87,7 +78,8 @@ def _versions() -> dict[str, str]:
 def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     """Train a benchmark model in PyTorch eager and under ortcore in this process (same seed, same batches, AdamW
     as ``ortcore.bench.run_worker``), profile ``steps`` steps after ``warmup`` on each side, then run ``steps``
-    more unprofiled, and compare where the time goes.
+    more unprofiled, and compare where the time goes. The two sides' steps alternate, so that a change of load on
+    the machine falls on both alike.
 
     ``cfg`` is an ``ortcore.bench.BenchConfig``. Returns a JSON-able dict with the keys of :data:`EXPLAIN_KEYS`:
 
@@ -108,8 +100,8 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
     from ortcore import ORTModule
     from ortcore.bench import build_model, make_batches
 
-    from .eager_side import profile_eager_steps
-    from .ort_side import profile_steps
+    from .eager_side import EagerProfile
+    from .ort_side import OrtProfile
 
     if steps < 1 or warmup < 1:
         raise ValueError(f"steps and warmup must be >= 1, got steps={steps}, warmup={warmup}")
@@ -117,23 +109,35 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
     needed = warmup + 2 * steps
     batches = make_batches(model_name, _evolve(cfg, steps=max(cfg.steps, needed)))[:needed]
 
-    sides: dict[str, Any] = {}
+    # Both sides in one process, their steps interleaved (eager, then ortcore, for each step), so that a load
+    # change on a shared machine falls on both alike.
+    models, optimizers, losses, steps_fn = {}, {}, {}, {}
     for side in ("eager", "ortcore"):
         torch.manual_seed(cfg.seed)  # identical initial weights on both sides
         model = build_model(model_name, cfg)
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        runner = ORTModule(model) if side == "ortcore" else model
-        losses: list[float] = []
-        step = _bench_step(runner, optimizer, batches, losses)
-        if side == "ortcore":
-            result = profile_steps(runner, step, steps, warmup=warmup)
-        else:
-            result = profile_eager_steps(step, steps, warmup=warmup)
-        clean = _unprofiled(step, steps)
-        if side == "ortcore" and runner.fallback_reason:
-            raise RuntimeError(f"ortcore fell back to PyTorch on {model_name}: {runner.fallback_reason}")
-        sides[side] = {"result": result, "clean": clean, "losses": losses}
+        optimizers[side] = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        models[side] = ORTModule(model) if side == "ortcore" else model
+        losses[side] = []
+        steps_fn[side] = _bench_step(models[side], optimizers[side], batches, losses[side])
+    eager_profile, ort_profile = EagerProfile(), OrtProfile(models["ortcore"])
+    for _ in range(warmup):
+        steps_fn["eager"]()
+        ort_profile.warm_up(steps_fn["ortcore"])
+    for _ in range(steps):
+        eager_profile.step(steps_fn["eager"])
+        ort_profile.step(steps_fn["ortcore"])
+    clean = {side: StepClock() for side in ("eager", "ortcore")}
+    for _ in range(steps):
+        for side in ("eager", "ortcore"):
+            with active(clean[side]), clean[side].step():
+                steps_fn[side]()
+    if models["ortcore"].fallback_reason:
+        raise RuntimeError(f"ortcore fell back to PyTorch on {model_name}: {models['ortcore'].fallback_reason}")
+    sides = {
+        "eager": {"result": eager_profile.finish(), "clean": clean["eager"], "losses": losses["eager"]},
+        "ortcore": {"result": ort_profile.finish(), "clean": clean["ortcore"], "losses": losses["ortcore"]},
+    }
 
     ort, eager = sides["ortcore"]["result"], sides["eager"]["result"]
     ort_clean, eager_clean = sides["ortcore"]["clean"].phase_ms(), sides["eager"]["clean"].phase_ms()

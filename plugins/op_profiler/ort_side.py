@@ -311,6 +311,59 @@ def _current_session(model: Any) -> Any:
     return current[1] if current is not None else None
 
 
+class OrtProfile:
+    """Profiling one ORTModule step by step: :meth:`warm_up` (builds the profiled session), :meth:`step` any number
+    of times, :meth:`finish` for the result. :func:`profile_steps` is the usual way in; this class lets steps of
+    other work (an eager model) run in between, as ``explain_bench`` does."""
+
+    def __init__(self, model: Any, optimizer: Any = None, trace_dir: str | None = None):
+        if not hasattr(model, "state_machine"):
+            raise TypeError(f"profile_steps profiles an ORTModule, not {type(model).__name__}; see profile_eager_steps")
+        self.model, self.optimizer, self.trace_dir = model, optimizer, trace_dir
+        self.clock = StepClock()
+        self.session: Any = None
+        self.recorder: Recorder | None = None
+        session = _current_session(model)
+        recorder = recorder_of(session)
+        self.needs_build = recorder is None or recorder.ended
+        if session is not None and self.needs_build:
+            model.state_machine.reset("op_profiler: ORT's profiler is a session setting")
+
+    def warm_up(self, step_fn: Callable[[], Any]) -> None:
+        """One unprofiled step; sessions built in it are planned with ORT's profiler on."""
+        with armed():
+            step_fn()
+
+    def step(self, step_fn: Callable[[], Any]) -> None:
+        """One profiled step."""
+        if self.session is None:
+            self.session = _current_session(self.model)
+            self.recorder = recorder_of(self.session)
+            if self.recorder is None or self.recorder.ended:
+                raise RuntimeError(
+                    "no profiled ORT session after the warm-up steps: is the op_profiler plugin disabled "
+                    "(ORTCORE_DISABLE_PLUGINS), or did the model fall back to PyTorch "
+                    f"({self.model.fallback_reason or 'no fallback recorded'})?"
+                )
+        hooks = _optimizer_timing(self.optimizer, self.clock) if self.optimizer is not None else []
+        self.recorder.active = True
+        try:
+            with armed(), active(self.clock), self.clock.step():
+                step_fn()
+        finally:
+            self.recorder.active = False
+            for handle in hooks:
+                handle.remove()
+
+    def finish(self) -> dict[str, Any]:
+        """Stop ORT's profiler and summarize the profiled steps."""
+        if self.session is None:
+            raise RuntimeError("no step was profiled")
+        if _current_session(self.model) is not self.session:
+            raise RuntimeError("the model built another session during the profiled steps (input structure changed?)")
+        return finish(self.session, self.recorder, self.clock, self.trace_dir)
+
+
 def profile_steps(
     model: Any,
     step_fn: Callable[[], Any],
@@ -347,41 +400,14 @@ def profile_steps(
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    if not hasattr(model, "state_machine"):
-        raise TypeError(f"profile_steps profiles an ORTModule, not {type(model).__name__}; see profile_eager_steps")
-    session = _current_session(model)
-    recorder = recorder_of(session)
-    if session is not None and (recorder is None or recorder.ended):
-        model.state_machine.reset("op_profiler: ORT's profiler is a session setting")
-    if recorder is None or recorder.ended:
-        if warmup < 1:
-            raise ValueError("warmup must be >= 1 to build the profiled session (the model's next step exports)")
-    with armed():
-        for _ in range(warmup):
-            step_fn()
-        session = _current_session(model)
-        recorder = recorder_of(session)
-        if recorder is None or recorder.ended:
-            raise RuntimeError(
-                "no profiled ORT session after the warm-up steps: is the op_profiler plugin disabled "
-                "(ORTCORE_DISABLE_PLUGINS), or did the model fall back to PyTorch "
-                f"({model.fallback_reason or 'no fallback recorded'})?"
-            )
-        clock = StepClock()
-        hooks = _optimizer_timing(optimizer, clock) if optimizer is not None else []
-        recorder.active = True
-        try:
-            with active(clock):
-                for _ in range(steps):
-                    with clock.step():
-                        step_fn()
-        finally:
-            recorder.active = False
-            for handle in hooks:
-                handle.remove()
-    if _current_session(model) is not session:
-        raise RuntimeError("the model built another session during the profiled steps (input structure changed?)")
-    return finish(session, recorder, clock, trace_dir)
+    profile = OrtProfile(model, optimizer, trace_dir)
+    if profile.needs_build and warmup < 1:
+        raise ValueError("warmup must be >= 1 to build the profiled session (the model's next step exports)")
+    for _ in range(warmup):
+        profile.warm_up(step_fn)
+    for _ in range(steps):
+        profile.step(step_fn)
+    return profile.finish()
 
 
 def _optimizer_timing(optimizer: Any, clock: StepClock) -> list[Any]:

@@ -358,6 +358,22 @@ def test_explain_only_runs_no_timed_rows_and_a_failing_explain_fails_the_command
     }
 
 
+def test_explain_with_the_real_plugin_in_a_fresh_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The op_profiler plugin's own explain_bench, in the worker process ``--explain`` starts (about 10 s)."""
+    if problem := cli._explain_unavailable():
+        pytest.skip(problem)
+    from ortcore_plugins.op_profiler.explain import EXPLAIN_KEYS
+
+    out = tmp_path / "r.json"
+    code = cli.main(["bench", "--quick", "--models", "gpt2", "--explain-only", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    assert "where the time goes, config 'quick', gpt2:" in printed.out
+    explained = json.loads(out.read_text())["configs"][0]["explain"]["gpt2"]
+    assert set(EXPLAIN_KEYS) <= set(explained)
+    assert explained["settings"]["hidden"] == bench.PRESETS["quick"].hidden
+
+
 # -- end to end --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_quick_runs_every_model_and_mode_and_its_json_redraws_the_same_table(tmp_path: Path) -> None:

@@ -50,7 +50,9 @@ MEASURED, CACHED, REQUIRED, UNMEASURED = "measured", "cached", "required", "unme
 TIE = 0.02
 REPEATS = 5  # timed forward + backward runs per side (after one warm-up each), interleaved
 MIN_REPEATS = 3  # ... at least this many when the budget runs out
-BUDGET_SECONDS = 0.6  # per case, for the timed runs (graph builds and warm-ups come on top)
+BUDGET_SECONDS = 0.3  # per case, for the timed runs (graph builds and warm-ups come on top)
+# Per export: once measuring has taken this long, the remaining new cases keep the default list (not cached).
+EXPORT_BUDGET_SECONDS = 3.0
 
 
 # -- cases and decisions ----------------------------------------------------------------------------------------
@@ -342,8 +344,12 @@ def note(decision: Decision) -> None:
             _pending.append(decision)
 
 
+_export_seconds = [0.0]  # measuring time of the export under way
+
+
 def take_pending() -> list[Decision]:
     with _pending_lock:
+        _export_seconds[0] = 0.0
         taken = list(_pending)
         _pending.clear()
         return taken
@@ -866,8 +872,16 @@ def decide_case(config: Config, case: Case) -> Decision:
     if case.device != "cpu" or case.dtype not in _TORCH_TYPES:
         return Decision(case, fallback, UNMEASURED, note="measured on CPU floats only: the default list decided")
     chooser = chooser_for(config)
+    if chooser.cached(case) is None and _export_seconds[0] > EXPORT_BUDGET_SECONDS:
+        return Decision(
+            case, fallback, UNMEASURED, note="the export's measuring budget is spent: the default list decided"
+        )
     try:
-        return chooser.decide(case)
+        before = chooser.seconds
+        try:
+            return chooser.decide(case)
+        finally:
+            _export_seconds[0] += chooser.seconds - before
     except Exception as e:  # a failed measurement must not fail the export: the default list decides
         logger.warning(
             "kernel choice: measuring %s failed (%s: %s); the default list decides",

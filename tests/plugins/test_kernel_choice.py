@@ -1,0 +1,338 @@
+"""aten_fallback's ``torch_kernels = "auto"``: each op runs where it measured faster, decided once per machine.
+
+The decision logic runs with a fake timer (which side is faster is the timer's say; tests never assert speed); the
+cache is checked for a round trip, a corrupt file, its key and a second model that measures nothing; a model trained
+with ``auto`` matches eager PyTorch whatever was chosen; the explicit list and ``none`` behave as before. One slow
+test measures for real.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from models import (
+    adamw,
+    assert_grads_match,
+    assert_losses_match,
+    assert_outputs_match,
+    bert_batch,
+    hf_step,
+    make_batches,
+    ort_and_torch,
+    tiny_bert,
+)
+from torch import nn
+
+import ortcore_plugins.aten_fallback as plugin
+import ortcore_plugins.export_cache as export_cache
+from ortcore import DebugOptions
+from ortcore.config import Config
+from ortcore.errors import OptionError
+from ortcore.plugins import PluginHost
+from ortcore_plugins.aten_fallback import kernel_choice
+from ortcore_plugins.aten_fallback.kernel_choice import ORT, PYTORCH, Case, Decision, KernelChooser, choose
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+
+
+class FakeTimer:
+    """``case -> (ort_ms, torch_ms)`` from a table by op (form first), counting the cases it timed."""
+
+    def __init__(self, table: dict[str, tuple[float, float]]):
+        self.table = table
+        self.cases: list[Case] = []
+
+    def __call__(self, case: Case) -> tuple[float, float]:
+        self.cases.append(case)
+        return self.table.get(case.form, self.table[case.op]) if case.form else self.table[case.op]
+
+
+def make_host(
+    tmp_path: Path, kernels: Any = "auto", plugins: dict | None = None, env: dict | None = None
+) -> PluginHost:
+    """A host with this plugin (and ``plugins``); its kernel-choice file lives in ``tmp_path``."""
+    table = {"plugins": {"aten_fallback": {"torch_kernels": kernels}}}
+    environment = {"XDG_CACHE_HOME": str(tmp_path / "cache"), **(env or {})}
+    return PluginHost(
+        Config.from_table(table, env=environment),
+        autoload=False,
+        plugins={"aten_fallback": plugin, **(plugins or {})},
+    )
+
+
+@pytest.fixture
+def fake_chooser(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Install a chooser with a fake timer as the process-wide one of ``tmp_path``'s hosts."""
+
+    def install(table: dict[str, tuple[float, float]], host: PluginHost) -> tuple[KernelChooser, FakeTimer]:
+        timer = FakeTimer(table)
+        path = kernel_choice.cache_path(host.config)
+        chooser = KernelChooser(path, timer=timer)
+        monkeypatch.setitem(kernel_choice._choosers, path, chooser)
+        return chooser, timer
+
+    return install
+
+
+GELU = Case("gelu", ((8, 128, 1024),), params=(("approximate", "none"), ("bias", True)))
+
+# -- the decision -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ort_ms, torch_ms, side",
+    [(10.0, 4.0, PYTORCH), (4.0, 10.0, ORT), (10.0, 10.0, ORT), (10.0, 9.9, ORT), (10.0, 9.7, PYTORCH)],
+)
+def test_the_faster_side_is_chosen_and_ties_stay_in_ort(ort_ms: float, torch_ms: float, side: str) -> None:
+    assert choose(ort_ms, torch_ms) == side
+
+
+def test_a_case_is_measured_once_then_cached(tmp_path: Path) -> None:
+    timer = FakeTimer({"gelu": (10.0, 3.0)})
+    chooser = KernelChooser(tmp_path / "k.json", timer=timer)
+    first, again = chooser.decide(GELU), chooser.decide(GELU)
+    assert (first.side, first.source, first.ort_ms, first.torch_ms) == (PYTORCH, "measured", 10.0, 3.0)
+    assert (again.side, again.source) == (PYTORCH, "cached")
+    assert chooser.measurements == 1 and len(timer.cases) == 1
+
+
+def test_the_file_serves_another_chooser_without_measuring(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "k.json"
+    KernelChooser(path, timer=FakeTimer({"gelu": (2.0, 3.0)})).decide(GELU)
+    timer = FakeTimer({"gelu": (100.0, 1.0)})  # would choose PyTorch if it were asked
+    second = KernelChooser(path, timer=timer)
+    decision = second.decide(GELU)
+    assert (decision.side, decision.source, decision.ort_ms, decision.torch_ms) == (ORT, "cached", 2.0, 3.0)
+    assert timer.cases == [] and second.measurements == 0
+    data = json.loads(path.read_text())
+    assert data["format"] == kernel_choice.FILE_FORMAT and len(data["entries"]) == 1
+
+
+@pytest.mark.parametrize(
+    "content", ["{not json", '{"format": 99, "entries": {}}', '{"format": 1, "entries": {"k": 3}}']
+)
+def test_a_corrupt_file_is_a_warning_and_the_case_is_measured_again(
+    tmp_path: Path, content: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "k.json"
+    path.write_text(content)
+    chooser = KernelChooser(path, timer=FakeTimer({"gelu": (10.0, 3.0)}))
+    with caplog.at_level(logging.WARNING, logger="ortcore.aten_fallback"):
+        decision = chooser.decide(GELU)
+    assert decision.source == "measured" and chooser.measurements == 1
+    assert "kernel choice cache" in caplog.text
+    assert len(json.loads(path.read_text())["entries"]) >= 1  # rewritten as a valid file
+
+
+def test_the_key_changes_with_shapes_parameters_and_threads(tmp_path: Path) -> None:
+    timer = FakeTimer({"gelu": (10.0, 3.0)})
+    chooser = KernelChooser(tmp_path / "k.json", timer=timer)
+    chooser.decide(GELU)
+    chooser.decide(Case("gelu", ((8, 64, 1024),), params=GELU.params))  # other shapes
+    chooser.decide(Case("gelu", GELU.shapes, params=(("approximate", "tanh"), ("bias", True))))  # other form
+    chooser.decide(Case("gelu", GELU.shapes, dtype="float64", params=GELU.params))
+    assert chooser.measurements == 4
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads != 1 else 2)
+        assert chooser.decide(GELU).source == "measured"
+    finally:
+        torch.set_num_threads(threads)
+    assert chooser.decide(GELU).source == "cached"
+    assert chooser.measurements == 5
+
+
+def test_decisions_round_trip_through_json() -> None:
+    decision = Decision(GELU, PYTORCH, "measured", 10.0, 3.0)
+    assert Decision.from_json(json.loads(json.dumps(decision.to_json()))) == decision
+    assert "3.00 ms vs ORT 10.00 ms" in decision.reason()
+
+
+def test_the_cache_lives_in_the_export_cache_directory_when_one_is_set(tmp_path: Path) -> None:
+    config = Config.from_table({}, env={"ORTMODULE_CACHE_DIR": str(tmp_path / "graphs"), "XDG_CACHE_HOME": "/x"})
+    assert kernel_choice.cache_path(config) == tmp_path / "graphs" / "kernel_choice.json"
+    config = Config.from_table({}, env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert kernel_choice.cache_path(config) == tmp_path / "ortcore" / "kernel_choice.json"
+
+
+# -- options ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("auto", ("auto",)), (["auto"], ("auto",)), ("all", plugin.ROUTABLE_OPS), ("none", ()), (["gelu"], ("gelu",))],
+)
+def test_switch_values(tmp_path: Path, value: Any, expected: tuple) -> None:
+    assert make_host(tmp_path, value).config.plugin_options("aten_fallback").torch_kernels == expected
+
+
+@pytest.mark.parametrize("value", [["auto", "gelu"], "all,linear", "automatic"])
+def test_bad_switch_values_name_what_is_allowed(tmp_path: Path, value: Any) -> None:
+    with pytest.raises(OptionError, match="'auto', 'all', 'none'"):
+        make_host(tmp_path, value)
+
+
+def test_export_key_of_auto_names_the_mode_and_the_machine(tmp_path: Path) -> None:
+    key = make_host(tmp_path, "auto").hooks.export_key()
+    assert key["aten_fallback.torch_kernels"] == "auto"
+    assert key["aten_fallback.kernel_choice"]["threads"] == torch.get_num_threads()
+    assert make_host(tmp_path, ["gelu"]).hooks.export_key() == {"aten_fallback.torch_kernels": ["gelu"]}
+
+
+# -- models -------------------------------------------------------------------------------------------------------
+
+
+class MixedModel(nn.Module):
+    """Every routable op: two embeddings (one with a padding row), linear, GELU, LayerNorm, cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.words = nn.Embedding(30, 16, padding_idx=0)
+        self.positions = nn.Embedding(12, 16)
+        self.up = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.words(ids) + self.positions(torch.arange(ids.shape[1]))
+        logits = self.head(self.norm(F.gelu(self.up(h))))
+        return logits, F.cross_entropy(logits.reshape(-1, 5), labels.reshape(-1))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (torch.randint(0, 30, (4, 12), generator=gen), torch.randint(0, 5, (4, 12), generator=gen)) for _ in range(n)
+    ]
+
+
+def _aten_ops(path: Path) -> set[str]:
+    model = onnx.load(str(path))
+    return {
+        next(a.s.decode() for a in n.attribute if a.name == "operator")
+        for n in model.graph.node
+        if n.op_type == "ATen" and n.domain == plugin.ATEN_DOMAIN
+    }
+
+
+TABLE = {
+    "embedding": (1.0, 2.0),
+    "gelu": (5.0, 1.0),
+    "layer_norm": (5.0, 1.0),
+    "cross_entropy": (1.0, 2.0),
+    "linear": (1.0, 2.0),
+}
+
+
+def test_auto_routes_what_measured_faster_and_matches_torch(tmp_path: Path, fake_chooser) -> None:
+    host = make_host(tmp_path)
+    chooser, timer = fake_chooser(TABLE, host)
+    debug = DebugOptions(save_onnx=True, onnx_prefix="auto", save_path=str(tmp_path))
+    ort, ref = ort_and_torch(MixedModel(), host=host, debug_options=debug)
+    batches = _batches(6)
+    (out, loss), (out_ref, loss_ref) = ort(*batches[0]), ref(*batches[0])
+    assert_outputs_match(out, out_ref)
+    assert_losses_match(loss, loss_ref)
+    loss.backward()
+    loss_ref.backward()
+    assert_grads_match(ort, ref)
+    # The padding row's embedding needs PyTorch's gradient: routed without measuring; the rest as the timer says.
+    assert _aten_ops(tmp_path / "auto_pre_grad_training.onnx") == {"embedding", "gelu", "native_layer_norm"}
+    measured = {c.op for c in timer.cases}
+    assert measured == {"embedding", "gelu", "layer_norm", "cross_entropy", "linear"}
+    assert all(c.shapes for c in timer.cases)  # real sizes, even for values fed by graph inputs
+    assert ((30, 16), (4, 12)) not in [c.shapes for c in timer.cases]  # the padded embedding was not measured
+    sides = {(d.case.op, d.side, d.source) for d in plugin.kernel_choices(ort)}
+    assert ("embedding", PYTORCH, "required") in sides and ("embedding", ORT, "measured") in sides
+    assert {("gelu", PYTORCH, "measured"), ("layer_norm", PYTORCH, "measured"), ("linear", ORT, "measured")} <= sides
+    assert "1.00 ms vs ORT 5.00 ms" in ort.explain().routed()["gelu"]
+    assert "gelu" in plugin.explain_kernel_choices(ort)
+    # a multi-step loss curve
+    opt, opt_ref = adamw(ort), adamw(ref)
+    for batch in batches[1:]:
+        for model, optimizer in ((ort, opt), (ref, opt_ref)):
+            optimizer.zero_grad()
+            model(*batch)[1].backward()
+            optimizer.step()
+        assert_losses_match(ort(*batch)[1], ref(*batch)[1])
+    # A second model on the same host measures nothing.
+    count = chooser.measurements
+    second = ort_and_torch(MixedModel(), host=host)[0]
+    second(*batches[0])[1].backward()
+    assert chooser.measurements == count and len(timer.cases) == count
+
+
+def test_auto_with_ort_faster_everywhere_leaves_only_required_aten_nodes(tmp_path: Path, fake_chooser) -> None:
+    host = make_host(tmp_path)
+    fake_chooser({op: (1.0, 2.0) for op in TABLE}, host)
+    debug = DebugOptions(save_onnx=True, onnx_prefix="ort", save_path=str(tmp_path))
+    ort, ref = ort_and_torch(MixedModel(), host=host, debug_options=debug)
+    batch = _batches(1)[0]
+    (out, loss), (out_ref, loss_ref) = ort(*batch), ref(*batch)
+    assert_outputs_match(out, out_ref)
+    loss.backward()
+    loss_ref.backward()
+    assert_grads_match(ort, ref)
+    assert _aten_ops(tmp_path / "ort_pre_grad_training.onnx") == {"embedding"}
+
+
+@pytest.mark.parametrize("kernels, expected", [(["gelu"], {"gelu"}), ("none", set())])
+def test_an_explicit_list_and_none_route_as_told_without_measuring(
+    tmp_path: Path, fake_chooser, kernels: Any, expected: set
+) -> None:
+    host = make_host(tmp_path, kernels)
+    chooser, _ = fake_chooser(TABLE, host)
+    debug = DebugOptions(save_onnx=True, onnx_prefix="list", save_path=str(tmp_path))
+    ort = ort_and_torch(MixedModel(), host=host, debug_options=debug)[0]
+    ort(*_batches(1)[0])[1].backward()
+    assert _aten_ops(tmp_path / "list_pre_grad_training.onnx") == expected
+    assert chooser.measurements == 0 and plugin.kernel_choices(ort) == []
+
+
+def test_a_graph_from_the_export_cache_comes_with_its_choice(tmp_path: Path, fake_chooser) -> None:
+    env = {"ORTMODULE_CACHE_DIR": str(tmp_path / "graphs")}
+    plugins = {"export_cache": export_cache}
+    host = make_host(tmp_path, plugins=plugins, env=env)
+    chooser, _ = fake_chooser(TABLE, host)
+    first = ort_and_torch(MixedModel(), host=host)[0]
+    first(*_batches(1)[0])
+    assert (tmp_path / "graphs" / "kernel_choice.json").exists()
+    # Another process: its own chooser, which may not measure, and the graph comes from the export cache.
+    host2 = make_host(tmp_path, plugins=plugins, env=env)
+    chooser2, timer2 = fake_chooser({op: (1.0, 2.0) for op in TABLE}, host2)
+    (tmp_path / "graphs" / "kernel_choice.json").unlink()
+    second = ort_and_torch(MixedModel(), host=host2)[0]
+    second(*_batches(1)[0])
+    assert second.state_machine.counters.exports == 1 and timer2.cases == []
+    assert plugin.kernel_choices(second) == plugin.kernel_choices(first)
+    assert "gelu" in second.explain().routed()
+
+
+@pytest.mark.slow
+def test_measured_choice_on_bert_matches_torch_and_is_not_measured_twice(tmp_path: Path) -> None:
+    host = make_host(tmp_path)
+    path = kernel_choice.cache_path(host.config)
+    chooser = kernel_choice.chooser_for(host.config)
+    ort, ref = ort_and_torch(tiny_bert(), host=host)
+    batch = make_batches(bert_batch, 1)[0]
+    (_, loss), (_, loss_ref) = hf_step(ort, batch), hf_step(ref, batch)
+    assert_losses_match(loss, loss_ref)
+    loss.backward()
+    loss_ref.backward()
+    assert_grads_match(ort, ref)
+    measured = chooser.measurements
+    assert measured >= 4 and path.exists()
+    decisions = plugin.kernel_choices(ort)
+    assert all(d.ort_ms is not None and d.torch_ms is not None for d in decisions if d.source == "measured")
+    kernel_choice._choosers.pop(path)  # as a new process would: only the file is left
+    again = kernel_choice.chooser_for(host.config)
+    hf_step(ort_and_torch(tiny_bert(), host=host)[0], batch)
+    assert again.measurements == 0

@@ -577,6 +577,7 @@ class BenchReport:
             "wall_s": self.wall_s,
             "explain": self.explain,
             "explain_errors": self.explain_errors,
+            "summary": summary_lines(self) if self.results else [],  # the lines printed under the table
         }
 
 
@@ -602,8 +603,10 @@ class BenchSuite:
         worker_env = next((r.worker_env for r in self.reports), dict(WORKER_ENV))
         results = []
         for report in self.reports:
-            for r in report.results:
-                results.append({**asdict(r), "config": report.name})
+            footnotes = _failure_index(report)
+            for i, r in enumerate(report.results):
+                # notes: the table's notes cell as shown (derived from details, errors and others_cpu_pct)
+                results.append({**asdict(r), "config": report.name, "notes": _notes(r, footnotes.get(i))})
         return {
             "format": JSON_FORMAT,
             "settings": {
@@ -625,6 +628,8 @@ class BenchSuite:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BenchSuite:
         """The suite :meth:`to_json` wrote; raises ``ValueError`` naming what is missing."""
+        if data.get("format", JSON_FORMAT) != JSON_FORMAT:
+            raise ValueError(f"format {data['format']!r}; this ortcore reads {JSON_FORMAT!r}")
         try:
             settings = data["settings"]
             worker_env = dict(settings.get("worker_env") or {})
@@ -810,7 +815,7 @@ def _ratio(value: float | None) -> str:
 
 
 def _millions(n: int) -> str:
-    return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.0f}k"
+    return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n / 1e3:.0f}k"
 
 
 def _plural(n: int, noun: str) -> str:

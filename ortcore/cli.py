@@ -21,6 +21,9 @@ from .argtypes import non_negative_int, positive_int
 
 if TYPE_CHECKING:
     import pluggy
+    import rich.console
+
+    from .bench import BenchSuite
 
 
 # -- argument types ----------------------------------------------------------------------------------------------
@@ -278,7 +281,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0 if suite.ok else 1
 
 
-def _print_suite(console, suite) -> None:
+def _print_suite(console: rich.console.Console, suite: BenchSuite) -> None:
     """Each configuration's table and summary, then its explain data (rendered by the op_profiler plugin)."""
     from .bench import EXPLAIN_MODULE, results_table, summary_lines
 

@@ -6,7 +6,9 @@ Three features, one module each; this module holds the plugin's hooks and re-exp
   on request, linear) are exported as ``org.pytorch.aten::ATen`` nodes with ATen-node gradients, because PyTorch's CPU
   kernels are several times faster than ORT's for them (see ``docs/plugins/aten_fallback.md`` for the numbers).
   Option ``[plugins.aten_fallback] torch_kernels`` (env ``ORTCORE_TORCH_KERNELS``, a comma list; ``""`` or
-  ``"none"`` routes nothing) chooses the ops; with none, the exported graphs contain no ATen node.
+  ``"none"`` routes nothing, ``"all"`` every op) chooses the ops; with none, the exported graphs contain no ATen node.
+  With ``"auto"`` (:mod:`.kernel_choice`) each call is routed only where PyTorch measured faster on the model's own
+  shapes, decided once per machine and recorded in the graph (:func:`kernel_choices`, :func:`explain_kernel_choices`).
 * **the unexportable-op fallback** (:mod:`.unexportable_ops`): ops the exporter cannot express at all
   (``torch.cummax``, ``torch.logcumsumexp``, ``torch.special.*``, ...) are run the same way when option
   ``fallback_ops`` (env ``ORTCORE_ATEN_FALLBACK_OPS``) names them, or names ``auto``: each becomes one ATen node

@@ -163,7 +163,8 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
                 "eager_bw_ms": e["bw_ms"] if e else 0.0,
                 "eager_total_ms": (e["fw_ms"] + e["bw_ms"]) if e else 0.0,
             }
-        row["ratio"] = row["ort_total_ms"] / row["eager_total_ms"] if row["eager_total_ms"] else None
+        # A ratio of two near-zero times says nothing.
+        row["ratio"] = row["ort_total_ms"] / row["eager_total_ms"] if row["eager_total_ms"] >= 0.1 else None
         rows.append(row)
 
     return {
@@ -294,7 +295,7 @@ def render_explain(data: dict[str, Any], top: int = 15) -> Any:
         count = r["ort_count"]
         categories.add_row(
             r["category"],
-            r["runs_on"],
+            r["runs_on"] or "—",
             "—" if count is None else f"{count:g}",
             _ms(r["ort_fw_ms"]),
             _ms(r["ort_bw_ms"]),
@@ -324,13 +325,21 @@ def render_explain(data: dict[str, Any], top: int = 15) -> Any:
     for r in data["ort_ops"][:top]:
         ops.add_row(r["op"], r["category"], r["runs_on"], f"{r['count']:g}", _ms(r["fw_ms"]), _ms(r["bw_ms"]))
     v = data["versions"]
+    costlier = sorted(
+        (r for r in data["categories"] if r["ort_total_ms"] - r["eager_total_ms"] >= 1.0),
+        key=lambda r: r["eager_total_ms"] - r["ort_total_ms"],
+    )
+    verdict = Text(
+        "ortcore spends more than eager on: "
+        + (", ".join(f"{r['category']} (+{r['ort_total_ms'] - r['eager_total_ms']:.1f} ms)" for r in costlier) or "—")
+    )
     note = Text(
         f"torch {v['torch']}, onnxruntime {v['onnxruntime']}, {s['torch_threads']} torch threads, "
         f"GOMP_SPINCOUNT={s['GOMP_SPINCOUNT']}; eager times are aten self CPU times under torch.profiler; the "
         "optimizer row is unprofiled wall time",
         style="dim",
     )
-    return Group(categories, split, ops, note)
+    return Group(categories, verdict, split, ops, note)
 
 
 def _profile_rows(result: dict[str, Any], top: int) -> tuple[tuple[str, ...], list[tuple[Any, ...]]]:

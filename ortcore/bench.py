@@ -80,8 +80,9 @@ class BenchConfig:
 
 #: Named configurations for ``ortcore bench --config NAME``; explicit flags override single values.
 #: ``large`` is BERT-base/GPT-2-small sized (about 92M parameters with the 8000-word vocabulary): on 2 cores a step
-#: takes 7-12 s and peak RSS reaches about 4.5 GiB, hence batch 4 and 8 steps. ``quick`` is a smoke run of every
-#: model and mode; torch.compile's cold compilation (about 12 s per model on 2 cores) is most of its time.
+#: takes 3-4 s (up to 10 s on a loaded machine) and eager GPT-2 peaks at 4.4 GiB RSS, hence batch 4 and 8 steps:
+#: about 2 minutes per model. ``quick`` is a smoke run of every model and mode; torch.compile's cold compilation
+#: (12-25 s per model on 2 cores) is most of its time.
 PRESETS: dict[str, BenchConfig] = {
     "default": BenchConfig(),
     "large": BenchConfig(batch=4, seq=256, hidden=768, layers=12, steps=8, warmup=2),
@@ -1001,7 +1002,8 @@ def _value(r: RunResult, key: str, scale: float) -> float | None:
 
 
 def _lines(ax: Any, points: dict, key: str, scale: float) -> None:
-    for (model, mode), series in sorted(points.items()):
+    order = {m: i for i, m in enumerate(MODES)}
+    for (model, mode), series in sorted(points.items(), key=lambda item: (item[0][0], order.get(item[0][1], 9))):
         xs = [n / 1e6 for _, n, r in series if _value(r, key, scale) is not None]
         ys = [_value(r, key, scale) for _, _, r in series if _value(r, key, scale) is not None]
         marker, style = _MODEL_STYLES.get(model, ("^", ":"))
@@ -1011,7 +1013,9 @@ def _lines(ax: Any, points: dict, key: str, scale: float) -> None:
         for _, n, r in series:
             ratio, y = r.vs_eager.get(key), _value(r, key, scale)
             if ratio is not None and y is not None:
-                ax.annotate(f"{ratio:.2f}×", (n / 1e6, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                # compile's ratio above its point, ortcore's below: the two lines often run close together
+                offset = (4, 5) if mode == "compile" else (4, -11)
+                ax.annotate(f"{ratio:.2f}×", (n / 1e6, y), textcoords="offset points", xytext=offset, fontsize=7,
                             color=_MODE_COLORS.get(mode))  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")

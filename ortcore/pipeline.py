@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,9 @@ class SessionPlan:
         providers: execution providers with their options, first preferred.
         optimized_model_filepath: where ORT writes the graph it runs (``save_onnx``), or None.
         run_wrappers: ``(name, wrapper)``: ``wrapper(what)`` is a context manager entered around each run.
+        prepared_model: ONNX bytes ORT already optimized for exactly this graph and plan (a cache's copy of what it
+            wrote to ``optimized_model_filepath`` before): the session loads them with graph optimizations off, which
+            skips most of session creation. If ORT refuses them, the core creates the session from the graph.
         profile_file_prefix: when set, ORT's profiler records every kernel the session runs into
             ``<prefix>_<date>.json`` (Chrome trace format), written by :meth:`TrainingSession.end_profiling`.
     """
@@ -82,6 +86,7 @@ class SessionPlan:
     execution_order: Any = None
     optimized_model_filepath: str | None = None
     run_wrappers: list[tuple[str, RunWrapper]] = attrs.Factory(list)
+    prepared_model: bytes | None = None
     profile_file_prefix: str | None = None
     optional: list[_Optional] = attrs.Factory(list)
     configure_session: Callable[[onnxruntime.SessionOptions, torch.device], None] | None = None
@@ -130,6 +135,12 @@ class SessionPlan:
             so.execution_order = order
         if self.optimized_model_filepath:
             so.optimized_model_filepath = self.optimized_model_filepath
+            if so.log_severity_level == LogLevel.WARNING.ort_severity:
+                # ORT warns on every such write that an ORT_ENABLE_ALL graph suits this machine only; the copies
+                # ortcore writes (debug files, a cache keyed by machine) are meant for it. Errors still show.
+                so.log_severity_level = LogLevel.ERROR.ort_severity
+        if self.prepared_model is not None:
+            so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
         if self.profile_file_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = self.profile_file_prefix
@@ -300,9 +311,15 @@ class Pipeline:
             built = build_graph(request, purpose)
             self._run_gradient_graph_passes(built)
             plan = self._plan(built)
-            if ort_written is not None and not plan.optimized_model_filepath:
-                plan.optimized_model_filepath = ort_written.path("execution_model")
+            written_elsewhere = None
+            if ort_written is not None:
+                if not plan.optimized_model_filepath:
+                    plan.optimized_model_filepath = ort_written.path("execution_model")
+                else:  # a plugin keeps ORT's optimized graph too (export_cache): copy it for the debug files
+                    written_elsewhere = plan.optimized_model_filepath
             session = self._create(built, plan)
+            if written_elsewhere is not None and os.path.exists(written_elsewhere):
+                shutil.copyfile(written_elsewhere, ort_written.path("execution_model"))
         except BaseException:
             if ort_written is not None:
                 ort_written.finish(keep=False)
@@ -348,11 +365,29 @@ class Pipeline:
         self.state.record_probe(cause)
         return TrainingSession(
             built,
-            attrs.evolve(plan, run_wrappers=[], optimized_model_filepath=None, profile_file_prefix=None, prober=None),
+            attrs.evolve(
+                plan,
+                run_wrappers=[],
+                optimized_model_filepath=None,
+                prepared_model=None,
+                profile_file_prefix=None,
+                prober=None,
+            ),
         )
 
     def _create(self, built: BuiltGraph, plan: SessionPlan) -> TrainingSession:
         try:
+            if plan.prepared_model is not None:
+                try:
+                    return TrainingSession(built, plan)
+                except GraphBuildError as e:
+                    logger.warning(
+                        "ONNX Runtime refused the prepared %s graph (%s); creating the session from the graph",
+                        built.kind,
+                        e,
+                    )
+                    self.state.record_build("again from the graph: the prepared one was refused")
+                    plan.prepared_model = None
             try:
                 return TrainingSession(built, plan)
             except GraphBuildError as e:

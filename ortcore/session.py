@@ -347,8 +347,9 @@ class TrainingSession:
         set_("run_wrappers", tuple(name for name, _ in plan.run_wrappers))
         set_("_wrappers", tuple(wrapper for _, wrapper in plan.run_wrappers))
         try:
+            model_bytes = plan.prepared_model if plan.prepared_model is not None else built.model.SerializeToString()
             sess = onnxruntime.InferenceSession(
-                built.model.SerializeToString(),
+                model_bytes,
                 plan.session_options(),
                 providers=[name for name, _ in plan.providers],
                 provider_options=[o for _, o in plan.providers],

@@ -247,6 +247,7 @@ def test_second_process_skips_export_and_matches_torch(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "export cache hit" in proc.stderr, proc.stderr
+    assert "ORT's optimized session graph" in proc.stderr, "the second process loads ORT's optimized graph too"
     child = torch.load(result)
     assert child["calls"] == 0, "the second process must not export"
     assert child["exports"] == 1
@@ -311,7 +312,7 @@ def test_a_graph_whose_output_type_cannot_be_found_by_name_is_not_cached(tmp_pat
         expected = copy.deepcopy(model)(X)
         torch.testing.assert_close(ORTModule(model, host=cache_host(tmp_path), exporter=spy)(X).y, expected.y)
         assert spy.calls == 1
-    assert list(tmp_path.iterdir()) == []
+    assert entries(tmp_path) == []  # ORT's optimized session graph is data, and cached
     [record] = {r.getMessage() for r in cache_log.records if "not cached" in r.getMessage()}
     assert "Local" in record and "import path" in record
     assert all(r.levelno == logging.INFO for r in cache_log.records if "not cached" in r.getMessage())
@@ -884,8 +885,10 @@ def test_writes_leave_no_temporary_files_and_nothing_but_entries(tmp_path):
     run(mlp(), host, (X,))
     run(mlp(), host, (torch.randn(2, 3, 4),))
     run(_eval(mlp()), host, (X,))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in entries(tmp_path))
+    kept = entries(tmp_path) + sessions(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in kept)
     assert len(entries(tmp_path)) == 3
+    assert len(sessions(tmp_path)) >= 2  # the training graph and the eval graph's (graphs alike share one)
 
 
 def test_a_failed_write_warns_names_the_path_and_leaves_nothing(tmp_path, cache_log, monkeypatch):
@@ -897,8 +900,9 @@ def test_a_failed_write_warns_names_the_path_and_leaves_nothing(tmp_path, cache_
     monkeypatch.undo()
     assert spy.calls == 1
     assert list(tmp_path.iterdir()) == []
-    [warning] = [r.getMessage() for r in cache_log.records if r.levelno == logging.WARNING]
-    assert str(tmp_path) in warning and "No space left" in warning
+    warnings = [r.getMessage() for r in cache_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # the exported graph and ORT's optimized session graph
+    assert all(str(tmp_path) in warning and "No space left" in warning for warning in warnings)
 
 
 def test_concurrent_writers_and_readers_only_ever_see_whole_entries(tmp_path):
@@ -1115,3 +1119,84 @@ def test_tiny_gpt2_second_process_hits_and_attention_implementation_misses(tmp_p
 
     assert transformers is not None
     assert [calls("eager"), calls("eager"), calls("sdpa")] == [1, 0, 1]
+
+
+# -- ORT's optimized session graphs ------------------------------------------------------------------------------------
+
+
+def sessions(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"*{plugin.SESSION_SUFFIX}"))
+
+
+def test_the_optimized_session_graph_is_cached_and_a_second_build_loads_it(tmp_path, cache_log):
+    host = cache_host(tmp_path)
+    run(mlp(), host, (X,))
+    assert len(sessions(tmp_path)) == 1, "the first build stores ORT's optimized graph"
+    assert not list(tmp_path.glob(".*")), "no temporary file is left behind"
+    key = sessions(tmp_path)[0].name.split(".")[0]
+    payload, _ = plugin.decode_entry(sessions(tmp_path)[0].read_bytes(), fingerprint=key, rank=0)
+    assert any(node.op_type == "YieldOp" for node in onnx.load_model_from_string(payload).graph.node)
+
+    cache_log.clear()
+    wrapped, _ = run(mlp(seed=1), host, (X,))  # compared with PyTorch: outputs, loss, every gradient
+    assert f"export cache hit {key[:12]} (rank 0): ORT's optimized session graph" in cache_log.text
+    assert wrapped.state_machine.counters.builds == 1
+    for _ in range(3):  # later steps too
+        assert_matches_torch(mlp(seed=2), (X,), host=host)
+
+
+def test_a_damaged_session_entry_is_removed_and_the_graph_optimized_again(tmp_path, cache_log):
+    host = cache_host(tmp_path)
+    run(mlp(), host, (X,))
+    (entry,) = sessions(tmp_path)
+    data = bytearray(entry.read_bytes())
+    data[-10] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    run(mlp(), host, (X,))
+    assert "is unusable (EntryError: checksum mismatch" in cache_log.text
+    assert len(sessions(tmp_path)) == 1, "stored again after the rebuild"
+    plugin.decode_entry(sessions(tmp_path)[0].read_bytes(), fingerprint=entry.name.split(".")[0], rank=0)
+
+
+def test_a_prepared_graph_ort_refuses_falls_back_to_the_graph(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    host = cache_host(tmp_path)
+    run(mlp(), host, (X,))
+    (entry,) = sessions(tmp_path)
+    key = entry.name.split(".")[0]
+    node = onnx.helper.make_node("NoSuchOp", ["x"], ["y"], domain="no.such.domain")
+    graph = onnx.helper.make_graph([node], "g", [onnx.helper.make_tensor_value_info("x", 1, [1])], [])
+    bogus = onnx.helper.make_model(graph).SerializeToString()
+    entry.write_bytes(plugin.encode_entry(bogus, fingerprint=key, rank=0))
+    wrapped, _ = run(mlp(), host, (X,))  # still PyTorch's numbers
+    assert "ONNX Runtime refused the prepared training graph" in caplog.text
+    assert wrapped.state_machine.counters.builds == 2
+
+
+def test_the_session_key_follows_graph_settings_and_onnxruntime(monkeypatch):
+    from types import SimpleNamespace
+
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
+    graph = SimpleNamespace(model=model)
+    plan = SimpleNamespace(config_entries={"a": "1"}, execution_order=None, providers=[("CPUExecutionProvider", {})])
+    key = plugin.session_key(graph, plan)
+    assert plugin.session_key(graph, plan) == key
+    assert plugin.session_key(graph, SimpleNamespace(**{**vars(plan), "config_entries": {"a": "2"}})) != key
+    assert plugin.session_key(graph, SimpleNamespace(**{**vars(plan), "execution_order": 1})) != key
+    other = onnx.helper.make_model(onnx.helper.make_graph([], "h", [], []))
+    assert plugin.session_key(SimpleNamespace(model=other), plan) != key
+    monkeypatch.setattr(plugin.onnxruntime, "__version__", "0.0.0")
+    assert plugin.session_key(graph, plan) != key
+
+
+def test_save_onnx_still_writes_the_execution_model_when_the_cache_keeps_it(tmp_path, monkeypatch):
+    from ortcore import DebugOptions
+
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    out.mkdir()
+    monkeypatch.chdir(out)  # the host's environment is the cache's only: files go to the working directory
+    run(mlp(), cache_host(cache), (X,), debug_options=DebugOptions(save_onnx=True, onnx_prefix="m"))
+    (entry,) = sessions(cache)
+    written = out / "m_execution_model_training.onnx"
+    payload, _ = plugin.decode_entry(entry.read_bytes(), fingerprint=entry.name.split(".")[0], rank=0)
+    assert written.read_bytes() == payload

@@ -29,9 +29,9 @@ def _block_upstream_ortmodule() -> None:
     stub = types.ModuleType(name, "Upstream ORTModule, which does not import on this PyTorch: use ortcore.ORTModule.")
 
     def __getattr__(attr: str) -> _Any:
-        if attr.startswith("__"):  # hasattr(stub, "__file__") and the like (inspect, pickle) must stay quiet
-            raise AttributeError(attr)
-        raise ImportError(
+        # AttributeError, not ImportError: code that scans every loaded module (torch.compile's cache pickler,
+        # inspect) expects it; ``from onnxruntime.training.ortmodule import ORTModule`` still raises ImportError.
+        raise AttributeError(
             f"onnxruntime.training.ortmodule.{attr}: upstream's ORTModule does not work with this PyTorch; "
             "ortcore.ORTModule replaces it"
         )

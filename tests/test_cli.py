@@ -79,9 +79,9 @@ def test_bench_writes_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left behind
 
     data = json.loads(path.read_text())
-    assert set(data) == {"settings", "results", "wall_s"}
-    settings = data["settings"]
-    assert {k: settings[k] for k in ("steps", "warmup", "hidden", "layers", "seq", "batch")} == {
+    assert data["format"] == bench.JSON_FORMAT
+    (config,) = data["configs"]
+    assert {k: config[k] for k in ("steps", "warmup", "hidden", "layers", "seq", "batch")} == {
         "steps": 3,
         "warmup": 1,
         "hidden": 64,
@@ -89,7 +89,7 @@ def test_bench_writes_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None
         "seq": 16,
         "batch": 2,
     }
-    assert settings["worker_env"] == {"GOMP_SPINCOUNT": "10000"}
+    assert data["settings"]["worker_env"] == {"GOMP_SPINCOUNT": "10000"}
     results = {r["mode"]: r for r in data["results"]}
     assert list(results) == ["eager", "ortcore"]
     for r in results.values():
@@ -251,7 +251,7 @@ print("torch imported:", "torch" in sys.modules)
 sys.exit(code)
 """
 
-HELLO_COMMANDS = '''
+HELLO_COMMANDS = """
 from ortcore.hookspecs import hookimpl
 
 def _run(args):
@@ -263,9 +263,9 @@ def ortcore_commands(subparsers):
     p = subparsers.add_parser("hello", help="say hello (a test plugin's command)")
     p.add_argument("name")
     p.set_defaults(run=_run)
-'''
+"""
 
-GREET_PLUGIN = '''
+GREET_PLUGIN = """
 from ortcore.hookspecs import hookimpl
 
 def _run(args):
@@ -275,7 +275,7 @@ def _run(args):
 @hookimpl
 def ortcore_commands(subparsers):
     subparsers.add_parser("greet", help="a command added by a plugin's main module").set_defaults(run=_run)
-'''
+"""
 
 
 def _distribution(root, name: str, modules: dict[str, str], entry_points: str) -> None:
@@ -305,7 +305,10 @@ def _ortcore(args: list[str], cwd, site=None, **env: str) -> subprocess.Complete
     if site is not None:
         environment["PYTHONPATH"] = str(site)
     return subprocess.run(
-        [sys.executable, "-c", DRIVER, *args], capture_output=True, text=True, cwd=cwd,
+        [sys.executable, "-c", DRIVER, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
         env={**environment, "COLUMNS": "120", **env},
     )
 

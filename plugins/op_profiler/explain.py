@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -205,8 +206,8 @@ def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}x"
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def outside_rows(data: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -222,9 +223,9 @@ def outside_rows(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows = [
         ("step (profiled)", _ms(o["step_ms"]), _ms(e["step_ms"])),
         (
-            "step (unprofiled)",
-            _ms(_mean(data["step_ms"]["ortcore"]["unprofiled"])),
-            _ms(_mean(data["step_ms"]["eager"]["unprofiled"])),
+            "step (unprofiled, median)",
+            _ms(_median(data["step_ms"]["ortcore"]["unprofiled"])),
+            _ms(_median(data["step_ms"]["eager"]["unprofiled"])),
         ),
         ("forward: wall", _ms(op.get("forward")), _ms(ep.get("forward"))),
         ("  kernels (ORT) / op self time (eager)", _ms(fw_call.get("kernel_ms")), _ms(e["forward_op_ms"])),

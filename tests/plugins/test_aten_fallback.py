@@ -165,6 +165,43 @@ def test_layer_norm_runs_torch_kernels_and_matches(tmp_path: Path, shape: tuple[
     assert "LayerNormalization" not in op_types(tmp_path / "ln_training.onnx")
 
 
+class TwoLayerNormsOneInput(nn.Module):
+    """Two LayerNorms over the same activation, one with a frozen weight: their shared gradients must not mix."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.a = nn.LayerNorm(4)
+        self.b = nn.LayerNorm(4)
+        self.b.weight.requires_grad_(False)
+        with torch.no_grad():
+            for norm in (self.a, self.b):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.a(h) * 2.0 + self.b(h)
+
+
+def test_layer_norm_backward_runs_one_kernel_per_op_and_keeps_ops_apart(tmp_path: Path, monkeypatch) -> None:
+    from ortcore_plugins.aten_fallback import kernel_routing
+
+    calls = []
+    kernel = kernel_routing._native_layer_norm_backward
+
+    def counted(*args: Any) -> Any:
+        calls.append(tuple(args[-1]))
+        return kernel(*args)
+
+    monkeypatch.setattr(kernel_routing, "_native_layer_norm_backward", counted)
+    ort, ref = wrap_saving(TwoLayerNormsOneInput(), tmp_path, "two_ln", ["layer_norm"])
+    for _ in range(3):  # a new run each step: nothing computed in one backward may leak into the next
+        calls.clear()
+        run_and_compare(ort, ref, torch.randn(2, 3, 4))
+        assert len(calls) == 2, calls  # three gradient nodes per LayerNorm, one kernel call each op
+
+
 class LossModel(nn.Module):
     def __init__(self, classes: int = 5, **loss_kwargs: Any):
         super().__init__()

@@ -87,7 +87,7 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
     - ``categories``: one row per op category: ``category``, ``runs_on`` (ortcore's kernels: ORT, PyTorch),
       ``ort_count`` (kernels per step), ``ort_fw_ms``, ``ort_bw_ms``, ``ort_total_ms``, ``eager_fw_ms``,
       ``eager_bw_ms``, ``eager_total_ms``, ``ratio`` (ortcore / eager); ms are per step. The ``optimizer`` row is the
-      unprofiled wall of ``optimizer.step()`` and ``zero_grad()`` on both sides;
+      unprofiled wall (median over the steps) of ``optimizer.step()`` and ``zero_grad()`` on both sides;
     - ``ort_ops`` / ``eager_ops``: the rows per op kind of :func:`profile_steps` / :func:`profile_eager_steps`;
     - ``ort_calls``: per ORT call kind (forward, backward): calls, wall, kernel and outside-kernel ms per step;
     - ``outside``: ``{"ortcore": ..., "eager": ...}``, the step split (phase walls, kernels or ops, the rest);
@@ -141,7 +141,7 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
     }
 
     ort, eager = sides["ortcore"]["result"], sides["eager"]["result"]
-    ort_clean, eager_clean = sides["ortcore"]["clean"].phase_ms(), sides["eager"]["clean"].phase_ms()
+    ort_clean, eager_clean = (sides[side]["clean"].phase_ms(median=True) for side in ("ortcore", "eager"))
     rows = []
     for name in CATEGORIES:
         o, e = ort["categories"].get(name), eager["categories"].get(name)
@@ -337,7 +337,7 @@ def render_explain(data: dict[str, Any], top: int = 15) -> Any:
     note = Text(
         f"torch {v['torch']}, onnxruntime {v['onnxruntime']}, {s['torch_threads']} torch threads, "
         f"GOMP_SPINCOUNT={s['GOMP_SPINCOUNT']}; eager times are aten self CPU times under torch.profiler; the "
-        "optimizer row is unprofiled wall time",
+        "optimizer row is the median unprofiled wall time",
         style="dim",
     )
     return Group(categories, verdict, split, ops, note)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -51,11 +52,16 @@ class StepClock:
     def step_ms(self) -> list[float]:
         return [s["wall_ns"] / 1e6 for s in self.steps]
 
-    def phase_ms(self) -> dict[str, float]:
-        """Mean wall per step of each phase marked in any step."""
+    def phase_ms(self, median: bool = False) -> dict[str, float]:
+        """Wall per step of each phase marked in any step: the mean, or the median (robust to a disturbed step)."""
         names = {name for s in self.steps for name in s["phases"]}
-        n = max(len(self.steps), 1)
-        return {name: sum(s["phases"].get(name, 0) for s in self.steps) / n / 1e6 for name in sorted(names)}
+        if not self.steps:
+            return {}
+        found = {}
+        for name in sorted(names):
+            values = [s["phases"].get(name, 0) / 1e6 for s in self.steps]
+            found[name] = statistics.median(values) if median else sum(values) / len(values)
+        return found
 
 
 _ACTIVE: list[StepClock] = []

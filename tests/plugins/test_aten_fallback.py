@@ -499,3 +499,54 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_match(tmp_path: Path, fr
     ids, labels = torch.randint(0, 30, (3, 5)), torch.randint(0, 30, (3, 5))
     run_and_compare(ort, ref, ids, labels, loss_fn=lambda out: out)
     assert aten_ops(tmp_path / "frozen_training.onnx")["gelu_backward"] == 1
+
+
+_SPIN_CHILD = """
+import json, sys, torch
+import ortcore
+from ortcore import ORTModule
+from ortcore_plugins.services import aten_executor
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+reference = __import__("copy").deepcopy(model)
+seen = []
+real = aten_executor.single_threaded_torch
+
+def spy(what):
+    seen.append(what)
+    return real(what)
+
+aten_executor.single_threaded_torch = spy
+x = torch.randn(4, 8)
+wrapped = ORTModule(model)
+wrapped(x).square().sum().backward()
+reference(x).square().sum().backward()
+for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+print(json.dumps({"spins": aten_executor.torch_threads_spin(), "wrapped": seen, "threads": torch.get_num_threads()}))
+"""
+
+
+@pytest.mark.parametrize("spincount", [None, "10000"])
+def test_torch_kernels_in_runs_go_single_threaded_only_while_torchs_threads_spin(spincount: str | None) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    if spincount is not None:
+        env["GOMP_SPINCOUNT"] = spincount
+    done = subprocess.run(
+        [sys.executable, "-c", _SPIN_CHILD], env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: nothing spins")
+    assert result["threads"] == torch.get_num_threads(), "the thread count is restored after each run"
+    if spincount is None:  # torch imported before ortcore, nothing set: libgomp's default spinning
+        assert result["spins"] and result["wrapped"] == ["forward", "backward"]
+    else:
+        assert not result["spins"] and result["wrapped"] == []

@@ -22,6 +22,9 @@ import onnx
 from .tables import format_table
 
 ROUTED_METADATA_PREFIX = "ortcore.routed::"
+#: Why an op kind stays on ORT's kernels, where a plugin decided it (``ortcore.kept::<ONNX op type>``): the
+#: ``aten_fallback`` plugin's measured kernel choice, say.
+KEPT_METADATA_PREFIX = "ortcore.kept::"
 ATEN_DOMAIN = "org.pytorch.aten"
 
 
@@ -29,6 +32,12 @@ def routed_reasons(model: onnx.ModelProto) -> dict[str, str]:
     """``{op: reason}`` of the ops an exported model runs on PyTorch's kernels."""
     n = len(ROUTED_METADATA_PREFIX)
     return {p.key[n:]: p.value for p in model.metadata_props if p.key.startswith(ROUTED_METADATA_PREFIX)}
+
+
+def kept_reasons(model: onnx.ModelProto) -> dict[str, str]:
+    """``{ONNX op type: reason}`` of the op kinds a plugin decided to leave on ORT's kernels."""
+    n = len(KEPT_METADATA_PREFIX)
+    return {p.key[n:]: p.value for p in model.metadata_props if p.key.startswith(KEPT_METADATA_PREFIX)}
 
 
 def aten_kind(operator: str) -> str:
@@ -64,9 +73,12 @@ def operator_of(node: onnx.NodeProto) -> str:
     return next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
 
 
-def explain_graph(model: onnx.ModelProto, reasons: dict[str, str] | None = None) -> Explanation:
+def explain_graph(
+    model: onnx.ModelProto, reasons: dict[str, str] | None = None, kept: dict[str, str] | None = None
+) -> Explanation:
     """Count ``model``'s nodes per op kind, forward and backward apart, and say where each kind runs."""
     reasons = reasons if reasons is not None else routed_reasons(model)
+    kept = kept if kept is not None else kept_reasons(model)
     forward: Counter[tuple[str, str]] = Counter()
     backward: Counter[tuple[str, str]] = Counter()
     side = forward
@@ -82,7 +94,7 @@ def explain_graph(model: onnx.ModelProto, reasons: dict[str, str] | None = None)
     rows = Explanation()
     for op, runs_on in sorted(set(forward) | set(backward), key=lambda k: (k[1] != "PyTorch", k[0])):
         f, b = forward[(op, runs_on)], backward[(op, runs_on)]
-        reason = reasons.get(op, "routed by a plugin") if runs_on == "PyTorch" else ""
+        reason = reasons.get(op, "routed by a plugin") if runs_on == "PyTorch" else kept.get(op, "")
         rows.append({"op": op, "runs_on": runs_on, "count": f + b, "forward": f, "backward": b, "reason": reason})
     return rows
 
@@ -94,4 +106,4 @@ def explain(module: Any) -> Explanation:
     if current is None:
         return Explanation()
     graph, session = current
-    return explain_graph(session.model, routed_reasons(graph.model))
+    return explain_graph(session.model, routed_reasons(graph.model), kept_reasons(graph.model))

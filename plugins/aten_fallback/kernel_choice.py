@@ -355,10 +355,21 @@ def take_pending() -> list[Decision]:
         return taken
 
 
+#: The ONNX op types ORT's graph holds for an op kept on its kernels, for ``model.explain()``'s "why" column.
+ORT_OP_TYPES: dict[str, tuple[str, ...]] = {
+    "embedding": ("Gather",),
+    "gelu": ("Gelu", "FastGelu", "BiasGelu", "com.microsoft::Gelu", "com.microsoft::FastGelu"),
+    "layer_norm": ("LayerNormalization",),
+    "cross_entropy": ("SoftmaxCrossEntropyLoss", "com.microsoft::SoftmaxCrossEntropyLossInternal"),
+    "linear": ("Gemm", "MatMul"),
+}
+
+
 def record(model: onnx.ModelProto, decisions: Sequence[Decision]) -> None:
-    """Write ``decisions`` into ``model``'s metadata: ``ortcore.kernel_choice::<op>`` (JSON, every decision) and, for
-    the ops routed, ``ortcore.routed::<op>`` (the reason ``model.explain()`` shows), replacing a generic reason."""
-    from ortcore.explain import ROUTED_METADATA_PREFIX
+    """Write ``decisions`` into ``model``'s metadata: ``ortcore.kernel_choice::<op>`` (JSON, every decision); for
+    the ops routed, ``ortcore.routed::<op>`` (the reason ``model.explain()`` shows), replacing a generic reason; for
+    the ops kept on ORT's kernels, ``ortcore.kept::<ONNX op type>`` (shown beside those kernels)."""
+    from ortcore.explain import KEPT_METADATA_PREFIX, ROUTED_METADATA_PREFIX
 
     by_op: dict[str, list[Decision]] = {}
     for d in decisions:
@@ -372,6 +383,14 @@ def record(model: onnx.ModelProto, decisions: Sequence[Decision]) -> None:
             props[key].value = json.dumps(entries)
         else:
             props[key] = model.metadata_props.add(key=key, value=json.dumps(entries))
+        kept = [d.reason() for d in ds if not d.routed]
+        for op_type in ORT_OP_TYPES.get(op, ()) if kept else ():
+            key = KEPT_METADATA_PREFIX + op_type
+            text = "; ".join(dict.fromkeys(kept))
+            if key in props:
+                props[key].value = "; ".join(dict.fromkeys([props[key].value, text]))
+            else:
+                props[key] = model.metadata_props.add(key=key, value=text)
         routed = [d.reason() for d in ds if d.routed]
         if routed:
             reason = "; ".join(dict.fromkeys(routed))

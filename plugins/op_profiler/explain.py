@@ -30,6 +30,7 @@ EXPLAIN_KEYS: tuple[str, ...] = (
     "outside",
     "step_ms",
     "losses",
+    "placement",
 )
 
 
@@ -192,6 +193,9 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
             for side in ("ortcore", "eager")
         },
         "losses": {side: sides[side]["losses"] for side in ("eager", "ortcore")},
+        # where each op kind runs and why (model.explain()): the reasons plugins recorded, the kernel choice's
+        # measured times among them (aten_fallback's torch_kernels = "auto")
+        "placement": [dict(row) for row in models["ortcore"].explain()],
     }
 
 
@@ -340,7 +344,16 @@ def render_explain(data: dict[str, Any], top: int = 15) -> Any:
         "optimizer row is the median unprofiled wall time",
         style="dim",
     )
-    return Group(categories, verdict, split, ops, note)
+    parts = [categories, verdict, split, ops]
+    reasons = [r for r in data.get("placement", []) if r.get("reason")]
+    if reasons:
+        why = Table(title="where op kinds run, and why (model.explain())", title_justify="left")
+        for name in ("op", "runs on", "forward", "backward", "why"):
+            why.add_column(name, justify="right" if name in ("forward", "backward") else "left")
+        for r in reasons:
+            why.add_row(r["op"], r["runs_on"], str(r["forward"]), str(r["backward"]), r["reason"])
+        parts.append(why)
+    return Group(*parts, note)
 
 
 def _profile_rows(result: dict[str, Any], top: int) -> tuple[tuple[str, ...], list[tuple[Any, ...]]]:

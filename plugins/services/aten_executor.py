@@ -451,7 +451,7 @@ def guard_runs(graph: Any, plan: Any) -> None:
     if not has_aten_nodes(graph.model):
         return
     plan.add_run_wrapper("aten_executor", run_guard)
-    if torch_threads_spin():
+    if graph.request.device.type == "cpu" and torch_threads_spin():  # on a GPU, torch's CPU threads are idle
         plan.add_run_wrapper("single_threaded_torch", single_threaded_torch)
         if not _told_about_spinning:
             _told_about_spinning = True

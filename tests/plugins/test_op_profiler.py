@@ -317,3 +317,6 @@ def test_explain_bench_returns_the_documented_keys_and_renders(pinned_host):
     console.print(render_explain(data))
     text = console.export_text()
     assert "layer_norm" in text and "where the step goes" in text
+    placement = {(r["op"], r["runs_on"]): r for r in data["placement"]}
+    assert placement[("layer_norm", "PyTorch")]["reason"]  # routed ops say why, and the table shows it
+    assert "where op kinds run, and why" in text

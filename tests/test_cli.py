@@ -126,10 +126,12 @@ def test_bench_compile_and_console_script(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(path.read_text())["results"]
-    assert [(r["model"], r["mode"]) for r in results] == [("gpt2", "eager"), ("gpt2", "compile"), ("gpt2", "ortcore")]
+    assert [(r["model"], r["mode"]) for r in results] == [("gpt2", mode) for mode in bench.MODES]
     for r in results:
         assert r["ok"], r["error"]
         assert r["vs_eager"]["max_loss_rel_diff"] < 1e-4
+    cached = results[-1]  # a second process on the export cache a one-step run filled
+    assert cached["mode"] == "ortcore-cached" and cached["details"]["fallbacks"] == 0
 
 
 def test_worker_failure_becomes_an_error_result() -> None:

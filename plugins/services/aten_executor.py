@@ -424,16 +424,29 @@ def torch_threads_spin() -> bool:
         return False
 
 
+_single_threaded_lock = threading.Lock()
+_single_threaded_depth = 0
+_threads_before = 0
+
+
 @contextlib.contextmanager
 def single_threaded_torch(what: str) -> Iterator[None]:
     """A run wrapper: torch's kernels inside the run (ATen nodes) use one thread, so torch's OpenMP workers stay
-    asleep instead of spinning on the cores ORT's kernels need. Restores torch's thread count after the run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    asleep instead of spinning on the cores ORT's kernels need. The first run to enter saves torch's thread count and
+    the last to leave restores it, so runs in several Python threads at once cannot leave torch single-threaded."""
+    global _single_threaded_depth, _threads_before
+    with _single_threaded_lock:
+        if _single_threaded_depth == 0:
+            _threads_before = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _single_threaded_depth += 1
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        with _single_threaded_lock:
+            _single_threaded_depth -= 1
+            if _single_threaded_depth == 0:
+                torch.set_num_threads(_threads_before)
 
 
 _told_about_spinning = False

@@ -550,3 +550,17 @@ def test_torch_kernels_in_runs_go_single_threaded_only_while_torchs_threads_spin
         assert result["spins"] and result["wrapped"] == ["forward", "backward"]
     else:
         assert not result["spins"] and result["wrapped"] == []
+
+
+def test_single_threaded_runs_nest_and_restore_torchs_thread_count() -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with executor.single_threaded_torch("forward"):
+            assert torch.get_num_threads() == 1
+            with executor.single_threaded_torch("backward"):  # a run that starts inside another (another thread)
+                assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1, "the inner run must not restore while the outer one runs"
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

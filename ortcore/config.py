@@ -41,14 +41,23 @@ def _str(value: object, source: str) -> str:
     return value
 
 
-def _positive_int(value: object, source: str) -> int:
-    try:
-        number = int(str(value).strip()) if not isinstance(value, bool | float) else None
-    except ValueError:
-        number = None
-    if number is None or number < 1:
-        raise OptionError(f"{source}={value!r} is not allowed; allowed: an integer >= 1")
-    return number
+def int_at_least(minimum: int) -> Callable[[object, str], int]:
+    """An option parser for integers ``>= minimum`` (from the TOML file or a string from the environment); anything
+    else raises :class:`OptionError` naming the source, the value and what is allowed. Plugins use it too."""
+
+    def parse(value: object, source: str) -> int:
+        try:
+            number = int(str(value).strip()) if not isinstance(value, bool | float) else None
+        except ValueError:
+            number = None
+        if number is None or number < minimum:
+            raise OptionError(f"{source}={value!r} is not allowed; allowed: an integer >= {minimum}")
+        return number
+
+    return parse
+
+
+_positive_int = int_at_least(1)
 
 
 def _tolerance(value: object, source: str) -> float:
@@ -70,14 +79,18 @@ def option(default: Any, parse: Callable[[object, str], Any], doc: str, env: str
 class CoreOptions:
     """The core's options; each field's metadata names its ``ORTMODULE_*`` twin."""
 
-    opset: int = option(ONNX_OPSET_VERSION, parse_opset, "ONNX opset of the export (14-20)", "ORTMODULE_ONNX_OPSET_VERSION")
+    opset: int = option(
+        ONNX_OPSET_VERSION, parse_opset, "ONNX opset of the export (14-20)", "ORTMODULE_ONNX_OPSET_VERSION"
+    )
     fallback_policy: FallbackPolicy = option(
         FallbackPolicy.default(),
         FallbackPolicy.parse,
         "which failures fall back to PyTorch (flags joined by '|')",
         "ORTMODULE_FALLBACK_POLICY",
     )
-    fallback_retry: bool = option(False, parse_bool, "after a fallback, retry ORT on later calls", "ORTMODULE_FALLBACK_RETRY")
+    fallback_retry: bool = option(
+        False, parse_bool, "after a fallback, retry ORT on later calls", "ORTMODULE_FALLBACK_RETRY"
+    )
     log_level: LogLevel = option(LogLevel.WARNING, LogLevel.parse, "VERBOSE..FATAL", "ORTMODULE_LOG_LEVEL")
     save_onnx: bool = option(False, parse_bool, "save the exported and built graphs")
     onnx_prefix: str = option("", _str, "file name prefix of saved graphs")
@@ -285,5 +298,5 @@ def _core_options(layers: list[tuple[str, Mapping[str, Any]]], env: Mapping[str,
 
 def _name_list(value: object, key: str) -> list[str]:
     if isinstance(value, str) or not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise OptionError(f"{key}={value!r} must be a list of plugin names, e.g. [\"export_cache\"]")
+        raise OptionError(f'{key}={value!r} must be a list of plugin names, e.g. ["export_cache"]')
     return list(value)

@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from ortcore.config import option
+from ortcore.config import int_at_least, option
 from ortcore.errors import OptionError
 from ortcore.hookspecs import hookimpl
 from ortcore.inspectors import ForwardInputs, RuntimeInspector
@@ -69,19 +69,6 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def _count(minimum: int):
-    def parse(value: object, source: str) -> int:
-        try:
-            number = int(str(value).strip()) if not isinstance(value, bool) else None
-        except ValueError:
-            number = None
-        if number is None or number < minimum:
-            raise OptionError(f"{source}={value!r} is not allowed; allowed: an integer >= {minimum}")
-        return number
-
-    return parse
-
-
 def _path(value: object, source: str) -> str:
     if not isinstance(value, str):
         raise OptionError(f"{source}={value!r} is not allowed; allowed: a file path, or empty for none")
@@ -98,8 +85,8 @@ class OpProfilerOptions:
         "profile ORT's kernels per op kind for `steps` training steps after `warmup`, then log the table once",
         env="ORTCORE_PROFILE_OPS",
     )
-    warmup: int = option(2, _count(0), "training steps before profiling starts", env="ORTCORE_PROFILE_OPS_WARMUP")
-    steps: int = option(3, _count(1), "training steps profiled", env="ORTCORE_PROFILE_OPS_STEPS")
+    warmup: int = option(2, int_at_least(0), "training steps before profiling starts", env="ORTCORE_PROFILE_OPS_WARMUP")
+    steps: int = option(3, int_at_least(1), "training steps profiled", env="ORTCORE_PROFILE_OPS_STEPS")
     output: str = option("", _path, "also write the result as JSON to this file", env="ORTCORE_PROFILE_OPS_OUTPUT")
 
 

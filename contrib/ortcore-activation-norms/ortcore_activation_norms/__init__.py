@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import torch
 
-from ortcore.config import option
+from ortcore.config import int_at_least, option
 from ortcore.errors import OptionError
 from ortcore.hooks import GlobalSubscriberManager
 from ortcore.hookspecs import hookimpl
@@ -35,19 +35,6 @@ __all__ = ["COLUMNS", "NormSubscriber", "NormsOptions", "tensor_norms"]
 __version__ = "0.1.0"
 
 NAME = "activation_norms"
-
-
-def _parse_int(minimum: int):
-    def parse(value: object, source: str) -> int:
-        try:
-            number = int(str(value).strip()) if not isinstance(value, bool | float) else None
-        except ValueError:
-            number = None
-        if number is None or number < minimum:
-            raise OptionError(f"{source}={value!r} is not allowed; allowed: an integer >= {minimum}")
-        return number
-
-    return parse
 
 
 def _parse_path(value: object, source: str) -> str:
@@ -77,18 +64,18 @@ class NormsOptions:
         "the CSV file ({rank} is replaced by the rank)",
         "ORTCORE_ACTIVATION_NORMS_OUTPUT_PATH",
     )
-    start_step: int | None = option(None, _parse_int(0), "first step recorded", "ORTCORE_ACTIVATION_NORMS_START_STEP")
+    start_step: int | None = option(None, int_at_least(0), "first step recorded", "ORTCORE_ACTIVATION_NORMS_START_STEP")
     # attrs.field rather than option(): the one field with a validator (it needs start_step).
     end_step: int | None = attrs.field(
         default=None,
         validator=_check_steps,
         metadata={
-            "parse": _parse_int(1),
+            "parse": int_at_least(1),
             "doc": "step at which recording stops, exclusive",
             "env": "ORTCORE_ACTIVATION_NORMS_END_STEP",
         },
     )
-    every: int = option(1, _parse_int(1), "record every n-th step", "ORTCORE_ACTIVATION_NORMS_EVERY")
+    every: int = option(1, int_at_least(1), "record every n-th step", "ORTCORE_ACTIVATION_NORMS_EVERY")
     overwrite: bool = option(False, parse_bool, "replace an existing CSV file", "ORTCORE_ACTIVATION_NORMS_OVERWRITE")
 
 

@@ -412,41 +412,65 @@ def has_aten_nodes(model: Any) -> bool:
     return any(n.op_type == "ATen" and n.domain == "org.pytorch.aten" for n in model.graph.node)
 
 
+def _loaded_libgomp() -> str | None:
+    """The path of the libgomp this process loaded (torch's), or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.split(maxsplit=5)[-1].strip()
+                if "libgomp" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def torch_threads_spin() -> bool:
     """Whether torch's OpenMP workers spin after each parallel region: libgomp loaded with its default wait policy
     (neither ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY`` set) and more than one torch thread."""
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or torch.get_num_threads() < 2:
         return False
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return "libgomp" in f.read()
-    except OSError:
-        return False
+    return _openmp() is not None
 
 
-_single_threaded_lock = threading.Lock()
-_single_threaded_depth = 0
-_threads_before = 0
+_omp: Any = None
+
+
+def _openmp() -> Any:
+    """torch's libgomp through ctypes (the library already loaded: the same instance torch uses), or None."""
+    global _omp
+    if _omp is None:
+        path = _loaded_libgomp()
+        if path is None:
+            return None
+        try:
+            lib = ctypes.CDLL(path)
+            lib.omp_get_max_threads.restype = ctypes.c_int
+            lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+        except (OSError, AttributeError):
+            return None
+        _omp = lib
+    return _omp
 
 
 @contextlib.contextmanager
 def single_threaded_torch(what: str) -> Iterator[None]:
-    """A run wrapper: torch's kernels inside the run (ATen nodes) use one thread, so torch's OpenMP workers stay
-    asleep instead of spinning on the cores ORT's kernels need. The first run to enter saves torch's thread count and
-    the last to leave restores it, so runs in several Python threads at once cannot leave torch single-threaded."""
-    global _single_threaded_depth, _threads_before
-    with _single_threaded_lock:
-        if _single_threaded_depth == 0:
-            _threads_before = torch.get_num_threads()
-            torch.set_num_threads(1)
-        _single_threaded_depth += 1
+    """A run wrapper: torch's kernels inside the run (ATen nodes, called on this thread) use one thread, so torch's
+    OpenMP workers stay asleep instead of spinning on the cores ORT's kernels need.
+
+    It sets OpenMP's thread count of the calling thread only (``omp_set_num_threads`` is per thread), never
+    ``torch.set_num_threads``: that one also rebuilds torch's thread pool, which other threads (DDP's communication,
+    data loading) may be using at that moment."""
+    omp = _openmp()
+    if omp is None:
+        yield
+        return
+    threads = omp.omp_get_max_threads()
+    omp.omp_set_num_threads(1)
     try:
         yield
     finally:
-        with _single_threaded_lock:
-            _single_threaded_depth -= 1
-            if _single_threaded_depth == 0:
-                torch.set_num_threads(_threads_before)
+        omp.omp_set_num_threads(threads)
 
 
 _told_about_spinning = False
@@ -457,8 +481,8 @@ def guard_runs(graph: Any, plan: Any) -> None:
 
     If torch's OpenMP workers spin (libgomp's default, when torch was imported before ortcore and
     ``GOMP_SPINCOUNT`` is not set), the ATen nodes of such a graph also run single-threaded
-    (:func:`single_threaded_torch`): measured on 2 cores, BERT's step 111 -> 90 ms and GPT-2's 155 -> 135 ms, against
-    87 and 126 ms with ``GOMP_SPINCOUNT=10000`` (docs/performance.md).
+    (:func:`single_threaded_torch`): measured on 2 cores, BERT's step 103-112 -> 94-106 ms and GPT-2's 155-181 ->
+    135-162 ms, against 93-108 and 123-141 ms with ``GOMP_SPINCOUNT=10000`` (docs/performance.md).
     """
     global _told_about_spinning
     if not has_aten_nodes(graph.model):

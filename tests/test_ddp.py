@@ -49,6 +49,9 @@ def _train(rank: int, world: int, port: int, use_ortcore: bool, out: str) -> Non
         losses.append(loss.item())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save({"losses": losses, "state": state, "hook_calls": len(hook_calls)}, f"{out}.{rank}")
+    # Both ranks finish their last collective before either tears gloo down: a rank that destroys the group while the
+    # other still talks to it aborts in gloo ("terminate called without an active exception"), with or without ortcore.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -141,12 +141,20 @@ class PluginHost:
     # -- loading ----------------------------------------------------------------------------------------------------
     def _load_entry_points(self) -> None:
         disabled = set(self.config.disable)
+        distributions: dict[Any, tuple[str, str]] = {}  # each METADATA file read once, not twice per plugin
         for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist else "<unknown>"
+            if ep.dist is None:
+                dist, version = "<unknown>", ""
+            else:
+                key = getattr(ep.dist, "_path", None) or id(ep.dist)
+                if key not in distributions:
+                    metadata = ep.dist.metadata
+                    distributions[key] = (metadata["Name"], metadata["Version"])
+                dist, version = distributions[key]
             record = PluginRecord(
                 ep.name,
                 dist,
-                ep.dist.version if ep.dist else "",
+                version,
                 builtin=dist == BUILTIN_DISTRIBUTION and ep.name in BUILTIN_PLUGINS,
                 status="disabled",
             )

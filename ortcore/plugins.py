@@ -148,8 +148,7 @@ class PluginHost:
             else:
                 key = getattr(ep.dist, "_path", None) or id(ep.dist)
                 if key not in distributions:
-                    metadata = ep.dist.metadata
-                    distributions[key] = (metadata["Name"], metadata["Version"])
+                    distributions[key] = (ep.dist.name, ep.dist.version)
                 dist, version = distributions[key]
             record = PluginRecord(
                 ep.name,

@@ -139,7 +139,8 @@ def doctor(host: PluginHost | None, load_error: Exception | None = None, env: Ma
         findings.append(
             Finding(
                 "warning",
-                "GOMP_SPINCOUNT is not set: torch's OpenMP threads spin after each op and steal the cores ORT's kernels need",
+                "GOMP_SPINCOUNT is not set: torch's OpenMP threads spin after each op and steal the cores ORT's kernels "
+                "need (ortcore then runs PyTorch's kernels inside ORT single-threaded, which recovers most of it)",
                 "export GOMP_SPINCOUNT=10000 before starting Python (or import ortcore before torch, which sets it)",
             )
         )

@@ -77,7 +77,9 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
             for name, _type, value in new.constants
             if before.get(name) != value
         ]
-        changed += [f"{name} {value}->absent" for name, value in before.items() if name not in {c[0] for c in new.constants}]
+        changed += [
+            f"{name} {value}->absent" for name, value in before.items() if name not in {c[0] for c in new.constants}
+        ]
         reasons.append(f"non-tensor input changed ({', '.join(changed)})")
     if old.inputs != new.inputs:
         before = dict((n, (d, r, dev)) for n, d, r, dev in old.inputs)
@@ -95,7 +97,9 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
     if old.state_dtypes != new.state_dtypes:
         before = dict(old.state_dtypes)
         changed = [f"{n} {before.get(n)}->{d}" for n, d in new.state_dtypes if before.get(n) != d]
-        reasons.append(f"parameter or buffer dtype changed ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
+        reasons.append(
+            f"parameter or buffer dtype changed ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+        )
     if old.training != new.training:
         reasons.append("train->eval" if old.training else "eval->train")
     elif old.module_modes != new.module_modes:
@@ -217,6 +221,12 @@ class ExportStateMachine:
         self._last = None
         self.failed.clear()
         self._record("reset", reason)
+
+    def drop_sessions(self, reason: str) -> None:
+        """Forget every session but keep the exported graphs: the next call builds a session again without exporting
+        (a plugin whose session settings changed: ORT's profiler, say, is a session setting)."""
+        self._sessions.clear()
+        self._record("reset", f"sessions only: {reason}")
 
     def record_probe(self, cause: str) -> None:
         """A throw-away session is created for analysis (``SessionPlan.probe``, the gradient audit)."""

@@ -101,6 +101,19 @@ def test_batch_size_change_reuses_graph():
     assert m.counters.reuses == 3
 
 
+def test_dropping_sessions_builds_again_without_exporting():
+    m = Tracked()
+    x = torch.randn(3, 4)
+    m(x)
+    m.new_transitions()
+    m.ort.state_machine.drop_sessions("a session setting changed")
+    m(x)  # compared with PyTorch: outputs and gradients
+    assert m.counts() == (1, 2)  # one export, a second build
+    transitions = m.new_transitions()
+    assert reasons(transitions, "reset") == "sessions only: a session setting changed"
+    assert reasons(transitions, "export") == "" and reasons(transitions, "build")
+
+
 def test_sequence_length_change_reuses_graph():
     m = Tracked()
     for length in (3, 9, 1):
@@ -346,7 +359,9 @@ def test_a_cached_graph_that_does_not_build_for_new_requires_grad_is_exported_ag
     from ortcore.testing import make_host
 
     reference = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2))
-    model = ORTModule(copy.deepcopy(reference), host=make_host({"aten_fallback": aten}), fallback_policy="FALLBACK_DISABLE")
+    model = ORTModule(
+        copy.deepcopy(reference), host=make_host({"aten_fallback": aten}), fallback_policy="FALLBACK_DISABLE"
+    )
     x = torch.randn(5, 4)
     model(x).sum().backward()
     for m in (model, reference):

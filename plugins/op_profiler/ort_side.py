@@ -327,7 +327,7 @@ class OrtProfile:
         recorder = recorder_of(session)
         self.needs_build = recorder is None or recorder.ended
         if session is not None and self.needs_build:
-            model.state_machine.reset("op_profiler: ORT's profiler is a session setting")
+            model.state_machine.drop_sessions("op_profiler: ORT's profiler is a session setting")
 
     def warm_up(self, step_fn: Callable[[], Any]) -> None:
         """One unprofiled step; sessions built in it are planned with ORT's profiler on."""
@@ -375,8 +375,8 @@ def profile_steps(
     """Profile ``steps`` training steps of an ``ORTModule``: where each step's time goes, per op kind.
 
     ``step_fn()`` runs one training step (forward, backward, optimizer). ``warmup`` steps run first; a model without
-    a profiled session gets one there (a model that already ran is exported again: ORT's profiler is a session
-    setting). Mark the parts of the step with :func:`ortcore_plugins.op_profiler.phase` to split the time outside
+    a profiled session gets one there (a model that already ran builds its session again, without exporting:
+    ORT's profiler is a session setting). Mark the parts of the step with :func:`ortcore_plugins.op_profiler.phase` to split the time outside
     the ORT calls; with ``optimizer``, its ``step()`` is timed through the optimizer's own hooks.
 
     Example::

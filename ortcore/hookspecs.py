@@ -217,6 +217,18 @@ def ortcore_subscriber_classes() -> dict[str, type] | None:
     """
 
 
+@hookspec
+def ortcore_optimizers(config: Config) -> dict[str, type] | None:
+    """Optimizer classes (and the names that go with them, such as an enum of modes) this plugin provides, by name:
+    ``{"FusedAdam": FusedAdam, "AdamWMode": AdamWMode}``.
+
+    ``ortcore.optim`` exposes them (``from ortcore.optim import FusedAdam``); called when it is asked for a name.
+    Collected from every plugin; a name offered twice is an error naming both plugins. None: nothing to offer.
+    A plugin may also list its names in a module-level ``OPTIMIZERS`` tuple, so that when it is disabled
+    ``ortcore.optim`` can say which plugin to enable (read from the source, never imported).
+    """
+
+
 @hookspec(firstresult=True)
 def ortcore_autograd_function_handler(config: Config, function: type) -> Any | None:
     """Who runs this ``torch.autograd.Function`` subclass inside the graph? Return a handler (exports it and runs

@@ -55,6 +55,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "gradient_fixes",
     "op_routing",
     "op_profiler",
+    "fused_adam",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"
@@ -484,6 +485,15 @@ class Hooks:
                     raise PluginError(
                         f"plugins {merged[name][0]!r} and {plugin!r} both offer a subscriber class named {name!r}"
                     )
+                merged[name] = (plugin, cls)
+        return {name: cls for name, (_, cls) in merged.items()}
+
+    def optimizers(self) -> dict[str, type]:
+        merged: dict[str, tuple[str, type]] = {}
+        for plugin, contribution in self._collect("ortcore_optimizers", config=self.config):
+            for name, cls in (contribution or {}).items():
+                if name in merged and merged[name][1] is not cls:
+                    raise PluginError(f"plugins {merged[name][0]!r} and {plugin!r} both offer an optimizer {name!r}")
                 merged[name] = (plugin, cls)
         return {name: cls for name, (_, cls) in merged.items()}
 

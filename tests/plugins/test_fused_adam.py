@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -367,6 +369,11 @@ def test_disabled_plugin_is_named_in_the_import_error():
             exec("from ortcore.optim import FusedAdam", {})
     finally:
         set_host(previous)
+
+
+def test_importing_ortcore_optim_imports_no_torch():
+    code = "import sys, ortcore, ortcore.optim; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
 def test_declared_names_are_read_without_importing():

@@ -418,15 +418,20 @@ class Hooks:
                     owners.setdefault(id(item), answer.plugin)
         return [(owners.get(id(item), "<unknown>"), item) for contribution in results for item in contribution or ()]
 
+    def _merged(self, hook: str, offer: str, **kwargs: Any) -> dict[str, Any]:
+        """The dicts ``hook``'s implementations return, merged; one name offered by two plugins with different values
+        is a PluginError: "plugins 'a' and 'b' both <offer> 'name'"."""
+        merged: dict[str, tuple[str, Any]] = {}
+        for plugin, contribution in self._collect(hook, **kwargs):
+            for name, value in (contribution or {}).items():
+                if name in merged and merged[name][1] is not value:
+                    raise PluginError(f"plugins {merged[name][0]!r} and {plugin!r} both {offer} {name!r}")
+                merged[name] = (plugin, value)
+        return {name: value for name, (_, value) in merged.items()}
+
     # -- export ---------------------------------------------------------------------------------------------------
     def export_symbolics(self) -> dict[str, Any]:
-        merged: dict[str, tuple[str, Any]] = {}
-        for plugin, contribution in self._collect("ortcore_export_symbolics", config=self.config):
-            for op, fn in (contribution or {}).items():
-                if op in merged and merged[op][1] is not fn:
-                    raise PluginError(f"plugins {merged[op][0]!r} and {plugin!r} both register a symbolic for {op!r}")
-                merged[op] = (plugin, fn)
-        return {op: fn for op, (_, fn) in merged.items()}
+        return self._merged("ortcore_export_symbolics", "register a symbolic for", config=self.config)
 
     def graph_passes(self) -> list[GraphPass]:
         found = self._collect_items("ortcore_graph_passes", config=self.config)
@@ -478,24 +483,10 @@ class Hooks:
         return [s for group in found for s in group or []]
 
     def subscriber_classes(self) -> dict[str, type]:
-        merged: dict[str, tuple[str, type]] = {}
-        for plugin, contribution in self._collect("ortcore_subscriber_classes"):
-            for name, cls in (contribution or {}).items():
-                if name in merged and merged[name][1] is not cls:
-                    raise PluginError(
-                        f"plugins {merged[name][0]!r} and {plugin!r} both offer a subscriber class named {name!r}"
-                    )
-                merged[name] = (plugin, cls)
-        return {name: cls for name, (_, cls) in merged.items()}
+        return self._merged("ortcore_subscriber_classes", "offer a subscriber class named")
 
     def optimizers(self) -> dict[str, type]:
-        merged: dict[str, tuple[str, type]] = {}
-        for plugin, contribution in self._collect("ortcore_optimizers", config=self.config):
-            for name, cls in (contribution or {}).items():
-                if name in merged and merged[name][1] is not cls:
-                    raise PluginError(f"plugins {merged[name][0]!r} and {plugin!r} both offer an optimizer {name!r}")
-                merged[name] = (plugin, cls)
-        return {name: cls for name, (_, cls) in merged.items()}
+        return self._merged("ortcore_optimizers", "offer an optimizer", config=self.config)
 
     def autograd_function_handler(self, function: type) -> Any:
         return self._hook.ortcore_autograd_function_handler(config=self.config, function=function)

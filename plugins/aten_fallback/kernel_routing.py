@@ -27,6 +27,7 @@ from ortcore_plugins.services.aten_nodes import (
     helper_library,
     helper_op,
     requires_grad,
+    shared_gradient,
     string_constant,
     to_gradient_definition,
 )
@@ -43,23 +44,7 @@ from ortcore_plugins.services.aten_nodes import (
 # * nothing is built unless the forward node's first input needs a gradient (see _gradient_reaches_first_input).
 
 
-# LayerNorm gradients computed for the other two helper nodes of the same op: ORT runs one node per gradient, torch
-# computes all three in one kernel. Keyed by the arguments' buffers (held by the entry, so the key stays theirs) and
-# cleared around every run (aten_executor.on_run_boundary), as ORT reuses buffers across runs.
-_layer_norm_grads: dict[tuple, tuple[list[Any], dict[int, torch.Tensor]]] = {}
-
-
 _native_layer_norm_backward = torch.ops.aten.native_layer_norm_backward
-
-
-def clear_layer_norm_grads() -> None:
-    _layer_norm_grads.clear()
-
-
-def _buffer_key(values: Iterable[Any]) -> tuple:
-    return tuple(
-        (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else v for v in values
-    )
 
 
 def _layer_norm_backward(which: int) -> Callable[..., torch.Tensor]:
@@ -80,20 +65,14 @@ def _layer_norm_backward(which: int) -> Callable[..., torch.Tensor]:
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         arguments = [grad_out, input, normalized_shape, mean, rstd, weight, bias]
-        key = _buffer_key([grad_out, input, tuple(normalized_shape), mean, rstd, weight, bias])
-        entry = _layer_norm_grads.get(key)
-        if entry is not None and which in entry[1]:
-            result = entry[1].pop(which)
-            if not entry[1]:
-                del _layer_norm_grads[key]
-            return result
-        mask = [True, weight is not None, bias is not None]
-        mask[which] = True
-        grads = _native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask)
-        others = {i: g for i, g in enumerate(grads) if i != which and g is not None}
-        if others:
-            _layer_norm_grads[key] = (arguments, others)
-        return grads[which]
+
+        def compute() -> dict[int, torch.Tensor]:
+            mask = [True, weight is not None, bias is not None]
+            mask[which] = True
+            grads = _native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask)
+            return {i: g for i, g in enumerate(grads) if g is not None}
+
+        return shared_gradient(_native_layer_norm_backward, arguments, which, compute)
 
     return backward
 
@@ -339,7 +318,6 @@ def prepare_runtime() -> None:
         define_helper_ops()
         register_gradients()
         aten_executor.install()
-        aten_executor.on_run_boundary(clear_layer_norm_grads)
 
 
 # -- symbolics --------------------------------------------------------------------------------------------------------

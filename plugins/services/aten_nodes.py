@@ -249,6 +249,29 @@ def _tensor_key(value: Any) -> Any:
     return value
 
 
+def shared_gradient(
+    owner: Any, values: list[Any], index: int, compute: Callable[[], dict[int, torch.Tensor]]
+) -> torch.Tensor:
+    """The gradient ``index`` of an op whose gradients ORT asks for one helper node at a time.
+
+    The first helper node to run calls ``compute()`` once for all of the op's gradients (``{input index: tensor}``)
+    and leaves the others for their nodes, keyed by ``owner`` and the arguments' buffers (``values``, held by the
+    entry so the key stays theirs); they are cleared around every run (:func:`clear_vjp_results`).
+    """
+    key = (owner, _tensor_key(list(values)))
+    entry = _vjp_results.get(key)
+    if entry is not None and index in entry[1]:
+        result = entry[1].pop(index)
+        if not entry[1]:
+            del _vjp_results[key]
+        return result
+    gradients = compute()
+    mine = gradients.pop(index)
+    if gradients:
+        _vjp_results[key] = (list(values), gradients)
+    return mine
+
+
 def make_vjp(
     overload_packet: Any,
     schema: Any,
@@ -270,37 +293,33 @@ def make_vjp(
 
     def vjp(*values: Any) -> torch.Tensor:
         grads, args = values[:n_grads], list(values[n_grads:])
-        key = (id(overload_packet), _tensor_key(list(values)))
-        if len(targets) > 1:
-            _, done = _vjp_results.get(key, (None, {}))
-            if index in done:
-                result = done.pop(index)
-                if not done:
-                    del _vjp_results[key]
-                return result
-        present = [i for i in targets if isinstance(args[i], torch.Tensor)]
-        with torch.enable_grad():
-            leaves = {}
-            for i in present:
-                leaves[i] = args[i].detach().requires_grad_(True)
-                args[i] = leaves[i]
-            positional = [v for n, v in zip(names, args, strict=True) if n not in kwarg_only]
-            keywords = {n: v for n, v in zip(names, args, strict=True) if n in kwarg_only}
-            result = overload_packet(*positional, **keywords)
-            results = result if isinstance(result, tuple | list) else (result,)
-            outputs = [results[i] for i in differentiable]
-            pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
-            computed: tuple[torch.Tensor | None, ...] = (None,) * len(present)
-            if pairs:
-                computed = torch.autograd.grad(
-                    [o for o, _ in pairs], [leaves[i] for i in present], [g.expand_as(o) for o, g in pairs],
-                    allow_unused=True,
-                )
-        gradients = {i: torch.zeros_like(leaves[i]) if g is None else g for i, g in zip(present, computed, strict=True)}
-        mine = gradients.pop(index)
-        if gradients:
-            _vjp_results[key] = (list(values), gradients)
-        return mine
+
+        def compute() -> dict[int, torch.Tensor]:
+            present = [i for i in targets if isinstance(args[i], torch.Tensor)]
+            with torch.enable_grad():
+                leaves = {}
+                for i in present:
+                    leaves[i] = args[i].detach().requires_grad_(True)
+                    args[i] = leaves[i]
+                positional = [v for n, v in zip(names, args, strict=True) if n not in kwarg_only]
+                keywords = {n: v for n, v in zip(names, args, strict=True) if n in kwarg_only}
+                result = overload_packet(*positional, **keywords)
+                results = result if isinstance(result, tuple | list) else (result,)
+                outputs = [results[i] for i in differentiable]
+                pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
+                computed: tuple[torch.Tensor | None, ...] = (None,) * len(present)
+                if pairs:
+                    computed = torch.autograd.grad(
+                        [o for o, _ in pairs],
+                        [leaves[i] for i in present],
+                        [g.expand_as(o) for o, g in pairs],
+                        allow_unused=True,
+                    )
+            return {i: torch.zeros_like(leaves[i]) if g is None else g for i, g in zip(present, computed, strict=True)}
+
+        if len(targets) == 1:
+            return compute()[index]
+        return shared_gradient(id(overload_packet), list(values), index, compute)
 
     return vjp
 
@@ -339,7 +358,9 @@ def register_vjp_gradient(
             # CompositeImplicitAutograd: the kernel is called above autograd, so it can record and differentiate.
             library.define(f"{name}({', '.join([*grad_args, *arguments])}) -> Tensor")
             library.impl(
-                name, make_vjp(packet, schema, len(differentiable), differentiable, i, float_inputs), "CompositeImplicitAutograd"
+                name,
+                make_vjp(packet, schema, len(differentiable), differentiable, i, float_inputs),
+                "CompositeImplicitAutograd",
             )
             inputs = [f"GO({j})" for j in differentiable] + [f"I({k})" for k in range(len(schema.arguments))]
             nodes.append(gradient_node(helper_op(name), inputs, f"GI({i})"))

@@ -229,6 +229,18 @@ def ortcore_optimizers(config: Config) -> dict[str, type] | None:
     """
 
 
+@hookspec
+def ortcore_data_utilities(config: Config) -> dict[str, Any] | None:
+    """Data-loading classes (samplers, batch samplers) this plugin provides, by name:
+    ``{"LoadBalancingDistributedSampler": LoadBalancingDistributedSampler, ...}``.
+
+    ``ortcore.utils.data`` exposes them (``from ortcore.utils.data import LoadBalancingDistributedSampler``); called
+    when it is asked for a name. Collected from every plugin; a name offered twice is an error naming both plugins.
+    None: nothing to offer. A plugin may also list its names in a module-level ``DATA_UTILITIES`` tuple, so that when
+    it is disabled ``ortcore.utils.data`` can say which plugin to enable (read from the source, never imported).
+    """
+
+
 @hookspec(firstresult=True)
 def ortcore_autograd_function_handler(config: Config, function: type) -> Any | None:
     """Who runs this ``torch.autograd.Function`` subclass inside the graph? Return a handler (exports it and runs

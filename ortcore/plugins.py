@@ -488,6 +488,9 @@ class Hooks:
     def optimizers(self) -> dict[str, type]:
         return self._merged("ortcore_optimizers", "offer an optimizer", config=self.config)
 
+    def data_utilities(self) -> dict[str, Any]:
+        return self._merged("ortcore_data_utilities", "offer a data utility", config=self.config)
+
     def autograd_function_handler(self, function: type) -> Any:
         return self._hook.ortcore_autograd_function_handler(config=self.config, function=function)
 

@@ -56,6 +56,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "op_routing",
     "op_profiler",
     "fused_adam",
+    "fp16_optimizer",
+    "load_balancing_sampler",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"

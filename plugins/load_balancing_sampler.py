@@ -229,13 +229,25 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         chunks = np.take_along_axis(chunks, np.argsort(-complexities[chunks], axis=1, kind="stable"), axis=1)
         if self.shuffle and self.group_size is None:
             chunks = chunks[torch.randperm(self.num_samples, generator=generator).numpy()]
-        costs = complexities[chunks].tolist()
-        shares: list[list[int]] = [[] for _ in range(world)]
-        loads = [0.0] * world
-        for samples, sample_costs in zip(chunks.tolist(), costs):
-            for sample, cost, rank in zip(samples, sample_costs, sorted(range(world), key=loads.__getitem__)):
-                shares[rank].append(sample)
+        return self._balance(chunks, complexities[chunks]).T.tolist()
+
+    @staticmethod
+    def _balance(chunks: np.ndarray, costs: np.ndarray) -> np.ndarray:
+        """``chunks`` (one row per chunk, heaviest first) rearranged so that column ``r`` is rank ``r``'s share:
+        each chunk's heaviest sample goes to the lightest rank so far, and so on down."""
+        count, world = chunks.shape
+        if world == 1:
+            return chunks
+        flat_costs = costs.ravel().tolist()  # flat lists: Python loops over numpy rows are slow
+        ranks, loads = list(range(world)), [0.0] * world
+        owners: list[int] = []
+        for start in range(0, len(flat_costs), world):
+            ranks.sort(key=loads.__getitem__)
+            owners += ranks
+            for cost, rank in zip(flat_costs[start : start + world], ranks):
                 loads[rank] += cost
+        shares = np.empty_like(chunks)
+        shares[np.arange(count)[:, None], np.asarray(owners).reshape(count, world)] = chunks
         return shares
 
 

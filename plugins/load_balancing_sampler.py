@@ -175,6 +175,8 @@ class LoadBalancingDistributedSampler(Sampler[int]):
             values = np.empty(len(self.dataset), dtype=np.float64)
             for i in range(len(values)):
                 value = self.complexity_fn(self.dataset[i])
+                if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+                    value = value.item()  # (mask != 0).sum() and the like
                 if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
                     raise ValueError(
                         f"{type(self).__name__}: complexity_fn(dataset[{i}]) returned {value!r}; expected a finite "

@@ -79,6 +79,21 @@ def chunk_spread(lengths: list[int], every_rank: list[list[int]]) -> int:
     return max(max(lengths[i] for i in chunk) - min(lengths[i] for i in chunk) for chunk in zip(*every_rank))
 
 
+class Sequences(torch.utils.data.Dataset):
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((self.lengths[index],), index)
+
+
+def pad(samples: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=-1)
+
+
 # -- coverage ------------------------------------------------------------------------------------------------------
 
 
@@ -236,22 +251,15 @@ def test_complexity_fn_is_called_once_per_sample():
     assert calls == collections.Counter(range(100))
 
 
+def test_complexity_fn_may_return_a_one_element_tensor():
+    dataset = Sequences(lognormal_lengths(40))
+    by_tensor = LoadBalancingDistributedSampler(dataset, lambda x: (x >= 0).sum(), world_size=2, rank=0)
+    by_len = LoadBalancingDistributedSampler(dataset, len, world_size=2, rank=0)
+    assert list(by_tensor) == list(by_len)
+    assert by_tensor.complexities.tolist() == [float(n) for n in dataset.lengths]
+
+
 # -- DataLoader ----------------------------------------------------------------------------------------------------
-
-
-class Sequences(torch.utils.data.Dataset):
-    def __init__(self, lengths: list[int]):
-        self.lengths = lengths
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.full((self.lengths[index],), index)
-
-
-def pad(samples: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=-1)
 
 
 def test_dataloader_with_the_batch_sampler_yields_each_ranks_batches():

@@ -126,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.samples} {args.distribution} lengths (median {statistics.median(lengths):.0f}, mean "
         f"{statistics.mean(lengths):.0f}, max {max(lengths)}), batches of {args.batch}, {args.epochs} epochs"
     )
-    print("| world | sampler           | slowest rank (padded tokens/step) | ratio | useful | straggler | spread |")
-    print("|------:|-------------------|----------------------------------:|------:|-------:|----------:|-------:|")
+    print("| world | sampler           | slowest rank (padded tokens/step) | ratio | useful | straggler |  spread |")
+    print("|------:|-------------------|----------------------------------:|------:|-------:|----------:|--------:|")
     for world, by_sampler in results.items():
         for sampler, v in by_sampler.items():
             print(
                 f"| {world:>5} | {sampler:<17} | {v['slowest']:>33.0f} | {v['ratio']:>5.2f} | {v['useful']:>6.1%} "
-                f"| {v['straggler']:>9.3f} | {v['spread']:>6.2%} |"
+                f"| {v['straggler']:>9.3f} | {v['spread']:>7.3%} |"
             )
     return 0
 

@@ -293,7 +293,7 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         self.sampler = sampler
         self.batch_fn = batch_fn
         self.drop_last = _boolean(owner, "drop_last", drop_last)
-        self._batches: tuple[int, list[list[int]]] | None = None
+        self._batches: tuple[int, list[list[list[int]]]] | None = None
 
     @property
     def world_size(self) -> int:
@@ -349,8 +349,7 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
             empty = counts.index(0)
             raise ValueError(
                 f"{owner}: batch_fn returned no batches for rank {empty} while rank {counts.index(steps)} has "
-                f"{steps}; there is nothing to repeat (use drop_last=True, or a data set of at least "
-                f"{self.world_size} samples)"
+                f"{steps}; it has nothing to repeat: batch_fn must return at least one batch for a non-empty share"
             )
         return [[batches[i % len(batches)] for i in range(steps)] for batches in every_rank]
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import collections
 import importlib.util
 import inspect
+import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +237,31 @@ def test_same_seed_and_epoch_give_the_same_order_and_other_epochs_another():
     a.set_epoch(0)
     assert list(a) == first
     assert list(sampler(lengths, 4, rank=1, seed=4)) != first
+
+
+def test_separate_processes_compute_the_same_plan():
+    code = (
+        "import json, sys, numpy as np\n"
+        "from ortcore_plugins.load_balancing_sampler import LoadBalancingDistributedSampler\n"
+        "lengths = np.random.default_rng(0).lognormal(5, 1, 999).round().tolist()\n"
+        "s = LoadBalancingDistributedSampler(lengths, float, num_replicas=2, rank=int(sys.argv[1]), group_size=64)\n"
+        "s.set_epoch(5)\n"
+        "print(json.dumps(list(s)))\n"
+    )
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": str(rank + 1)},
+        )
+        for rank in range(2)
+    ]
+    every_rank = [json.loads(run.communicate(timeout=120)[0]) for run in runs]
+    lengths = np.random.default_rng(0).lognormal(5, 1, 999).round().tolist()
+    in_process = sampler(lengths, 2, group_size=64)
+    in_process.set_epoch(5)
+    assert every_rank == in_process.rank_indices()
 
 
 def test_complexity_fn_is_called_once_per_sample():

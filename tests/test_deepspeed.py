@@ -6,9 +6,11 @@ and, in the slow test, in two. The recipe is the one in docs/deepspeed.md::
     model = ORTModule(model)
     optimizer = FusedAdam(model.parameters(), ...)
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=..., ...)
+    optimizer = FP16_Optimizer(optimizer)
 
 Each test trains the same tiny GPT-2 (built from a config, dropout off) twice from the same weights on the same
-batches, once as the model itself and once wrapped in ORTModule, and compares the loss curves and the parameters.
+batches: with that recipe, and as the model itself under stock DeepSpeed (FusedAdam, no FP16_Optimizer); it compares
+the loss curves and the parameters.
 
 Tolerances (fp32): losses 1e-5 relative. The two sides differ only in the order ORT and PyTorch sum in the forward
 and backward (measured: at most 2.0e-7 relative, one and two processes); Adam divides each gradient by its own
@@ -37,8 +39,8 @@ from ortcore import GraphBuildError, ORTModule
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, when DeepSpeed first picks its accelerator
 deepspeed = pytest.importorskip("deepspeed")
-FusedAdam = pytest.importorskip("ortcore.optim").FusedAdam
-AdamWMode = pytest.importorskip("ortcore.optim").AdamWMode
+optim = pytest.importorskip("ortcore.optim")
+FusedAdam, AdamWMode, FP16_Optimizer = optim.FusedAdam, optim.AdamWMode, optim.FP16_Optimizer
 
 STEPS = 8
 LR = 1e-3
@@ -91,13 +93,16 @@ def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
     return config
 
 
-def initialize(model: torch.nn.Module, config: dict[str, Any]) -> tuple[Any, Any]:
-    """``deepspeed.initialize`` as in the training guidelines: FusedAdam, a warm-up scheduler, the group exists."""
+def initialize(model: torch.nn.Module, config: dict[str, Any], fp16_optimizer: bool = False) -> tuple[Any, Any]:
+    """``deepspeed.initialize`` as in the training guidelines: FusedAdam, a warm-up scheduler, the group exists;
+    with ``fp16_optimizer``, the optimizer DeepSpeed returns is then wrapped in ortcore's ``FP16_Optimizer``."""
     optimizer = FusedAdam(model.parameters(), lr=LR, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
-    engine, _, _, scheduler = deepspeed.initialize(
+    engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False
     )
+    if fp16_optimizer:
+        assert FP16_Optimizer(optimizer) is optimizer is engine.optimizer  # it modifies the engine's optimizer
     return engine, scheduler
 
 
@@ -132,10 +137,12 @@ def assert_same_training(ours: tuple[list[float], dict], reference: tuple[list[f
 
 
 def run(stage: int, use_ortcore: bool, **extra: Any) -> tuple[tuple[list[float], dict], Any]:
+    """Train tiny GPT-2 for ``STEPS`` optimizer steps: with ``use_ortcore``, the whole recipe of the training guidelines
+    (ORTModule, FusedAdam, deepspeed.initialize, FP16_Optimizer); without, FusedAdam under stock DeepSpeed."""
     model = tiny_gpt2()
     if use_ortcore:
         model = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
-    engine, _ = initialize(model, ds_config(stage, **extra))
+    engine, _ = initialize(model, ds_config(stage, **extra), fp16_optimizer=use_ortcore)
     losses = train(engine, batches(STEPS * engine.gradient_accumulation_steps()))
     return (losses, parameters(engine.module)), engine
 
@@ -172,7 +179,7 @@ def test_ortmodule_that_ran_before_initialize_follows_zero_flat_buffers():
     warm_up = batches(1, seed=99)[0]
     model(**warm_up, labels=warm_up["input_ids"]).loss.backward()
     model.zero_grad(set_to_none=True)
-    engine, _ = initialize(model, ds_config(2))
+    engine, _ = initialize(model, ds_config(2), fp16_optimizer=True)
     ours = (train(engine, batches()), parameters(engine.module))
     assert_same_training(ours, reference)
 
@@ -184,7 +191,7 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     data = batches(STEPS + 3)
-    engine, _ = initialize(ORTModule(tiny_gpt2(), fallback_policy="FALLBACK_DISABLE"), ds_config(2))
+    engine, _ = initialize(ORTModule(tiny_gpt2(), fallback_policy="FALLBACK_DISABLE"), ds_config(2), True)
     train(engine, data[:STEPS])
     saved = parameters(engine.module)
     engine.save_checkpoint(str(tmp_path), tag="step8")
@@ -207,7 +214,7 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes(tmp_path):
             loss = plain(**data[STEPS], labels=data[STEPS]["input_ids"]).loss.item()
         assert loss == pytest.approx(continued[0], rel=LOSS_RTOL)
 
-    resumed_engine, _ = initialize(ORTModule(tiny_gpt2(seed=3), fallback_policy="FALLBACK_DISABLE"), ds_config(2))
+    resumed_engine, _ = initialize(ORTModule(tiny_gpt2(seed=3), fallback_policy="FALLBACK_DISABLE"), ds_config(2), True)
     resumed_engine.load_checkpoint(str(tmp_path), tag="step8")
     assert resumed_engine.global_steps == STEPS
     resumed = train(resumed_engine, data[STEPS:])
@@ -241,7 +248,7 @@ def test_bf16_under_zero_runs_in_pytorch_and_says_why():
     Gemm/MatMul). With the default fallback policy ORTModule says so and trains in PyTorch, exactly as DeepSpeed over
     the model does; with fallback disabled the error is raised."""
     reference, _ = run(2, use_ortcore=False, bf16={"enabled": True})
-    engine, _ = initialize(ORTModule(tiny_gpt2()), ds_config(2, bf16={"enabled": True}))
+    engine, _ = initialize(ORTModule(tiny_gpt2()), ds_config(2, bf16={"enabled": True}), fp16_optimizer=True)
     with pytest.warns(RuntimeWarning, match=r"running GPT2LMHeadModel in PyTorch \(FALLBACK_UNSUPPORTED_ONNX_MODEL\)"):
         losses = train(engine, batches())
     assert next(engine.module.parameters()).dtype == torch.bfloat16
@@ -267,7 +274,7 @@ def _train_rank(rank: int, world: int, port: int, out: str) -> None:
             model = tiny_gpt2()
             if use_ortcore:
                 model = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
-            engine, _ = initialize(model, ds_config(stage))
+            engine, _ = initialize(model, ds_config(stage), fp16_optimizer=use_ortcore)
             losses = train(engine, batches(seed=100 + rank))  # each rank its own data: ZeRO averages the gradients
             results[stage, use_ortcore] = (losses, parameters(engine.module))
     torch.save(results, f"{out}.{rank}")

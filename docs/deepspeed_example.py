@@ -1,9 +1,11 @@
-"""Train a small GPT-2 with ORTModule and FusedAdam under DeepSpeed ZeRO stage 2, on CPU (see docs/deepspeed.md).
+"""Train a small GPT-2 with ORTModule, FusedAdam and FP16_Optimizer under DeepSpeed ZeRO stage 2, on CPU.
+
+See docs/deepspeed.md.
 
 One process, or several through a launcher::
 
     python docs/deepspeed_example.py
-    python docs/deepspeed_example.py --compare          # also train the model without ORTModule, print both curves
+    python docs/deepspeed_example.py --compare          # also train with stock DeepSpeed, print both curves
     torchrun --nproc_per_node 2 docs/deepspeed_example.py --compare
     deepspeed --num_gpus 2 docs/deepspeed_example.py --compare
 
@@ -25,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from ortcore import ORTModule  # noqa: E402
-from ortcore.optim import AdamWMode, FusedAdam  # noqa: E402
+from ortcore.optim import AdamWMode, FP16_Optimizer, FusedAdam  # noqa: E402
 
 VOCAB = 128
 SEQ = 16
@@ -75,6 +77,8 @@ def train(use_ortcore: bool, stage: int, steps: int) -> list[float]:
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(stage), dist_init_required=False
     )
+    if use_ortcore:
+        optimizer = FP16_Optimizer(optimizer)  # multi-tensor overflow check and gradient norm (the same object)
     generator = torch.Generator().manual_seed(1000 + dist.get_rank())  # each rank its own data
     losses = []
     for _ in range(steps):
@@ -100,7 +104,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--stage", type=int, choices=(1, 2), default=2, help="ZeRO stage")
-    parser.add_argument("--compare", action="store_true", help="also train without ORTModule and compare the losses")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also train without ORTModule and FP16_Optimizer (stock DeepSpeed) and compare",
+    )
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = parser.parse_args()
 

@@ -171,6 +171,16 @@ def test_zero2_reducing_buckets_during_backward_with_gradient_accumulation():
     assert_same_training(ours, reference)
 
 
+def test_zero2_with_the_optimizer_offloaded_to_cpu():
+    """ZeRO-Offload keeps the fp32 partition and steps the client optimizer apart from the model's parameters;
+    a client optimizer needs ``zero_force_ds_cpu_optimizer: false`` (DeepSpeed's CPUAdam is the default there)."""
+    extra = dict(zero_force_ds_cpu_optimizer=False, zero_optimization=dict(offload_optimizer=dict(device="cpu")))
+    reference, _ = run(2, use_ortcore=False, **extra)
+    ours, engine = run(2, use_ortcore=True, **extra)
+    assert engine.zero_cpu_offload()
+    assert_same_training(ours, reference)
+
+
 def test_ortmodule_that_ran_before_initialize_follows_zero_flat_buffers():
     """ZeRO moves every parameter into its flat buffers (``param.data`` is replaced): an ORTModule whose session
     was built before ``deepspeed.initialize`` must train on the moved parameters."""

@@ -1,18 +1,20 @@
 """Data-parallel training of an ORTModule with torchrun: DistributedDataParallel, FusedAdam, load-balanced batches.
 
-    torchrun --nproc_per_node 2 docs/distributed_example.py --out /tmp/ddp_run [--steps 8] [--seed 0]
+    torchrun --standalone --nproc_per_node 2 docs/distributed_example.py --out /tmp/ddp_run [--steps 14] [--seed 0]
+    torchrun --standalone --nproc_per_node 2 docs/distributed_example.py --out /tmp/ddp_run2 --steps 20 \
+        --resume /tmp/ddp_run/checkpoint.pt
 
 A small text classifier (embedding, two self-attention blocks, mean pooling over the real tokens) learns to tell
 whether a sequence holds more low than high token ids. Sequences are 4 to 64 tokens long. The load-balancing sampler
 deals every rank samples of the same lengths, sorted by length within groups of ``--group-size`` samples of the
 epoch's random order; each rank cuts its share into batches of at most ``--max-tokens`` tokens (padding included).
 So a batch holds many short or few long sequences, little padding, and every rank does about the same work per step
-(docs/distributed.md has the numbers).
+(docs/distributed.md has the numbers and how to run this on several machines).
 
-Each rank writes ``<out>/rank<r>.pt`` (the dataset indices of each of its batches, its losses, its final parameters, its
-logits on the first ``PROBE_SAMPLES`` samples);
-rank 0 also writes ``<out>/checkpoint.pt`` (``model``: the state_dict a plain :class:`TextClassifier` loads,
-``optimizer``, ``config``, ``step``), atomically.
+Each rank writes ``<out>/rank<r>.pt``: the dataset indices of each of its batches, its losses, its final parameters
+and its logits on the first ``PROBE_SAMPLES`` samples. Rank 0 also writes ``<out>/checkpoint.pt``, atomically:
+``model`` (the state_dict a plain :class:`TextClassifier` loads), ``optimizer``, ``config``, and where training
+stopped (``step``, ``epoch``, ``batches_done``), from which ``--resume`` continues.
 """
 
 from __future__ import annotations
@@ -181,23 +183,35 @@ def train(args: argparse.Namespace) -> None:
     batch_sampler = make_batch_sampler(dataset, world_size, rank, args.seed, args.max_tokens, args.group_size)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate)
 
-    model = ORTModule(build_model(args.seed))  # every rank exports its own graph (or loads it from the export cache)
+    plain = build_model(args.seed)
+    # Every rank loads the checkpoint: DDP would broadcast rank 0's parameters, but not the optimizer's state.
+    checkpoint = torch.load(args.resume) if args.resume else None
+    if checkpoint is not None:
+        plain.load_state_dict(checkpoint["model"])
+    model = ORTModule(plain)  # every rank exports its own graph (or loads it from the export cache)
     ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters, then averages gradients every step
     optimizer = make_optimizer(ddp.parameters())
+    step, epoch, done = 0, 0, 0  # done: batches of this epoch already trained on
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step, epoch, done = checkpoint["step"], checkpoint["epoch"], checkpoint["batches_done"]
 
     batches: list[list[int]] = []
     losses: list[float] = []
-    step, epoch, started = 0, 0, time.perf_counter()
+    started = time.perf_counter()
     while step < args.steps:
         batch_sampler.set_epoch(epoch)
-        for indices, batch in zip(batch_sampler, loader):
+        # The loader iterates the same batch sampler: zip pairs each batch with its dataset indices.
+        for position, (indices, batch) in enumerate(zip(batch_sampler, loader)):
+            if position < done:
+                continue
             loss = torch.nn.functional.cross_entropy(ddp(batch["ids"], batch["mask"]), batch["labels"])
             loss.backward()  # DDP all-reduces the gradients: each parameter gets the mean over the ranks
             optimizer.step()
             optimizer.zero_grad()
             batches.append(list(indices))
             losses.append(loss.item())
-            step += 1
+            step, done = step + 1, position + 1
             if rank == 0:
                 print(
                     f"step {step:3d}  epoch {epoch}  loss {loss.item():.5f}  batch {tuple(batch['ids'].shape)}  "
@@ -206,7 +220,8 @@ def train(args: argparse.Namespace) -> None:
                 )
             if step == args.steps:
                 break
-        epoch += 1
+        else:
+            epoch, done = epoch + 1, 0
 
     state = {name: value.detach().clone() for name, value in model.state_dict().items()}
     counters = attrs.asdict(model.state_machine.counters)  # exports, session builds and reuses while training
@@ -235,6 +250,8 @@ def train(args: argparse.Namespace) -> None:
             "optimizer": portable_optimizer_state(optimizer),
             "config": MODEL_CONFIG,
             "step": step,
+            "epoch": epoch,
+            "batches_done": done,
         }
         with atomic_writer(os.path.join(args.out, "checkpoint.pt"), "wb") as f:
             torch.save(checkpoint, f)
@@ -247,10 +264,11 @@ def train(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for rank<r>.pt and checkpoint.pt")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps (across epochs)")
+    parser.add_argument("--steps", type=int, default=14, help="train until this many optimizer steps (across epochs)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the sampler")
     parser.add_argument("--samples", type=int, default=256, help="dataset size")
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per batch, padding included")
+    parser.add_argument("--resume", help="a checkpoint.pt to continue from (its step, epoch and batch)")
     parser.add_argument(
         "--group-size", type=int, default=128, help="the sampler sorts by length within groups of this many samples"
     )

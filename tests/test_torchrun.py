@@ -54,7 +54,7 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _torchrun(launcher_args: list[str], out: Path, cwd: Path) -> list[str]:
+def _torchrun(launcher_args: list[str], out: Path, *example_args: str, steps: int = STEPS) -> list[str]:
     """The command of one torchrun agent running the example."""
     return [
         sys.executable,
@@ -65,9 +65,10 @@ def _torchrun(launcher_args: list[str], out: Path, cwd: Path) -> list[str]:
         "--out",
         str(out),
         "--steps",
-        str(STEPS),
+        str(steps),
         "--seed",
         str(SEED),
+        *example_args,
     ]
 
 
@@ -102,7 +103,7 @@ def one_node(tmp_path_factory) -> dict:
     """``torchrun --standalone --nproc-per-node 2`` (a c10d rendezvous on a free local port)."""
     tmp = tmp_path_factory.mktemp("torchrun_one_node")
     out = tmp / "out"
-    _wait([_start(_torchrun(["--standalone", "--nproc-per-node", "2"], out, tmp), tmp)])
+    _wait([_start(_torchrun(["--standalone", "--nproc-per-node", "2"], out), tmp)])
     return _results(out)
 
 
@@ -204,6 +205,26 @@ def test_two_nodes_on_this_machine_train_as_one_process(tmp_path):
     out = tmp_path / "out"
     endpoint = f"127.0.0.1:{_free_port()}"
     launcher = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
-    agents = [_start(_torchrun([*launcher, "--rdzv-id", "test_two_nodes"], out, tmp_path), tmp_path) for _ in range(2)]
+    agents = [_start(_torchrun([*launcher, "--rdzv-id", "test_two_nodes"], out), tmp_path) for _ in range(2)]
     _wait(agents)
     _assert_matches_reference(_results(out))
+
+
+@pytest.mark.slow
+def test_resuming_from_checkpoints_trains_the_same_weights(one_node, tmp_path):
+    """7 steps, resumed to 11 (the end of the first epoch), resumed to 14: the weights and losses of one 14-step run,
+    bit for bit (every rank loads the model and FusedAdam's state; the sampler skips the batches already done)."""
+    losses, previous = [], None
+    for steps in (7, 11, STEPS):
+        out = tmp_path / f"to_{steps}"
+        resume = ("--resume", str(previous / "checkpoint.pt")) if previous else ()
+        _wait([_start(_torchrun(["--standalone", "--nproc-per-node", "2"], out, *resume, steps=steps), tmp_path)])
+        rank0 = torch.load(out / "rank0.pt")
+        assert rank0["batches"] == one_node["ranks"][0]["batches"][len(losses) : steps]
+        losses += rank0["losses"]
+        previous = out
+    checkpoint = torch.load(previous / "checkpoint.pt")
+    assert (checkpoint["step"], checkpoint["epoch"], checkpoint["batches_done"]) == (STEPS, 1, 3)
+    assert losses == one_node["ranks"][0]["losses"]
+    for name, value in one_node["checkpoint"]["model"].items():
+        assert torch.equal(checkpoint["model"][name], value), name

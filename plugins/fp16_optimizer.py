@@ -64,6 +64,7 @@ _MARK = "_ortcore_fp16_optimizer"
 
 
 def _by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """The non-empty tensors by device, detached; a sparse tensor is represented by its values (to read only)."""
     buckets: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         t = t.detach()
@@ -126,8 +127,14 @@ def norm_power_sum(
 
 
 def _scale_(tensors: Iterable[torch.Tensor], factor: float | torch.Tensor) -> None:
-    """``t.mul_(factor)`` for every tensor, one ``torch._foreach_mul_`` per device."""
-    for bucket in _by_device(tensors).values():
+    """``t.mul_(factor)`` for every tensor, one ``torch._foreach_mul_`` per device (sparse ones one by one)."""
+    dense = []
+    for t in tensors:
+        if t.is_sparse:
+            t.detach().mul_(factor)
+        else:
+            dense.append(t)
+    for bucket in _by_device(dense).values():
         torch._foreach_mul_(bucket, factor)
 
 

@@ -242,7 +242,7 @@ def test_has_non_finite_matches_torch_isfinite(dtype, bad):
 
 
 def test_has_non_finite_of_sparse_and_empty():
-    sparse = torch.sparse_coo_tensor([[0, 3]], [1.0, INF], (5,))
+    sparse = torch.sparse_coo_tensor([[0, 3]], [1.0, INF], (5,), check_invariants=True)
     assert bool(has_non_finite([sparse])) and not bool(has_non_finite([]))
 
 
@@ -257,6 +257,37 @@ def test_norm_power_sum_matches_torch(norm_type):
     else:
         expected = flat.abs().pow(norm_type).sum()
     assert norm_power_sum(tensors, norm_type, "cpu").item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_module_function_replacements_equal_deepspeeds_bitwise(dtype):
+    import deepspeed.runtime.bf16_optimizer as bf16
+    import deepspeed.runtime.fp16.unfused_optimizer as unfused
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(s).to(dtype) for s in [(300, 70), (70,), (5, 5, 5), (1,)]]
+    for norm_type in (2, 1, math.inf):
+        fast = plugin._weight_norm(unfused.get_weight_norm)(tensors, norm_type=norm_type)
+        assert fast == unfused.get_weight_norm(tensors, norm_type=norm_type)
+        fast = plugin._global_norm_of_tensors(bf16.get_global_norm_of_tensors)(tensors, norm_type=norm_type)
+        assert torch.equal(fast, bf16.get_global_norm_of_tensors(tensors, norm_type=norm_type))
+    tensors[1][3] = NAN
+    assert plugin._weight_norm(unfused.get_weight_norm)(tensors) == -1 == unfused.get_weight_norm(tensors)
+
+    def clip_inputs():
+        torch.manual_seed(1)
+        return [
+            torch.randn(40, 3),
+            torch.randn(7),
+            torch.sparse_coo_tensor([[0, 4]], [3.0, -2.0], (6,), check_invariants=True),
+        ]
+
+    norm = torch.tensor(50.0)
+    expected, clipped = clip_inputs(), clip_inputs()
+    bf16.clip_tensors_by_global_norm(expected, max_norm=1.0, global_norm=norm)
+    plugin._clip_tensors_by_global_norm(bf16.clip_tensors_by_global_norm)(clipped, max_norm=1.0, global_norm=norm)
+    for a, b in zip(expected, clipped):
+        assert torch.equal(b.to_dense(), a.to_dense())
 
 
 # -- wrapping: idempotent, unsupported types, options --------------------------------------------------------------

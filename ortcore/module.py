@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -517,6 +518,29 @@ class ORTModule(torch.nn.Module):
 
     def __iter__(self):
         return iter(self._original_module)
+
+    # The module tree is the model's, as are the parameter names: DDP, DeepSpeed (tied-parameter names in its
+    # checkpoints), subscribers and `model.apply(init)` walk the model and never see the wrapper.
+    def named_children(self):
+        return self._original_module.named_children()
+
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        return self._original_module.named_modules(memo, prefix, remove_duplicate)
+
+    def train(self, mode: bool = True) -> ORTModule:
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
+        self.training = mode
+        self._original_module.train(mode)
+        return self
+
+    def apply(self, fn: Callable[[torch.nn.Module], None]) -> ORTModule:
+        self._original_module.apply(fn)
+        return self
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ORTModule:
+        self._original_module._apply(fn, recurse)
+        return self
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_parameters(prefix, recurse, remove_duplicate)

@@ -212,11 +212,7 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes(tmp_path):
     fp32_state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="step8")
     for state in (module_state, fp32_state):
         plain = tiny_gpt2(seed=1)  # other initial weights: every value must come from the checkpoint
-        loaded = plain.load_state_dict(state, strict=False)
-        # zero_to_fp32 drops the tied lm_head.weight (see the xfail test below); it is wte's tensor, so a user who
-        # loads with strict=False has every weight.
-        assert loaded.missing_keys == ([] if state is module_state else ["lm_head.weight"])
-        assert not loaded.unexpected_keys
+        plain.load_state_dict(state, strict=True)
         for name, value in parameters(plain).items():
             torch.testing.assert_close(value, saved[name], rtol=0.0, atol=0.0, msg=name)
         # The plain model computes the loss the ORTModule engine computed on the batch after the save.
@@ -231,11 +227,6 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes(tmp_path):
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(continued), rtol=LOSS_RTOL, atol=0.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ORTModule.named_children()/named_modules() include '_original_module' while named_parameters() does not; "
-    "DeepSpeed names the checkpoint's tied parameters from the module tree",
-)
 def test_checkpoint_names_tied_parameters_as_for_the_model(tmp_path):
     """DeepSpeed records tied parameters (GPT-2's lm_head and wte) by walking the module tree; zero_to_fp32 uses those
     names to restore the tied key. An ORTModule's tree must give the model's names."""

@@ -229,6 +229,47 @@ def test_attribute_assignment_falls_through_and_reexports():
     assert_grads_match(model, reference)
 
 
+class RootParameter(nn.Module):
+    """A model with a parameter of its own (not in a submodule) and a dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.fc = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x * self.scale))
+
+
+def test_module_tree_is_the_models():
+    """named_children/named_modules/modules/children are the model's, as named_parameters are: DDP, DeepSpeed (tied
+    parameter names in checkpoints) and init functions walk the model, never the wrapper."""
+    inner = RootParameter()
+    model = ORTModule(inner)
+    assert [(n, m) for n, m in model.named_modules()] == list(inner.named_modules())
+    assert [(n, m) for n, m in model.named_children()] == list(inner.named_children())
+    assert list(model.modules()) == list(inner.modules()) and list(model.children()) == list(inner.children())
+    assert [n for n, _ in model.named_modules(prefix="m")] == ["m", "m.fc", "m.drop"]
+    seen = []
+    assert model.apply(seen.append) is model
+    assert seen == [inner.fc, inner.drop, inner]
+    assert model.eval() is model and not model.training
+    assert not any(m.training for m in inner.modules())
+    model.train()
+    assert model.training and all(m.training for m in inner.modules())
+    with pytest.raises(ValueError, match="boolean"):
+        model.train("yes")
+    assert model.double() is model
+    assert inner.scale.dtype == inner.fc.weight.dtype == torch.float64  # the root's own parameter too
+    model.float()
+    x = torch.randn(3, 4)
+    reference = copy.deepcopy(inner)
+    model.eval()
+    reference.eval()
+    assert_close(model(x), reference(x))
+
+
 def test_forward_signature_equals_wrapped_model():
     inner = KeywordModel()
     model = wrap(inner)

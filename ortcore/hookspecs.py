@@ -218,9 +218,9 @@ def ortcore_subscriber_classes() -> dict[str, type] | None:
 
 
 @hookspec
-def ortcore_optimizers(config: Config) -> dict[str, type] | None:
-    """Optimizer classes (and the names that go with them, such as an enum of modes) this plugin provides, by name:
-    ``{"FusedAdam": FusedAdam, "AdamWMode": AdamWMode}``.
+def ortcore_optimizers(config: Config) -> dict[str, Any] | None:
+    """Optimizer classes, optimizer factories or wrappers (``FP16_Optimizer(optimizer)``) and the names that go with
+    them (an enum of modes) this plugin provides, by name: ``{"FusedAdam": FusedAdam, "AdamWMode": AdamWMode}``.
 
     ``ortcore.optim`` exposes them (``from ortcore.optim import FusedAdam``); called when it is asked for a name.
     Collected from every plugin; a name offered twice is an error naming both plugins. None: nothing to offer.

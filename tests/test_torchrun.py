@@ -11,8 +11,10 @@ Tolerance: every parameter within 1e-5 of the reference relative to the tensor's
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -73,15 +75,19 @@ def _torchrun(launcher_args: list[str], out: Path, *example_args: str, steps: in
 
 
 def _wait(processes: list[subprocess.Popen]) -> list[str]:
-    """Wait for every agent; on a timeout or a failure kill the rest and fail with their output."""
+    """Wait for every agent and return their outputs; fail with the outputs if one exits with an error or does not
+    finish within ``TIMEOUT`` (then every agent is killed, with the workers it started)."""
     outputs = []
-    try:
-        for process in processes:
+    for process in processes:
+        try:
             outputs.append(process.communicate(timeout=TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        pytest.fail(f"torchrun did not finish within {TIMEOUT} s:\n" + "\n".join(p.communicate()[0] for p in processes))
+        except subprocess.TimeoutExpired:
+            for agent in processes[len(outputs) :]:
+                # The agent and its workers share the session the agent was started in.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.pid, signal.SIGKILL)
+            outputs += [agent.communicate()[0] for agent in processes[len(outputs) :]]
+            pytest.fail(f"torchrun did not finish within {TIMEOUT} s:\n" + "\n".join(outputs))
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, f"torchrun exited with {process.returncode}:\n{output}"
     return outputs
@@ -89,7 +95,13 @@ def _wait(processes: list[subprocess.Popen]) -> list[str]:
 
 def _start(command: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        command, cwd=cwd, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=cwd,
+        env=_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 

@@ -165,15 +165,6 @@ def make_optimizer(parameters) -> FusedAdam:
     return FusedAdam(parameters, adam_w_mode=AdamWMode.ADAMW_TORCH, **OPTIMIZER_CONFIG)
 
 
-def portable_optimizer_state(optimizer: FusedAdam) -> dict:
-    """FusedAdam's state_dict with ``adam_w_mode`` as a plain int (FusedAdam loads either): the checkpoint then
-    holds only tensors and builtins, so ``torch.load`` reads it with its default ``weights_only=True``, and without
-    ortcore installed."""
-    state = optimizer.state_dict()
-    state["param_groups"] = [{**group, "adam_w_mode": int(group["adam_w_mode"])} for group in state["param_groups"]]
-    return state
-
-
 def train(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -247,7 +238,7 @@ def train(args: argparse.Namespace) -> None:
         # ddp.module is the ORTModule; its state_dict has the plain model's keys.
         checkpoint = {
             "model": ddp.module.state_dict(),
-            "optimizer": portable_optimizer_state(optimizer),
+            "optimizer": optimizer.state_dict(),
             "config": MODEL_CONFIG,
             "step": step,
             "epoch": epoch,

@@ -221,6 +221,15 @@ class ORTModule(torch.nn.Module):
                 "ORTModule cannot wrap torch.nn.DataParallel; wrap the model itself with ORTModule and use "
                 "torch.nn.parallel.DistributedDataParallel around it"
             )
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel) or any(
+            cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__
+        ):
+            # Their forward would run only while exporting: gradients would never be reduced across ranks.
+            raise UnsupportedModelError(
+                f"ORTModule cannot wrap {type(module).__name__}: it would never synchronise gradients across ranks; "
+                "wrap the model itself and put the distributed wrapper around it: "
+                "DistributedDataParallel(ORTModule(model)), deepspeed.initialize(model=ORTModule(model), ...)"
+            )
         if isinstance(module, ORTModule):
             raise UnsupportedModelError("the module is already an ORTModule")
         if not isinstance(module, torch.nn.Module):

@@ -167,6 +167,9 @@ def base_session_options(log_level: LogLevel) -> onnxruntime.SessionOptions:
     so.add_session_config_entry("session.disable_prepacking", "1")
     # A spinning idle ORT worker steals the core the torch optimizer step needs.
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # As many threads as torch uses (OMP_NUM_THREADS, torch.set_num_threads): torchrun gives each of several ranks
+    # on a machine one thread, and ORT's own default (one per physical core) would give each rank every core.
+    so.intra_op_num_threads = torch.get_num_threads()
     return so
 
 

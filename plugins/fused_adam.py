@@ -68,7 +68,8 @@ def _check_group(group: dict[str, Any]) -> None:
     if mode not in set(AdamWMode) or isinstance(mode, bool):
         allowed = ", ".join(f"AdamWMode.{m.name} ({m.value})" for m in AdamWMode)
         raise ValueError(f"FusedAdam: adam_w_mode={mode!r} is not allowed; allowed: {allowed}")
-    group["adam_w_mode"] = AdamWMode(mode)
+    # Kept as a plain int: a saved state_dict then loads with torch.load's weights_only=True, and without ortcore.
+    group["adam_w_mode"] = int(mode)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -188,7 +189,7 @@ def _update(
     """Update one bucket (one device, one dtype) of one parameter group in place; ``steps`` already counts this one."""
     lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
     beta1, beta2 = group["betas"]
-    mode = group["adam_w_mode"]
+    mode = AdamWMode(group["adam_w_mode"])
     torch_formula = mode in (AdamWMode.ADAM_L2_REGULARIZATION, AdamWMode.ADAMW_TORCH)
     if torch_formula and group["bias_correction"] and device.type == "cpu":
         fused = torch._fused_adamw_ if mode == AdamWMode.ADAMW_TORCH else torch._fused_adam_

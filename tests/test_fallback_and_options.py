@@ -168,6 +168,38 @@ def test_data_parallel_is_rejected_with_ddp_hint():
         ORTModule(nn.DataParallel(nn.Linear(4, 4)))
 
 
+def test_distributed_wrappers_are_rejected_with_the_order_that_works(tmp_path):
+    """DDP (or a DeepSpeed engine) inside ORTModule would run its forward only while exporting and never reduce
+    gradients: refused, naming the order that works."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ortcore.UnsupportedModelError, match=r"DistributedDataParallel\(ORTModule\(model\)\)"):
+            ORTModule(nn.parallel.DistributedDataParallel(nn.Linear(4, 4)))
+    finally:
+        dist.destroy_process_group()
+
+    class DeepSpeedEngine(nn.Module):  # matched by name: ortcore does not import deepspeed
+        pass
+
+    with pytest.raises(ortcore.UnsupportedModelError, match=r"cannot wrap DeepSpeedEngine.*deepspeed.initialize"):
+        ORTModule(DeepSpeedEngine())
+
+
+def test_ort_uses_as_many_threads_as_torch():
+    """torchrun sets OMP_NUM_THREADS=1 for several ranks per machine; ORT's sessions follow torch's thread count."""
+    from ortcore.pipeline import base_session_options
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert base_session_options(LogLevel.WARNING).intra_op_num_threads == 1
+    finally:
+        torch.set_num_threads(before)
+    assert base_session_options(LogLevel.WARNING).intra_op_num_threads == before
+
+
 # -- bad option values ---------------------------------------------------------------------------------------------
 
 
@@ -254,7 +286,7 @@ def test_symbolics_of_one_model_at_another_opset_do_not_leak_into_the_next(monke
     def exported_ops(host, opset):
         model = ORTModule(Gelu(), host=host, opset=opset, fallback_policy="FALLBACK_DISABLE")
         model(torch.randn(2, 4)).sum().backward()
-        (graph, _session), = model.state_machine._sessions.values()
+        ((graph, _session),) = model.state_machine._sessions.values()
         return {n.op_type for n in graph.model.graph.node}
 
     assert "ATen" in exported_ops(make_host({"aten_fallback": aten_fallback}), 14)

@@ -237,6 +237,24 @@ def test_state_dict_round_trip_resumes_identically(mode):
         assert torch.equal(a, b)
 
 
+def test_saved_state_loads_with_weights_only_and_resumes(tmp_path):
+    """The mode is saved as a plain int: torch.load's default weights_only=True loads the file (no ortcore class in
+    it), and the loaded state resumes exactly."""
+    model = mlp()
+    fused = FusedAdam(model.parameters(), lr=LR, weight_decay=WD, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    train(model, fused, mlp_loss, 5)
+    torch.save(fused.state_dict(), tmp_path / "optim.pt")
+    state = torch.load(tmp_path / "optim.pt", weights_only=True)
+    assert type(state["param_groups"][0]["adam_w_mode"]) is int
+    resumed_model = copy.deepcopy(model)
+    resumed = FusedAdam(resumed_model.parameters())
+    resumed.load_state_dict(state)
+    train(model, fused, mlp_loss, 5, start=5)
+    train(resumed_model, resumed, mlp_loss, 5, start=5)
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_bf16_parameters_are_updated_in_fp32_math():
     model = mlp().to(torch.bfloat16)
     expected = copy.deepcopy(model)

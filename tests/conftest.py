@@ -22,6 +22,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.fixture(scope="session")
+def deepspeed_world():
+    """One gloo process group of one process for every DeepSpeed test of the session, destroyed at its end: DeepSpeed
+    keeps the groups it first sees in module globals, so a second group in one process breaks it."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.fail("a process group already exists: a test that made one did not destroy it")
+    deepspeed = pytest.importorskip("deepspeed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as patch:
+        ranks = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        for name, value in ranks.items():
+            patch.setenv(name, value)
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
     """No ORTMODULE_*/ORTCORE_* variable from the caller's shell changes a test, and every test starts from seed 0."""

@@ -25,7 +25,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,18 +63,8 @@ def _rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one() -> Iterator[None]:
-    """One gloo process group for the whole file (DeepSpeed's engine needs torch.distributed), torn down after."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in _rank_environment(0, 1, _free_port()).items():
-            patch.setenv(name, value)
-        deepspeed.init_distributed(dist_backend="gloo")
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+def world_of_one(deepspeed_world) -> None:
+    """DeepSpeed's engine needs torch.distributed: the session's gloo world of one process (tests/conftest.py)."""
 
 
 def ds_config(stage: int, **extra: Any) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import warnings
 
 import pytest
@@ -37,16 +36,8 @@ POISON_STEPS = sorted(POISON)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_process_group():
-    """DeepSpeed's optimizers call torch.distributed: a world of one process over gloo."""
-    if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1").items():
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("LOCAL_RANK", "0")
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+def one_process_group(deepspeed_world):
+    """DeepSpeed's optimizers call torch.distributed: the session's world of one process (tests/conftest.py)."""
 
 
 def mlp() -> torch.nn.Module:

@@ -41,6 +41,15 @@ def _str(value: object, source: str) -> str:
     return value
 
 
+def _exporter_name(value: object, source: str) -> str:
+    """An exporter's name; which names exist is known once plugins are loaded (``Hooks.exporter`` checks it)."""
+    if not isinstance(value, str) or not value.strip().isidentifier():
+        raise OptionError(
+            f"{source}={value!r} is not allowed; expected an exporter's name, such as torchscript or dynamo"
+        )
+    return value.strip()
+
+
 def int_at_least(minimum: int) -> Callable[[object, str], int]:
     """An option parser for integers ``>= minimum`` (from the TOML file or a string from the environment); anything
     else raises :class:`OptionError` naming the source, the value and what is allowed. Plugins use it too."""
@@ -99,6 +108,13 @@ class CoreOptions:
         True, parse_bool, "trace a deep copy of the model", "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT"
     )
     max_cached_graphs: int = option(8, _positive_int, "graphs and sessions kept per model (LRU)")
+    exporter: str = option(
+        "torchscript",
+        _exporter_name,
+        "which exporter turns the model into ONNX: torchscript (the default), dynamo (torch.export + onnxscript), or "
+        "one a plugin names (ortcore_exporters)",
+        "ORTCORE_EXPORTER",
+    )
     verify_gradients: bool = option(
         False,
         parse_bool,
@@ -254,6 +270,7 @@ class Config:
         fallback_policy: object = None,
         opset: object = None,
         verify_gradients: object = None,
+        exporter: object = None,
     ) -> Config:
         """Apply an ORTModule's code arguments: above the file, below the environment."""
         layer: dict[str, Any] = {}
@@ -271,6 +288,8 @@ class Config:
             layer["opset"] = opset
         if verify_gradients is not None:
             layer["verify_gradients"] = verify_gradients
+        if exporter is not None:
+            layer["exporter"] = exporter
         if not layer:
             return self
         core, sources = _core_options([(self._file_source, self.core_table), ("argument", layer)], self.env)

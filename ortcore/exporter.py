@@ -499,9 +499,45 @@ class TorchScriptExporter:
         return onnx.load_model_from_string(buffer.getvalue())
 
 
-class CoreDefaults:
-    """The core's default answers, registered as the plugin ``core`` and marked trylast so any plugin pre-empts them."""
+TORCHSCRIPT = "torchscript"
+DYNAMO = "dynamo"
+_switch_logged = False
 
-    @hookimpl(trylast=True)
-    def ortcore_exporter(self, config) -> Exporter:
-        return TorchScriptExporter(inline_autograd_functions=custom_autograd_disabled(config.env))
+
+def torchscript_available() -> bool:
+    """Does this torch still ship the TorchScript exporter (``torch.onnx.export(dynamo=False)``)?"""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch.onnx._internal.torchscript_exporter") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def exporter_name(config) -> str:
+    """The exporter ``config`` asks for: its ``exporter`` option, except that ``torchscript`` becomes ``dynamo`` (one
+    INFO line per process) on a torch without the TorchScript exporter."""
+    global _switch_logged
+    name = config.core.exporter
+    if name == TORCHSCRIPT and not torchscript_available():
+        if not _switch_logged:
+            _switch_logged = True
+            logger.info(
+                "this torch (%s) has no TorchScript exporter (torch.onnx.export(dynamo=False)): exporting with the "
+                "dynamo route (torch.export + onnxscript) instead",
+                torch.__version__,
+            )
+        return DYNAMO
+    return name
+
+
+class CoreDefaults:
+    """The core's default answers, registered as the plugin ``core``."""
+
+    @hookimpl
+    def ortcore_exporters(self, config) -> dict[str, Callable[[Any], Exporter]]:
+        return {
+            TORCHSCRIPT: lambda config: TorchScriptExporter(
+                inline_autograd_functions=custom_autograd_disabled(config.env)
+            )
+        }

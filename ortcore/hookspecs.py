@@ -22,6 +22,7 @@ which counts and logs every build with its cause.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -64,10 +65,21 @@ def ortcore_configure(config: Config) -> None:
 # -- export -------------------------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
 def ortcore_exporter(config: Config) -> Exporter | None:
-    """Who exports? Return an :class:`ortcore.exporter.Exporter` to replace the default TorchScript exporter.
+    """Who exports? Return an :class:`ortcore.exporter.Exporter` to use instead of the one the ``exporter`` option
+    names. A plugin that specialises one route (op_routing's TorchScript exporter) answers only when
+    ``ortcore.exporter.exporter_name(config)`` is that route's name.
 
-    Called once per ORTModule. The core's default is a built-in implementation marked ``trylast``.
-    Stops at the first non-None result.
+    Called once per ORTModule, with its config. Stops at the first non-None result; with none, the core builds the
+    exporter the ``exporter`` option names from ``ortcore_exporters``.
+    """
+
+
+@hookspec
+def ortcore_exporters(config: Config) -> dict[str, Callable[[Config], Exporter]] | None:
+    """Named exporters this plugin offers, as factories: ``{"dynamo": lambda config: DynamoExporter()}``. The
+    ``exporter`` option (``ORTCORE_EXPORTER``, ``ORTModule(exporter="dynamo")``) picks one by name; an unknown name is
+    an error listing the names offered. The core offers ``torchscript``. Collected from every plugin; a name offered
+    twice is an error naming both plugins. None: nothing to offer.
     """
 
 

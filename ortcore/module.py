@@ -98,7 +98,7 @@ class _Runtime:
         self.options = config.core
         self.hooks = hooks
         self.custom_exporter = exporter  # pickled with the model; the plugins' exporter is asked for again
-        self.exporter = exporter or hooks.exporter()
+        self.exporter = exporter or hooks.exporter(config)
         symbolics = hooks.export_symbolics()
         if symbolics and hasattr(self.exporter, "symbolics"):
             self.exporter.symbolics.update(symbolics)
@@ -199,7 +199,8 @@ class ORTModule(torch.nn.Module):
         verify_gradients: audit the first step of each new training graph against PyTorch (outputs, loss, every
             gradient) and raise :class:`ortcore.audit.GradientMismatchError` naming the first module that differs;
             ``ORTCORE_VERIFY_GRADIENTS`` wins. See docs/gradient_audit.md.
-        exporter: the exporter to use (default: the plugins' choice, else the TorchScript exporter).
+        exporter: the exporter to use: a name (``"torchscript"``, the default, or ``"dynamo"``: the ``exporter``
+            option) or an exporter object (default: the plugins' choice, else the one the option names).
         config: a :class:`ortcore.config.Config` (default: ``ortcore.toml`` and the environment).
         host: a :class:`ortcore.plugins.PluginHost` (default: the process-wide host); ``config`` then comes from it.
     """
@@ -212,7 +213,7 @@ class ORTModule(torch.nn.Module):
         fallback_policy: FallbackPolicy | str | None = None,
         opset: int | None = None,
         verify_gradients: bool | None = None,
-        exporter: Exporter | None = None,
+        exporter: Exporter | str | None = None,
         config: Config | None = None,
         host: PluginHost | None = None,
     ):
@@ -241,8 +242,20 @@ class ORTModule(torch.nn.Module):
         host = host or (PluginHost(config) if config is not None else get_host())
         if opset is None:
             opset = _assigned_opset()
+        exporter_option = exporter if isinstance(exporter, str) else None
+        if exporter_option is not None:
+            exporter = None  # a name: the plugins' exporter of that name (Hooks.exporter)
+        elif exporter is not None and not callable(getattr(exporter, "export", None)):
+            raise TypeError(
+                f"exporter={exporter!r} is not allowed; expected an exporter's name (torchscript, dynamo, or one a "
+                "plugin offers) or an object with an export() method (ortcore.exporter.Exporter)"
+            )
         config = host.config.with_code_options(
-            debug_options, fallback_policy=fallback_policy, opset=opset, verify_gradients=verify_gradients
+            debug_options,
+            fallback_policy=fallback_policy,
+            opset=opset,
+            verify_gradients=verify_gradients,
+            exporter=exporter_option,
         )
         if config.core.save_onnx and not os.access(config.core.save_dir, os.W_OK):
             raise OSError(

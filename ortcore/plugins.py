@@ -58,6 +58,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fused_adam",
     "fp16_optimizer",
     "load_balancing_sampler",
+    "dynamo_exporter",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"
@@ -369,8 +370,27 @@ class Hooks:
     def config(self) -> Config:
         return self._host.config
 
-    def exporter(self) -> Any:
-        return self._hook.ortcore_exporter(config=self.config)
+    def exporter(self, config: Config | None = None) -> Any:
+        """The exporter for an ORTModule with ``config`` (default: the host's): a plugin's ``ortcore_exporter``
+        answer, else the one the ``exporter`` option names among ``ortcore_exporters``."""
+        from .exporter import exporter_name
+
+        config = config or self.config
+        chosen = self._hook.ortcore_exporter(config=config)
+        if chosen is not None:
+            return chosen
+        name = exporter_name(config)
+        factories = self.exporters(config)
+        if name not in factories:
+            source = config.sources.get("core.exporter", "option")
+            raise OptionError(
+                f"exporter={name!r} ({source}) is not allowed; exporters offered by the loaded plugins: "
+                f"{', '.join(sorted(factories)) or 'none'}"
+            )
+        return factories[name](config)
+
+    def exporters(self, config: Config | None = None) -> dict[str, Any]:
+        return self._merged("ortcore_exporters", "offer an exporter named", config=config or self.config)
 
     # -- calling a hook and knowing who answered -------------------------------------------------------------------
     def _call_recorded(self, hook: str, kwargs: Mapping[str, Any]) -> tuple[list[Any], list[_Answer]]:

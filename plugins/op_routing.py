@@ -42,7 +42,7 @@ import torch
 from ortcore.config import Config, option
 from ortcore.errors import OptionError, UnsupportedModelError
 from ortcore.explain import ROUTED_METADATA_PREFIX, aten_kind, operator_of
-from ortcore.exporter import TorchScriptExporter, custom_autograd_disabled
+from ortcore.exporter import TORCHSCRIPT, TorchScriptExporter, custom_autograd_disabled, exporter_name
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import parse_bool
@@ -135,12 +135,8 @@ ROUTES: tuple[Route, ...] = (
     Route("amin", "ReduceMin", _NO_GRAD.format("ReduceMin")),
     Route("max", "ReduceMax", _NO_GRAD.format("ReduceMax"), _is_reduction),
     Route("min", "ReduceMin", _NO_GRAD.format("ReduceMin"), _is_reduction),
-    Route(
-        "gru", "GRU", "ORT's GRU training kernels support only the forward direction", _is_bidirectional
-    ),
-    Route(
-        "lstm", "LSTM", "ORT's LSTM training kernels support only the forward direction", _is_bidirectional
-    ),
+    Route("gru", "GRU", "ORT's GRU training kernels support only the forward direction", _is_bidirectional),
+    Route("lstm", "LSTM", "ORT's LSTM training kernels support only the forward direction", _is_bidirectional),
     Route("rnn_tanh", "RNN", "ORT's RNN training kernels support only the forward direction", _is_bidirectional),
     Route("rnn_relu", "RNN", "ORT's RNN training kernels support only the forward direction", _is_bidirectional),
     Route(
@@ -324,12 +320,19 @@ def _flatten_call(op: str, schema: Any, args: tuple) -> list[_Flat]:
 
 
 def _wrapper(
-    op: str, schema: Any, flat: list[_Flat], order: list[int], differentiable: tuple[int, ...], float_inputs: tuple[int, ...]
+    op: str,
+    schema: Any,
+    flat: list[_Flat],
+    order: list[int],
+    differentiable: tuple[int, ...],
+    float_inputs: tuple[int, ...],
 ) -> str:
     """Define (once) the ``ortcore_route::`` op taking ``flat`` inputs in ``order`` and calling ``aten::<op>``."""
     global _wrapper_library
     overload = schema.overload_name
-    signature = f"{op}.{overload}|{[(f.argument, f.item, f.kind) for f in flat]}|{order}|{differentiable}|{float_inputs}"
+    signature = (
+        f"{op}.{overload}|{[(f.argument, f.item, f.kind) for f in flat]}|{order}|{differentiable}|{float_inputs}"
+    )
     name = f"{op}__{overload or 'default'}__{hashlib.sha1(signature.encode()).hexdigest()[:10]}"
     with _wrapper_lock:
         if name in _wrappers:
@@ -477,9 +480,7 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
         raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: it returns non-tensors")
     flat = _flatten_call(op, schema, args)
     tensors = [i for i, f in enumerate(flat) if f.kind in ("Tensor", "Tensor?")]
-    floats = [
-        i for i in tensors if not is_none(flat[i].value) and flat[i].value.type().scalarType() in FLOAT_TYPES
-    ]
+    floats = [i for i in tensors if not is_none(flat[i].value) and flat[i].value.type().scalarType() in FLOAT_TYPES]
     needs = [i for i in floats if _may_need_grad(flat[i].value)]
     order = [i for i, f in enumerate(flat) if f.kind != ABSENT]
     if needs and order[0] not in needs:
@@ -499,9 +500,7 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     ordered = [flat[i] for i in order]
     float_inputs = tuple(k for k, i in enumerate(order) if i in floats)
     # An output nothing reads gets no gradient from ORT: the gradient definition must not ask for it (an RNN's h_n).
-    differentiable = tuple(
-        j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES and v.uses()
-    )
+    differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES and v.uses())
     # Always a wrapper op: its name carries this call's signature, so its gradient definition (registered once per
     # name, process-wide) fits this call's inputs and outputs.
     operator, overload = _wrapper(op, schema, flat, order, differentiable, float_inputs), ""
@@ -591,8 +590,8 @@ def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
 
 @hookimpl
 def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
-    if not _options(config).enabled:
-        return None
+    if not _options(config).enabled or exporter_name(config) != TORCHSCRIPT:
+        return None  # routing by symbolics is the TorchScript route's
     return RoutingExporter(inline_autograd_functions=custom_autograd_disabled(config.env))
 
 

@@ -20,6 +20,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="print the largest ortcore-vs-torch differences each parity test observed",
     )
+    parser.addoption(
+        "--exporter",
+        default=None,
+        help="run every test with this exporter (sets ORTCORE_EXPORTER): torchscript (the default) or dynamo",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +58,9 @@ def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.
     for name in list(os.environ):
         if name.startswith(("ORTMODULE_", "ORTCORE_")):
             monkeypatch.delenv(name)
+    exporter = request.config.getoption("--exporter")
+    if exporter:
+        monkeypatch.setenv("ORTCORE_EXPORTER", exporter)
     torch.manual_seed(0)
     models.set_current_test(request.node.nodeid)
     yield

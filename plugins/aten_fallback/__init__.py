@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from ortcore.config import Config
-from ortcore.exporter import TorchScriptExporter, custom_autograd_disabled
+from ortcore.exporter import TORCHSCRIPT, TorchScriptExporter, custom_autograd_disabled, exporter_name
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
 from ortcore_plugins.services import aten_nodes
@@ -101,7 +101,7 @@ def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
 @hookimpl
 def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
     """With ``fallback_ops = ["auto"]``: the core's exporter, exporting unsupported ``aten::`` ops as ATen nodes."""
-    if AUTO not in fallback_ops(config):
+    if AUTO not in fallback_ops(config) or exporter_name(config) != TORCHSCRIPT:
         return None
     return FallbackExporter(inline_autograd_functions=custom_autograd_disabled(config.env))
 

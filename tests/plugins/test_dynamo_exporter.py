@@ -1,0 +1,159 @@
+"""Choosing the exporter by name (option, environment, ORTModule keyword), the errors for unknown names and a
+missing onnxscript, the switch to the dynamo route on a torch without the TorchScript exporter, and the dynamo
+route's contract: PyTorch's loss and gradients, parameters as named inputs, no re-export across batch sizes."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import ortcore.exporter as core_exporter
+import ortcore_plugins.dynamo_exporter as plugin
+from ortcore import ORTModule
+from ortcore.errors import OptionError, UnsupportedModelError
+from ortcore.exporter import TorchScriptExporter
+from ortcore.hookspecs import hookimpl
+from ortcore.testing import make_host
+
+pytest.importorskip("onnxscript")
+
+
+class Net(nn.Module):
+    """Linear, LayerNorm, GELU and cross-entropy: the ops whose ORT gradients need the dynamo graph's fixes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.ln = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.fc2(nn.functional.gelu(self.ln(self.fc1(x)))), y)
+
+
+def dynamo_host(**kwargs):
+    return make_host({plugin.NAME: plugin}, **kwargs)
+
+
+def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+# -- choosing the exporter -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["keyword", "table", "env"],
+)
+def test_dynamo_is_chosen_by_keyword_table_or_environment(how):
+    kwargs = {"table": {"exporter": "dynamo"}} if how == "table" else {}
+    if how == "env":
+        kwargs = {"env": {"ORTCORE_EXPORTER": "dynamo"}}
+    model = ORTModule(Net(), host=dynamo_host(**kwargs), **({"exporter": "dynamo"} if how == "keyword" else {}))
+    assert isinstance(model._ortcore.exporter, plugin.DynamoExporter)
+    model(*batch(4, 0))
+    assert model.state_machine.last_key.exporter == "dynamo"
+
+
+def test_torchscript_stays_the_default():
+    model = ORTModule(Net(), host=dynamo_host())
+    assert type(model._ortcore.exporter) is TorchScriptExporter and model._ortcore.exporter.name == "torchscript"
+
+
+def test_unknown_exporter_name_lists_the_offered_ones():
+    with pytest.raises(OptionError, match=r"exporter='onnxlite' \(argument\) is not allowed; .*: dynamo, torchscript"):
+        ORTModule(Net(), host=dynamo_host(), exporter="onnxlite")
+    with pytest.raises(OptionError, match=r"exporter='dynamo' .* offered by the loaded plugins: torchscript"):
+        ORTModule(Net(), host=make_host({}, env={"ORTCORE_EXPORTER": "dynamo"}))
+    with pytest.raises(OptionError, match=r"ORTCORE_EXPORTER='dyn amo' is not allowed; expected an exporter's name"):
+        make_host({}, env={"ORTCORE_EXPORTER": "dyn amo"})
+    with pytest.raises(TypeError, match=r"exporter=42 is not allowed; expected an exporter's name"):
+        ORTModule(Net(), host=dynamo_host(), exporter=42)
+
+
+def test_a_plugin_offers_a_named_exporter():
+    class Named(TorchScriptExporter):
+        name = "named"
+
+    class Offers:
+        @hookimpl
+        def ortcore_exporters(self, config):
+            return {"named": lambda config: Named()}
+
+    host = make_host({"offers": Offers()}, table={"exporter": "named"})
+    assert type(ORTModule(Net(), host=host)._ortcore.exporter) is Named
+    assert sorted(host.hooks.exporters()) == ["named", "torchscript"]
+
+
+def test_without_the_torchscript_exporter_ortcore_switches_to_dynamo(monkeypatch):
+    monkeypatch.setattr(core_exporter, "torchscript_available", lambda: False)
+    monkeypatch.setattr(core_exporter, "_switch_logged", False)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("ortcore")
+    logger.addHandler(handler)
+    try:
+        first = ORTModule(Net(), host=dynamo_host(env={"ORTMODULE_LOG_LEVEL": "INFO"}))
+        second = ORTModule(Net(), host=dynamo_host(env={"ORTMODULE_LOG_LEVEL": "INFO"}))
+    finally:
+        logger.removeHandler(handler)
+    assert isinstance(first._ortcore.exporter, plugin.DynamoExporter)
+    assert isinstance(second._ortcore.exporter, plugin.DynamoExporter)
+    switched = [r for r in records if "no TorchScript exporter" in r.getMessage()]
+    assert len(switched) == 1 and switched[0].levelno == logging.INFO
+
+
+def test_missing_onnxscript_is_named(monkeypatch):
+    monkeypatch.setattr(plugin, "_missing_package", lambda: "onnxscript")
+    model = ORTModule(Net(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(UnsupportedModelError, match=r"needs the package 'onnxscript'.*pip install onnxscript"):
+        model(*batch(4, 0))
+
+
+# -- the route's contract ------------------------------------------------------------------------------------------
+
+
+def test_dynamo_route_trains_like_pytorch_without_reexporting():
+    """Loss and every gradient equal PyTorch's over 6 SGD steps with changing batch sizes (rtol 1e-5, atol 1e-6),
+    all from one export."""
+    torch.manual_seed(0)
+    reference = Net()
+    model = ORTModule(
+        copy.deepcopy(reference), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE"
+    )
+    ours = torch.optim.SGD(model.parameters(), lr=0.1)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step, n in enumerate([4, 7, 4, 9, 2, 7]):
+        x, y = batch(n, step)
+        loss, expected = model(x, y), reference(x, y)
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+        ours.step()
+        theirs.step()
+        ours.zero_grad()
+        theirs.zero_grad()
+    assert model.state_machine.counters.exports == 1
+
+
+def test_graph_takes_parameters_as_named_inputs_and_has_the_outputs_ort_needs():
+    model = ORTModule(Net(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    model(*batch(4, 0))
+    graph = next(iter(model.state_machine._graphs.values())).model.graph
+    names = [i.name for i in graph.input]
+    assert names[:2] == ["x", "y"] and names[2:] == [n for n, _ in model.named_parameters()]
+    outputs = {
+        n.op_type: len(n.output) for n in graph.node if n.op_type in ("LayerNormalization", "SoftmaxCrossEntropyLoss")
+    }
+    assert outputs == {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
+    batch_dim = graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch_dim.dim_param  # symbolic: batch changes reuse the graph

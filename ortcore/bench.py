@@ -33,7 +33,17 @@ from .files import atomic_writer
 MODELS: tuple[str, ...] = ("bert", "gpt2")
 #: "ortcore-cached" is ortcore in a second process on the same export cache (the first one, a one-step run, fills
 #: it): what a restarted job sees. Its first step is the one the export cache and ORT's cached session graph make.
-MODES: tuple[str, ...] = ("eager", "compile", "ortcore", "ortcore-cached")
+#: The "ortcore-dynamo" pair is the same on the dynamo exporter (torch.export + onnxscript).
+MODES: tuple[str, ...] = ("eager", "compile", "ortcore", "ortcore-cached", "ortcore-dynamo", "ortcore-dynamo-cached")
+
+#: The exporter each ortcore mode runs on, set in its worker's environment (ORTCORE_EXPORTER) and passed to ORTModule.
+ORTCORE_EXPORTERS: dict[str, str] = {
+    "ortcore": "torchscript",
+    "ortcore-cached": "torchscript",
+    "ortcore-dynamo": "dynamo",
+    "ortcore-dynamo-cached": "dynamo",
+}
+_CACHED_SUFFIX = "-cached"
 
 #: Set in every worker's environment, so it is in place before torch (and libgomp) load. libgomp's default lets
 #: torch's idle OpenMP workers spin long after each parallel region, stealing the second core from ORT's kernels
@@ -280,10 +290,10 @@ def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
                 return {}
 
         return compiled, compile_details
-    if mode in ("ortcore", "ortcore-cached"):  # the cache directory comes from the worker's environment
+    if mode in ORTCORE_EXPORTERS:  # the cache directory comes from the worker's environment
         from .module import ORTModule
 
-        wrapped = ORTModule(model)
+        wrapped = ORTModule(model, exporter=ORTCORE_EXPORTERS[mode])
 
         def ortcore_details() -> dict[str, Any]:
             c = wrapped.state_machine.counters
@@ -293,6 +303,7 @@ def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
                 "reuses": c.reuses,
                 "fallbacks": c.fallbacks,
                 "fallback_reason": wrapped.fallback_reason,
+                "exporter": getattr(getattr(wrapped._ortcore, "exporter", None), "name", None),
             }
 
         return wrapped, ortcore_details
@@ -456,11 +467,13 @@ def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float 
     Never raises for a failed run: a crash, a timeout or an exception inside the worker becomes ``ok=False`` with
     ``error`` set.
     """
-    if mode == "ortcore-cached":
+    env = {"ORTCORE_EXPORTER": ORTCORE_EXPORTERS[mode]} if mode in ORTCORE_EXPORTERS else {}
+    if mode in ORTCORE_EXPORTERS and mode.endswith(_CACHED_SUFFIX):
         with tempfile.TemporaryDirectory(prefix="ortcore-bench-cache-") as cache:
-            env = {"ORTMODULE_CACHE_DIR": cache}
+            env["ORTMODULE_CACHE_DIR"] = cache
             one_step = BenchConfig(**{**cfg.to_dict(), "steps": 1, "warmup": 0})
-            filled, why, _ = _spawn(["--worker", model_name, "ortcore"], one_step, timeout_s, env)
+            cold = mode.removesuffix(_CACHED_SUFFIX)  # the same exporter without the cache: it fills the cache
+            filled, why, _ = _spawn(["--worker", model_name, cold], one_step, timeout_s, env)
             if filled is None or not filled.get("ok"):
                 why = why or (filled or {}).get("error") or "failed"
                 return RunResult(
@@ -468,7 +481,7 @@ def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float 
                 )
             data, why, wall = _spawn(["--worker", model_name, mode], cfg, timeout_s, env)
     else:
-        data, why, wall = _spawn(["--worker", model_name, mode], cfg, timeout_s)
+        data, why, wall = _spawn(["--worker", model_name, mode], cfg, timeout_s, env)
     try:
         result = RunResult(**data) if data is not None else RunResult(model=model_name, mode=mode, error=why)
     except TypeError:
@@ -862,8 +875,11 @@ def _notes(r: RunResult, footnote: int | None) -> str:
 
 def _mode_notes(r: RunResult) -> str:
     d = r.details
-    if r.mode in ("ortcore", "ortcore-cached"):
-        return f"exports {d.get('exports')}, builds {d.get('builds')}, fallbacks {d.get('fallbacks')}"
+    if r.mode in ORTCORE_EXPORTERS:
+        notes = f"exports {d.get('exports')}, builds {d.get('builds')}, fallbacks {d.get('fallbacks')}"
+        ran = d.get("exporter")
+        # The exporter a plugin (ortcore_exporter) chose instead of the mode's would make the row another mode's.
+        return notes if ran in (None, ORTCORE_EXPORTERS[r.mode]) else f"{notes}, ran on exporter {ran!r}"
     if r.mode == "compile" and "graph_breaks" in d:
         return f"graph breaks {d['graph_breaks']}"
     return ""
@@ -965,7 +981,14 @@ PLOT_PANELS: tuple[tuple[str, str, float, str], ...] = (
 )
 PLOT_SIZE_IN: tuple[float, float] = (12.0, 5.0)
 PLOT_DPI = 100
-_MODE_COLORS = {"eager": "tab:gray", "compile": "tab:orange", "ortcore": "tab:blue", "ortcore-cached": "tab:cyan"}
+_MODE_COLORS = {
+    "eager": "tab:gray",
+    "compile": "tab:orange",
+    "ortcore": "tab:blue",
+    "ortcore-cached": "tab:cyan",
+    "ortcore-dynamo": "tab:green",
+    "ortcore-dynamo-cached": "tab:olive",
+}
 _MODEL_STYLES = {"bert": ("o", "-"), "gpt2": ("s", "--")}
 
 

@@ -379,6 +379,100 @@ def test_explain_with_the_real_plugin_in_a_fresh_process(tmp_path: Path, capsys:
     assert explained["settings"]["hidden"] == bench.PRESETS["quick"].hidden
 
 
+# -- the two exporters -------------------------------------------------------------------------------------------
+def test_every_ortcore_mode_names_its_exporter_and_a_cached_mode_its_cold_twin() -> None:
+    assert set(bench.ORTCORE_EXPORTERS) == {m for m in bench.MODES if m.startswith("ortcore")}
+    assert {bench.ORTCORE_EXPORTERS[m] for m in ("ortcore", "ortcore-cached")} == {"torchscript"}
+    assert {bench.ORTCORE_EXPORTERS[m] for m in ("ortcore-dynamo", "ortcore-dynamo-cached")} == {"dynamo"}
+    for mode in bench.MODES:
+        if mode.endswith("-cached"):
+            cold = mode.removesuffix("-cached")
+            assert bench.ORTCORE_EXPORTERS[cold] == bench.ORTCORE_EXPORTERS[mode]
+
+
+@pytest.mark.parametrize(("mode", "exporter"), [("ortcore-cached", "torchscript"), ("ortcore-dynamo-cached", "dynamo")])
+def test_a_cached_mode_fills_the_cache_with_its_own_exporter_then_reads_it(
+    mode: str, exporter: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spawned: list[tuple[list[str], bench.BenchConfig, dict[str, str]]] = []
+
+    def spawn(task: list[str], cfg: bench.BenchConfig, timeout_s: float, extra_env: dict | None = None) -> tuple:
+        spawned.append((task, cfg, dict(extra_env or {})))
+        run = _run(task[1], task[2], 10.0, 10.0, 1000, details={"exporter": exporter})
+        return vars(run), "", 1.0
+
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    cfg = bench.PRESETS["quick"]
+    result = bench.run_isolated("gpt2", mode, cfg)
+    assert result.ok and result.mode == mode
+    (fill_task, fill_cfg, fill_env), (task, run_cfg, env) = spawned
+    assert fill_task == ["--worker", "gpt2", mode.removesuffix("-cached")] and task == ["--worker", "gpt2", mode]
+    assert (fill_cfg.steps, fill_cfg.warmup) == (1, 0) and run_cfg == cfg
+    assert fill_env == env and env["ORTCORE_EXPORTER"] == exporter and os.path.basename(env["ORTMODULE_CACHE_DIR"])
+
+
+@pytest.mark.parametrize(
+    ("mode", "exporter"), [("eager", None), ("ortcore", "torchscript"), ("ortcore-dynamo", "dynamo")]
+)
+def test_a_worker_runs_on_the_exporter_its_mode_names(
+    mode: str, exporter: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spawned: list[dict[str, str]] = []
+
+    def spawn(task: list[str], cfg: bench.BenchConfig, timeout_s: float, extra_env: dict | None = None) -> tuple:
+        spawned.append(dict(extra_env or {}))
+        return vars(_run(task[1], task[2], 10.0, 10.0, 1000)), "", 1.0
+
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    bench.run_isolated("bert", mode, bench.PRESETS["quick"])
+    assert spawned == [{"ORTCORE_EXPORTER": exporter} if exporter else {}]
+
+
+def _two_exporters_report() -> bench.BenchReport:
+    results = []
+    for model in ("bert", "gpt2"):
+        results.append(_run(model, "eager", 200, 200, 1000))
+        for mode, exporter in bench.ORTCORE_EXPORTERS.items():
+            details = {"exports": 1, "builds": 1, "reuses": 4, "fallbacks": 0, "exporter": exporter}
+            run = _run(model, mode, 150, 100, 1000, details=details)
+            if mode == "ortcore-dynamo" and model == "gpt2":
+                run.losses[2] *= 1.01  # the curve drifts in the middle and meets eager's again at the end
+            results.append(run)
+    bench.add_ratios(results)
+    return bench.BenchReport(bench.PRESETS["quick"], results, dict(bench.WORKER_ENV), 10.0, name="quick")
+
+
+def test_dynamo_rows_sit_beside_torchscript_rows_and_their_loss_curves_are_compared_with_eager() -> None:
+    report = _two_exporters_report()
+    by_mode = {(r.model, r.mode): r for r in report.results}
+    for (_model, mode), r in by_mode.items():
+        if mode != "eager":
+            assert r.vs_eager["steady_step_s"] == pytest.approx(0.75)
+            assert r.vs_eager["max_loss_rel_diff"] is not None
+    assert by_mode["gpt2", "ortcore-dynamo"].vs_eager["max_loss_rel_diff"] == pytest.approx(0.01 / 1.01)
+    assert by_mode["gpt2", "ortcore-dynamo"].vs_eager["final_loss_rel_diff"] < 1e-6
+    text = _rendered(bench.BenchSuite([report], {}, 10.0))
+    assert "max relative difference 9.9e-03 over all 5 steps (gpt2/ortcore-dynamo)" in text
+    rows = [line.split("│")[2].strip() for line in text.splitlines() if line.count("│") > 5 and "bert" in line]
+    assert rows == ["eager", *bench.ORTCORE_EXPORTERS]
+
+
+def test_a_row_that_ran_on_another_exporter_than_its_mode_says_so() -> None:
+    report = _two_exporters_report()
+    row = next(r for r in report.results if r.mode == "ortcore-dynamo-cached")
+    assert bench._notes(row, None) == "exports 1, builds 1, fallbacks 0"
+    row.details["exporter"] = "torchscript"
+    assert bench._notes(row, None) == "exports 1, builds 1, fallbacks 0, ran on exporter 'torchscript'"
+
+
+def test_plot_draws_the_dynamo_modes_in_colours_of_their_own(tmp_path: Path) -> None:
+    png = tmp_path / "two.png"
+    bench.plot_suite(bench.BenchSuite([_two_exporters_report()], {}, 10.0), str(png))
+    assert _png_size(png) == _expected_png_size()
+    colours = [bench._MODE_COLORS[m] for m in bench.MODES]
+    assert len(set(colours)) == len(colours)
+
+
 # -- end to end --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_quick_runs_every_model_and_mode_and_its_json_redraws_the_same_table(tmp_path: Path) -> None:

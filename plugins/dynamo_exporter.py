@@ -14,6 +14,17 @@ The seam's contract (``ortcore.exporter.Exporter``) holds as on the TorchScript 
 * **ORT's gradient builders' expectations**: ``LayerNormalization`` gets its mean and inverse-std outputs and
   ``SoftmaxCrossEntropyLoss`` its log-probability output when the exporter left them out (their gradients read
   them).
+
+Three differences from ``torch.export``'s view of a module are smoothed over, so that the graph is the one the
+TorchScript route gives:
+
+* **Batch norm with ``momentum=None``** (a cumulative average) divides by ``num_batches_tracked``, a data-dependent
+  value ``torch.export`` cannot trace. ortcore updates running statistics itself (``ortcore.graph.update_batch_norm``),
+  so the graph's momentum is never used: such modules are traced with a float momentum, restored afterwards.
+* **Non-persistent buffers** (not in ``state_dict``, such as BERT's ``position_ids``) are not graph inputs: they
+  become initializers holding their values, as the TorchScript route makes them constants.
+* **Parameters and buffers the traced call does not read** (a branch not taken) are not graph inputs either: ORT's
+  gradient builder refuses a trainable input with no consumer, and the TorchScript route leaves them out.
 """
 
 from __future__ import annotations
@@ -23,9 +34,11 @@ import importlib.metadata
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import onnx
+import onnx.numpy_helper
 import torch
 
 from ortcore.errors import UnsupportedModelError
@@ -62,6 +75,177 @@ def _missing_package() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             return package
     return None
+
+
+@contextlib.contextmanager
+def _float_batch_norm_momentum(module: torch.nn.Module) -> Iterator[int]:
+    """Trace cumulative-average batch norms (``momentum=None``) with a float momentum; yields how many changed.
+
+    ``momentum=None`` makes the forward compute ``1.0 / float(num_batches_tracked)``, which ``torch.export`` refuses
+    (GuardOnDataDependentSymNode). The value never matters: ortcore updates running statistics itself.
+    """
+    changed = [
+        m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.momentum is None
+    ]
+    for m in changed:
+        m.momentum = 0.1
+    try:
+        yield len(changed)
+    finally:
+        for m in changed:
+            m.momentum = None
+
+
+def _drop_unread_inputs(model: onnx.ModelProto, names: set[str]) -> int:
+    """Remove the graph inputs among ``names`` that no node reads and no output is; returns how many."""
+    read = {name for node in model.graph.node for name in node.input}
+    read.update(_subgraph_inputs(model.graph))
+    read.update(o.name for o in model.graph.output)
+    unread = [i for i in model.graph.input if i.name in names and i.name not in read]
+    for value in unread:
+        model.graph.input.remove(value)
+    return len(unread)
+
+
+def _subgraph_inputs(graph: onnx.GraphProto) -> set[str]:
+    """Names read inside the control-flow subgraphs of ``graph``'s nodes (If, Loop, Scan bodies)."""
+    found: set[str] = set()
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                found.update(name for n in sub.node for name in n.input)
+                found.update(_subgraph_inputs(sub))
+    return found
+
+
+def _inputs_to_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) -> int:
+    """Turn the graph inputs named in ``values`` into initializers holding those values; returns how many."""
+    moved = [i for i in model.graph.input if i.name in values]
+    for value in moved:
+        model.graph.input.remove(value)
+        tensor = values[value.name].detach().cpu()
+        model.graph.initializer.append(onnx.numpy_helper.from_array(tensor.numpy(), name=value.name))
+    return len(moved)
+
+
+def _batch_norm_nodes(
+    model: onnx.ModelProto, module: torch.nn.Module
+) -> Iterator[tuple[int, onnx.NodeProto, torch.nn.modules.batchnorm._BatchNorm]]:
+    """Each ``BatchNormalization`` reading a batch-norm module's running statistics, with its index and module."""
+    modules = dict(module.named_modules())
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or len(node.input) < 5:
+            continue
+        owner = modules.get(node.input[3].rpartition(".")[0])  # "module.bn.running_mean" -> "module.bn"
+        if isinstance(owner, torch.nn.modules.batchnorm._BatchNorm):
+            yield index, node, owner
+
+
+def set_batch_norm_modes(model: onnx.ModelProto, module: torch.nn.Module) -> int:
+    """Write each batch norm as the TorchScript route does; returns how many nodes changed.
+
+    ``torch.export`` gives a training-mode batch norm as an inference ``BatchNormalization`` (its running-statistics
+    update is a separate computation, dropped as unused): it becomes ``training_mode=1`` with its three outputs, which
+    is what ortcore looks for to update running statistics itself. An eval-mode batch norm becomes arithmetic on
+    the running statistics: ORT's gradient builder would turn a ``BatchNormalization`` into a training-mode one and
+    normalize with batch statistics when an eval-mode model is differentiated.
+    """
+    changed = 0
+    replacements: list[tuple[int, list[onnx.NodeProto]]] = []
+    for index, node, owner in _batch_norm_nodes(model, module):
+        if owner.training:
+            attributes = [a for a in node.attribute if a.name != "training_mode"]
+            del node.attribute[:]
+            node.attribute.extend([*attributes, onnx.helper.make_attribute("training_mode", 1)])
+            for k in range(len(node.output), 3):
+                node.output.append(f"ortcore.dynamo::BatchNormalization_{index}_out{k}")
+            changed += 1
+        else:
+            replacements.append((index, _batch_norm_arithmetic(node, index)))
+    for index, nodes in reversed(replacements):
+        del model.graph.node[index]
+        for offset, new in enumerate(nodes):
+            model.graph.node.insert(index + offset, new)
+    return changed + len(replacements)
+
+
+def _batch_norm_arithmetic(node: onnx.NodeProto, index: int) -> list[onnx.NodeProto]:
+    """``(x - mean) * weight / sqrt(var + eps) + bias`` with the statistics reshaped to ``[C, 1, ...]`` for any rank."""
+    x, weight, bias, mean, var = node.input[:5]
+    epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+    prefix = f"ortcore.dynamo::BatchNormalization_{index}_"
+    make = onnx.helper.make_node
+    nodes = [
+        make(
+            "Constant",
+            [],
+            [prefix + "eps"],
+            value=onnx.helper.make_tensor("eps", onnx.TensorProto.FLOAT, [], [epsilon]),
+        ),
+        make("CastLike", [prefix + "eps", var], [prefix + "eps_cast"]),
+        make("Add", [var, prefix + "eps_cast"], [prefix + "var_eps"]),
+        make("Sqrt", [prefix + "var_eps"], [prefix + "std"]),
+        make("Div", [weight, prefix + "std"], [prefix + "scale"]),
+        make("Mul", [mean, prefix + "scale"], [prefix + "mean_scaled"]),
+        make("Sub", [bias, prefix + "mean_scaled"], [prefix + "shift"]),
+        # [C, 1, ..., 1]: -1 followed by rank(x) - 2 ones
+        make("Shape", [x], [prefix + "shape"]),
+        make("Size", [prefix + "shape"], [prefix + "rank"]),
+        make("Constant", [], [prefix + "two"], value=onnx.helper.make_tensor("two", onnx.TensorProto.INT64, [1], [2])),
+        make("Sub", [prefix + "rank", prefix + "two"], [prefix + "n_ones"]),
+        make(
+            "ConstantOfShape",
+            [prefix + "n_ones"],
+            [prefix + "ones"],
+            value=onnx.helper.make_tensor("one", onnx.TensorProto.INT64, [1], [1]),
+        ),
+        make(
+            "Constant",
+            [],
+            [prefix + "minus_one"],
+            value=onnx.helper.make_tensor("m", onnx.TensorProto.INT64, [1], [-1]),
+        ),
+        make("Concat", [prefix + "minus_one", prefix + "ones"], [prefix + "channel_shape"], axis=0),
+        make("Reshape", [prefix + "scale", prefix + "channel_shape"], [prefix + "scale_c"]),
+        make("Reshape", [prefix + "shift", prefix + "channel_shape"], [prefix + "shift_c"]),
+        make("Mul", [x, prefix + "scale_c"], [prefix + "scaled"]),
+        make("Add", [prefix + "scaled", prefix + "shift_c"], [node.output[0]]),
+    ]
+    return nodes
+
+
+def gather_max_pools(model: onnx.ModelProto) -> int:
+    """Write each ``MaxPool`` as its indices plus a ``Gather`` from the flattened input; returns how many.
+
+    ORT's CPU ``MaxPoolGrad`` reads static output shapes and crashes the process on dynamic axes; ``Gather``'s
+    gradient has no such limit, and gathering at the argmax indices gives exactly torch's values and gradient (the
+    TorchScript route writes max pooling the same way).
+    """
+    replacements = []
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "MaxPool" or node.domain not in ("", "ai.onnx"):
+            continue
+        prefix = f"ortcore.dynamo::MaxPool_{index}_"
+        values = node.output[0]
+        node.output[0] = prefix + "values"
+        if len(node.output) < 2 or not node.output[1]:
+            del node.output[1:]
+            node.output.append(prefix + "indices")
+        shape = onnx.helper.make_tensor("flat", onnx.TensorProto.INT64, [1], [-1])
+        replacements.append(
+            (
+                index,
+                [
+                    onnx.helper.make_node("Constant", [], [prefix + "flat_shape"], value=shape),
+                    onnx.helper.make_node("Reshape", [node.input[0], prefix + "flat_shape"], [prefix + "flat"]),
+                    onnx.helper.make_node("Gather", [prefix + "flat", node.output[1]], [values], axis=0),
+                ],
+            )
+        )
+    for index, nodes in reversed(replacements):
+        for offset, new in enumerate(nodes, start=1):
+            model.graph.node.insert(index + offset, new)
+    return len(replacements)
 
 
 def add_required_outputs(model: onnx.ModelProto) -> int:
@@ -120,6 +304,8 @@ class DynamoExporter:
         state: dict[str, torch.Tensor] = dict(module.named_parameters())
         state.update(module.named_buffers())
         names = list(state)
+        persistent = set(module.state_dict(keep_vars=True))
+        constants = {n: t for n, t in state.items() if n not in persistent}
         wrapper = _ParametersAsInputs(module, len(args), names)
         wrapper.training = training
         values = tuple(state[n].detach() for n in names)
@@ -135,7 +321,7 @@ class DynamoExporter:
                 quiet.enter_context(_level(logging.getLogger(name), logging.ERROR))
         start = time.perf_counter()
         try:
-            with quiet:
+            with quiet, _float_batch_norm_momentum(module):
                 program = torch.onnx.export(
                     wrapper,
                     tuple(args) + values,
@@ -157,6 +343,10 @@ class DynamoExporter:
                 raised_in_forward=e if raised_in(e, type(module).forward) else None,
             ) from e
         model = program.model_proto
+        set_batch_norm_modes(model, module)
+        gather_max_pools(model)
+        _inputs_to_initializers(model, constants)
+        _drop_unread_inputs(model, persistent)
         added = add_required_outputs(model)
         logger.log(
             15, "dynamo export: %.2f s, %d nodes, %d outputs added for ORT's gradients", time.perf_counter() - start,

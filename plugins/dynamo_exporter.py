@@ -248,6 +248,32 @@ def gather_max_pools(model: onnx.ModelProto) -> int:
     return len(replacements)
 
 
+def separate_read_outputs(model: onnx.ModelProto) -> int:
+    """Give each graph output that nodes also read its own ``Identity``; returns how many.
+
+    ORT's compute optimizer (``UpStreamReshape``) moves a ``Reshape`` above the op that produced it, changing that
+    op's output; when that output is also a graph output (GPT-2's logits, which its loss flattens), the user would
+    get the reshaped tensor. The TorchScript route has a ``Cast`` there that the dynamo route's optimizer removes.
+    """
+    read = {name for node in model.graph.node for name in node.input}
+    produced = {name for node in model.graph.node for name in node.output}
+    separated = 0
+    for output in model.graph.output:
+        if output.name not in read or output.name not in produced:  # an input passed through stays as it is
+            continue
+        inner = f"ortcore.dynamo::{output.name}_inner"
+        for node in model.graph.node:
+            for k, name in enumerate(node.output):
+                if name == output.name:
+                    node.output[k] = inner
+            for k, name in enumerate(node.input):
+                if name == output.name:
+                    node.input[k] = inner
+        model.graph.node.append(onnx.helper.make_node("Identity", [inner], [output.name]))
+        separated += 1
+    return separated
+
+
 def add_required_outputs(model: onnx.ModelProto) -> int:
     """Give ``LayerNormalization`` and ``SoftmaxCrossEntropyLoss`` nodes the outputs ORT's gradients read; returns
     how many outputs were added."""
@@ -345,6 +371,7 @@ class DynamoExporter:
         model = program.model_proto
         set_batch_norm_modes(model, module)
         gather_max_pools(model)
+        separate_read_outputs(model)
         _inputs_to_initializers(model, constants)
         _drop_unread_inputs(model, persistent)
         added = add_required_outputs(model)

@@ -16,12 +16,22 @@ from .catalog import MODELS
 REPO = Path(__file__).resolve().parents[2]
 # Per model; the largest (convnext_tiny, 28M parameters) takes under a minute on 2 busy cores.
 DEFAULT_TIMEOUT_S = float(os.environ.get("ORTCORE_ZOO_TIMEOUT", "300"))
+# The exporters the zoo runs on ("routes"); the first is ortcore's default.
+EXPORTERS = ("torchscript", "dynamo")
 
 
-def child_env() -> dict[str, str]:
-    """The caller's environment without ortcore settings, with fallback to PyTorch disabled."""
+def check_exporter(exporter: str) -> str:
+    """``exporter`` if the zoo knows it, else a ValueError naming the allowed ones."""
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter {exporter!r} is not a zoo route; allowed: {', '.join(EXPORTERS)}")
+    return exporter
+
+
+def child_env(exporter: str = EXPORTERS[0]) -> dict[str, str]:
+    """The caller's environment without ortcore settings, with fallback to PyTorch disabled and ``exporter`` chosen."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ORTMODULE_", "ORTCORE_"))}
     env["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
+    env["ORTCORE_EXPORTER"] = check_exporter(exporter)
     env.setdefault("GOMP_SPINCOUNT", "10000")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
@@ -36,23 +46,29 @@ def _describe_returncode(code: int) -> str:
     return f"exited with return code {code} without writing a result"
 
 
-def run_model(name: str, out_dir: Path, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Run zoo model ``name`` in a child process; return its result, or a crash/timeout result made here.
+def run_model(
+    name: str, out_dir: Path, timeout: float = DEFAULT_TIMEOUT_S, exporter: str = EXPORTERS[0]
+) -> dict[str, Any]:
+    """Run zoo model ``name`` on ``exporter``'s route in a child process; return its result, or a crash/timeout
+    result made here.
 
     The child writes ``out_dir/<name>.json``; a child that dies or hangs is recorded with its return code (or the
     timeout) and the end of its stderr, and that record is written to the same file.
     """
     if name not in MODELS:
         raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
+    check_exporter(exporter)
     out = Path(out_dir) / f"{name}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "tests.zoo.run_model", name, "--json", str(out)]
+    # faulthandler: a child killed by a signal leaves its Python stack in stderr, which the crash result keeps.
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.zoo.run_model", name, "--json", str(out)]
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, cwd=REPO, env=child_env(exporter), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         result = _failure(name, "timeout", f"no result after {timeout:.0f} s (killed)", stderr)
+        result["exporter"] = exporter
     else:
         if out.is_file():
             result = json.loads(out.read_text())
@@ -61,6 +77,7 @@ def run_model(name: str, out_dir: Path, timeout: float = DEFAULT_TIMEOUT_S) -> d
         else:
             result = _failure(name, "crash", _describe_returncode(done.returncode), done.stderr)
             result["returncode"] = done.returncode
+            result["exporter"] = exporter
     result["wall_s"] = time.perf_counter() - t0
     from .run_model import write_json
 

@@ -1,8 +1,14 @@
-"""Write ``docs/models.md`` from the model zoo: status, ops run by PyTorch and why, step time against eager.
+"""Write ``docs/models.md`` from the model zoo, a column per exporter ("route"): status, why a model fails, ops run
+by PyTorch and why, step time against eager.
 
-python -m tests.zoo.report                      # run every model (one process each), then write docs/models.md
-python -m tests.zoo.report --results DIR        # use the JSON results of an earlier run (e.g. the pytest zoo)
-python -m tests.zoo.report --models bert,gpt2   # run only these (the page then lists only these)
+Each route's results are kept in ``tests/zoo/records/<exporter>.json`` (one row per model); the page is rendered
+from the records of every route, so one route can be rerun while the other's column stays as recorded.
+
+python -m tests.zoo.report                          # run every model on both routes, then write the page
+python -m tests.zoo.report --exporter dynamo        # rerun the dynamo route only (the torchscript column is kept)
+python -m tests.zoo.report --exporter dynamo --models bert,gpt2   # rerun these models on that route only
+python -m tests.zoo.report --exporter torchscript --results DIR   # record an earlier run's JSON (the pytest zoo)
+python -m tests.zoo.report --render                 # rewrite the page from the records, running nothing
 """
 
 from __future__ import annotations
@@ -25,37 +31,53 @@ if __package__ in (None, ""):  # run as a script: make `tests.zoo` importable
 
 from tests.zoo.catalog import MODELS  # noqa: E402
 from tests.zoo.deps import ensure_torchvision  # noqa: E402
-from tests.zoo.harness import REPO, describe_failure, run_model  # noqa: E402
+from tests.zoo.failures import BY_KEY, categorize, failure_op  # noqa: E402
+from tests.zoo.harness import EXPORTERS, REPO, check_exporter, describe_failure, run_model  # noqa: E402
 from tests.zoo.run_model import ATOL, F64_FACTOR, LR, RTOL, TIMED_STEPS, TRAIN_STEPS  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "models.md"
+RECORDS = Path(__file__).resolve().parent / "records"
+REGENERATE = "python -m tests.zoo.report"
 
 
-def run_all(names: list[str], out_dir: Path, log: bool = True) -> tuple[list[dict[str, Any]], float]:
-    """Run ``names`` one process each into ``out_dir``; return the results and the total wall time in seconds."""
+def run_all(
+    names: list[str], out_dir: Path, exporter: str = EXPORTERS[0], log: bool = True
+) -> tuple[list[dict[str, Any]], float]:
+    """Run ``names`` on ``exporter``'s route, one process each, into ``out_dir``; return the results and the total
+    wall time in seconds."""
     if any(MODELS[n].family == "torchvision" for n in names):
         ensure_torchvision()
     results = []
     t0 = time.perf_counter()
     for name in names:
-        result = run_model(name, out_dir)
+        result = run_model(name, out_dir, exporter=exporter)
         results.append(result)
         if log:
             print(
-                f"{name:22s} {result['status']:9s} {result.get('wall_s', 0):6.1f} s  {describe_failure(result)[:150]}",
+                f"{exporter:11s} {name:22s} {result['status']:9s} {result.get('wall_s', 0):6.1f} s  "
+                f"{describe_failure(result)[:150]}",
                 file=sys.stderr,
                 flush=True,
             )
     return results, time.perf_counter() - t0
 
 
-def read_results(directory: Path, names: list[str]) -> list[dict[str, Any]]:
-    """The results found in ``directory`` for ``names``; a model without a result file is listed as not run."""
+def read_results(directory: Path, names: list[str], exporter: str = EXPORTERS[0]) -> list[dict[str, Any]]:
+    """The results found in ``directory`` for ``names``; a model without a result file is listed as not run.
+
+    A result another exporter produced is refused (it would land in the wrong column).
+    """
     results = []
     for name in names:
         path = directory / f"{name}.json"
         if path.is_file():
-            results.append(json.loads(path.read_text()))
+            result = json.loads(path.read_text())
+            if result.get("exporter", EXPORTERS[0]) != exporter:
+                raise ValueError(
+                    f"{path} holds a result of the {result.get('exporter')!r} exporter, not {exporter!r}; "
+                    f"pass --exporter {result.get('exporter')}"
+                )
+            results.append(result)
         else:
             spec = MODELS[name]
             results.append(
@@ -137,27 +159,189 @@ def _versions() -> str:
     return f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, transformers {transformers.__version__}"
 
 
-def render(results: list[dict[str, Any]], wall_s: float, how: str, commit: str | None = None) -> str:
-    """The markdown page for ``results``."""
+def row(result: dict[str, Any], commit: str) -> dict[str, Any]:
+    """What the page shows of one model's result on one route (a record's row)."""
+    category = categorize(result)
+    err = result.get("error") or {}
+    first_error = ""
+    if result["status"] not in ("pass", "mismatch"):
+        first_error = f"{err.get('type')}: {err.get('first_line')}" if err.get("type") else str(err.get("first_line"))
+    return {
+        "model": result["model"],
+        "family": result["family"],
+        "description": result.get("description", ""),
+        "status": result["status"],
+        "phase": result.get("phase"),
+        "category": category.key if category else None,
+        "op": failure_op(result) if category else None,
+        "first_error": first_error,
+        "reason": describe_failure(result),
+        "margin": _margin(result),
+        "routed": _routed(result),
+        "step": _step(result),
+        "step_ratio": result.get("step_ratio"),
+        "first_step_s": result.get("ortcore_first_step_s"),
+        "load_average": result.get("load_average"),
+        "wall_s": result.get("wall_s"),
+        "commit": commit,
+    }
+
+
+def make_record(
+    exporter: str, results: list[dict[str, Any]], wall_s: float, how: str, commit: str, previous: dict | None = None
+) -> dict[str, Any]:
+    """A route's record: ``previous`` (if any) with the rows of ``results`` replaced, and this run's particulars."""
+    rows = dict(previous["models"]) if previous else {}
+    rows.update({r["model"]: row(r, commit) for r in results})
+    # Catalog order; a model no longer in the catalog is dropped.
+    rows = {name: rows[name] for name in MODELS if name in rows}
+    return {
+        "exporter": exporter,
+        "commit": commit,
+        "versions": _versions(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "generated": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "how": how,
+        "wall_s": wall_s,
+        "models_run": len(results),
+        "models": rows,
+    }
+
+
+def record_path(exporter: str, records: Path = RECORDS) -> Path:
+    return records / f"{check_exporter(exporter)}.json"
+
+
+def load_records(records: Path = RECORDS) -> dict[str, dict[str, Any]]:
+    """The record of every route that has one, in ``EXPORTERS`` order."""
+    found = {}
+    for exporter in EXPORTERS:
+        path = record_path(exporter, records)
+        if path.is_file():
+            found[exporter] = json.loads(path.read_text())
+    return found
+
+
+def _status_cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "not run"
+    if r["status"] == "pass":
+        return "✅ pass"
+    category = BY_KEY.get(r.get("category") or "other", BY_KEY["other"])
+    op = f" (`{r['op']}`)" if r.get("op") and category.key != "mismatch" else ""
+    return f"❌ {r['status']}: {category.label}{op}"
+
+
+def documented_statuses(text: str) -> dict[str, dict[str, str]]:
+    """Per route, per model, the status the page's results table shows (``pass``, ``error``, ``mismatch``, ...).
+
+    The dynamo zoo test compares a fresh run with these, so the page is the record of what each route does.
+    """
+    lines = text.splitlines()
+    try:
+        start = lines.index("## Results")
+    except ValueError:
+        raise ValueError("the page has no '## Results' section; regenerate it with " + REGENERATE) from None
+    header = next(line for line in lines[start:] if line.startswith("| model |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    routes = [c for c in columns if c in EXPORTERS]
+    statuses: dict[str, dict[str, str]] = {route: {} for route in routes}
+    for line in lines[lines.index(header, start) + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+        for route in routes:
+            cell = cells[route].removeprefix("✅").removeprefix("❌").strip()
+            statuses[route][cells["model"]] = cell.split(":")[0].strip()
+    return statuses
+
+
+def _counts(rows: dict[str, dict[str, Any]]) -> str:
     counts: dict[str, int] = {}
-    for r in results:
+    for r in rows.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    passed = counts.get("pass", 0)
-    ratios = sorted(r["step_ratio"] for r in results if isinstance(r.get("step_ratio"), int | float))
-    load = [r["load_average"] for r in results if isinstance(r.get("load_average"), int | float)]
+    passed = counts.pop("pass", 0)
+    rest = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    return f"{passed}/{len(rows)} pass" + (f" ({rest})" if rest else "")
+
+
+def _causes(exporter: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The failures of one route grouped by cause, with each model's first error line and the cause's repro."""
+    by_category: dict[str, list[dict[str, Any]]] = {}
+    for r in rows.values():
+        if r["status"] != "pass":
+            by_category.setdefault(r.get("category") or "other", []).append(r)
+    if not by_category:
+        return []
+    lines = [f"### Why models fail on the {exporter} route", ""]
+    for key, failed in sorted(by_category.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        category = BY_KEY.get(key, BY_KEY["other"])
+        names = ", ".join(r["model"] for r in failed)
+        lines += [f"**{category.label}** ({len(failed)}: {names}). {category.cause}", ""]
+        for r in failed:
+            line = r["first_error"] or r["reason"]
+            lines.append(f"- {r['model']}: `{_cell(line[:400]).replace('`', chr(39))}`")
+        if category.repro:
+            lines += [
+                "",
+                "<details><summary>minimal repro</summary>",
+                "",
+                "```python",
+                category.repro.rstrip(),
+                "```",
+                "",
+                "</details>",
+            ]
+        lines.append("")
+    return lines
+
+
+def render(records: dict[str, dict[str, Any]]) -> str:
+    """The markdown page for the routes' ``records`` (see ``make_record``)."""
+    routes = list(records)
+    names = [n for n in MODELS if any(n in rec["models"] for rec in records.values())]
+    default = EXPORTERS[0]
     lines = [
         "# Model zoo",
         "",
-        "<!-- Generated by `python -m tests.zoo.report`; do not edit by hand. -->",
+        f"<!-- Generated by `{REGENERATE}` from tests/zoo/records/; do not edit by hand. -->",
         "",
-        f"{len(results)} models trained under ortcore with `ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE` (a failure "
+        f"{len(names)} models trained under ortcore with `ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE` (a failure "
         "raises instead of running PyTorch), each in its own process, against eager PyTorch on a deep copy with the "
-        "same random initial weights. Tiny configs (hidden 32-64, 2 layers, vocabulary 128, batch 4, sequence "
-        "8-16; torchvision models at their real size with 96×96 images), every dropout off, no downloads.",
+        "same random initial weights, on each exporter (route): "
+        + ", ".join(f"`{e}`" + (" (the default)" if e == default else "") for e in routes)
+        + ". Tiny configs (hidden 32-64, 2 layers, vocabulary 128, batch 4, sequence 8-16; torchvision models at "
+        "their real size with 96×96 images), every dropout off, no downloads.",
         "",
-        f"**{passed}/{len(results)} pass** ("
-        + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()) if s != "pass")
-        + (")" if len(counts) > 1 or not passed else "none failing)"),
+        " · ".join(f"**{e}: {_counts(records[e]['models'])}**" for e in routes),
+        "",
+        "## Results",
+        "",
+        "| model | family | " + " | ".join(routes) + " |",
+        "|---|---|" + "---|" * len(routes),
+    ]
+    for name in names:
+        first = next(rec["models"][name] for rec in records.values() if name in rec["models"])
+        cells = [_cell(_status_cell(records[e]["models"].get(name))) for e in routes]
+        lines.append(f"| {name} | {first['family']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for e in routes:
+        lines += _causes(e, records[e]["models"])
+    lines += [
+        "## Routes and what the tests require",
+        "",
+        "- *torchscript* (`torch.onnx.export(dynamo=False)`, ortcore's default) and *dynamo* (`torch.export` + "
+        "onnxscript, the `dynamo_exporter` plugin), chosen with `ORTModule(model, exporter=...)` or "
+        "`ORTCORE_EXPORTER`; the zoo sets `ORTCORE_EXPORTER` in each model's process.",
+        "- `python -m pytest tests/zoo -m slow` runs the default route and requires every model to pass.",
+        "- `python -m pytest tests/zoo -m slow --exporter dynamo` runs the dynamo route and requires each model's "
+        "status to be the one in the table above, not a pass: a model that breaks fails the test, and so does one "
+        "that starts to pass (the test names both statuses). Either way the fix is to rerun the route "
+        f"(`{REGENERATE} --exporter dynamo`) and commit the page with the change that caused it, so the table "
+        "always says what the exporter does. Only the status is compared; the error line may change while a "
+        "model keeps failing.",
+        "- A fast test (`tests/zoo/test_report.py`, not slow) checks that this page is what the records in "
+        "`tests/zoo/records/` render to, so neither is edited alone.",
         "",
         "## What is checked",
         "",
@@ -176,37 +360,53 @@ def render(results: list[dict[str, Any]], wall_s: float, how: str, commit: str |
         "eager / ortcore, and the ratio ortcore ÷ eager (below 1: ortcore faster). Tiny models measure fixed "
         "per-step costs more than kernels; the machine is shared, so treat ratios as rough.",
         "",
-        "## Results",
-        "",
-        "| model | family | status | worst diff / tol. | ops on PyTorch (why) | step eager / ortcore | first step |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        status = "✅ pass" if r["status"] == "pass" else f"❌ {r['status']}"
-        first = f"{r['ortcore_first_step_s']:.2f} s" if isinstance(r.get("ortcore_first_step_s"), float) else "-"
+    for e in routes:
+        rows = records[e]["models"]
+        lines += [
+            f"## Details: {e} route",
+            "",
+            "| model | status | worst diff / tol. | ops on PyTorch (why) | step eager / ortcore | first step |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows.values():
+            status = "✅ pass" if r["status"] == "pass" else f"❌ {r['status']}"
+            first = f"{r['first_step_s']:.2f} s" if isinstance(r.get("first_step_s"), float) else "-"
+            lines.append(f"| {r['model']} | {status} | {r['margin']} | {_cell(r['routed'])} | {r['step']} | {first} |")
+        failing = [r for r in rows.values() if r["status"] != "pass"]
+        if failing:
+            lines += ["", f"Why each model fails on the {e} route:", ""]
+            lines += [f"- **{r['model']}** ({_cell(r['description'])}): {_cell(r['reason'])}" for r in failing]
+        lines.append("")
+    lines += ["## Runs", ""]
+    for e in routes:
+        rec = records[e]
+        rows = rec["models"]
+        ratios = sorted(r["step_ratio"] for r in rows.values() if isinstance(r.get("step_ratio"), int | float))
+        load = [r["load_average"] for r in rows.values() if isinstance(r.get("load_average"), int | float)]
+        commits = sorted({r["commit"] for r in rows.values()})
         lines.append(
-            f"| {r['model']} | {r['family']} | {status} | {_margin(r)} | {_cell(_routed(r))} | {_step(r)} | {first} |"
+            f"- **{e}**: {rec['how']}; total wall time {rec['wall_s'] / 60:.1f} min for {rec['models_run']} models"
+            + (f"; load average during the runs {min(load):.1f}-{max(load):.1f}" if load else "")
+            + (
+                f"; step-time ratio ortcore ÷ eager median {ratios[len(ratios) // 2]:.2f}, range "
+                f"{ratios[0]:.2f}-{ratios[-1]:.2f} over the {len(ratios)} models that ran"
+                if ratios
+                else "; no model ran to the timing phase"
+            )
+            + f". ortcore at {', '.join(commits)}; {rec['versions']}; {rec['machine']}; generated {rec['generated']}."
         )
-    failing = [r for r in results if r["status"] != "pass"]
-    if failing:
-        lines += ["", "## Why each failing model fails", ""]
-        for r in failing:
-            lines.append(f"- **{r['model']}** ({_cell(r.get('description', ''))}): {_cell(describe_failure(r))}")
     lines += [
         "",
-        "## Run",
+        "## Regenerating",
         "",
-        f"- {how}; total wall time {wall_s / 60:.1f} min for {len(results)} models"
-        + (f"; load average during the runs {min(load):.1f}-{max(load):.1f}" if load else "")
-        + ".",
-        f"- Step-time ratio ortcore ÷ eager: median {ratios[len(ratios) // 2]:.2f}, range "
-        f"{ratios[0]:.2f}-{ratios[-1]:.2f} over the {len(ratios)} models that ran."
-        if ratios
-        else "- No model ran to the timing phase.",
-        f"- ortcore at {commit or _git_commit()}; {_versions()}; {platform.machine()}, {os.cpu_count()} cores.",
-        f"- Generated {datetime.date.today().isoformat()} by `python -m tests.zoo.report`. One model by hand: "
-        "`python -m tests.zoo.run_model <name>`. As tests: `python -m pytest tests/zoo -m slow` "
-        "(`ORTCORE_ZOO_RESULTS=DIR` keeps the JSON results for `--results DIR`).",
+        f"- Both routes: `{REGENERATE}` (runs every model on each route, one process at a time, writes "
+        "`tests/zoo/records/<route>.json` and this page).",
+        f"- One route: `{REGENERATE} --exporter dynamo` (the other column is kept as recorded); a few models: "
+        "add `--models bert,gpt2`.",
+        "- From a test run: `ORTCORE_ZOO_RESULTS=DIR python -m pytest tests/zoo -m slow [--exporter dynamo]`, then "
+        f"`{REGENERATE} --exporter <route> --results DIR`. The page alone: `{REGENERATE} --render`.",
+        "- One model by hand: `ORTCORE_EXPORTER=dynamo python -m tests.zoo.run_model <name>`.",
         "",
     ]
     return "\n".join(lines)
@@ -221,35 +421,61 @@ def write_atomic(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, help="read results from this directory instead of running")
+    parser.add_argument(
+        "--exporter",
+        default=",".join(EXPORTERS),
+        help="comma-separated routes to run (default: %(default)s); the others keep their records",
+    )
+    parser.add_argument("--results", type=Path, help="record the results in this directory instead of running")
     parser.add_argument("--keep", type=Path, help="directory for the JSON results of this run (default: temporary)")
     parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--render", action="store_true", help="only rewrite the page from the records")
     parser.add_argument("--commit", help="the ortcore commit the results are from (default: this checkout's HEAD)")
+    parser.add_argument("--records", type=Path, default=RECORDS, help="records directory (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file to write (default: %(default)s)")
     args = parser.parse_args(argv)
+    exporters = [e.strip() for e in args.exporter.split(",") if e.strip()]
+    unknown = [e for e in exporters if e not in EXPORTERS]
+    if unknown or not exporters:
+        parser.error(f"--exporter {args.exporter!r}: allowed routes are {', '.join(EXPORTERS)}")
     names = list(MODELS)
     if args.models:
         names = [n.strip() for n in args.models.split(",") if n.strip()]
         unknown = [n for n in names if n not in MODELS]
         if unknown:
             parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
-    if args.results:
-        if not args.results.is_dir():
-            parser.error(f"--results {args.results}: not a directory")
-        results = read_results(args.results, names)
-        wall = sum(r.get("wall_s", 0.0) for r in results)
-        how = f"results read from `{args.results.name}/` (sum of per-model wall times)"
-    else:
-        with tempfile.TemporaryDirectory(prefix="ortcore-zoo-") as tmp:
-            out_dir = args.keep or Path(tmp)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            results, wall = run_all(names, out_dir)
-        how = "models run one after another, one process each"
-    write_atomic(args.out, render(results, wall, how, args.commit))
-    print(
-        f"wrote {args.out}: {sum(r['status'] == 'pass' for r in results)}/{len(results)} pass, {wall / 60:.1f} min",
-        file=sys.stderr,
-    )
+    if args.results and len(exporters) != 1:
+        parser.error("--results needs exactly one --exporter: the route those results were run on")
+    commit = args.commit or _git_commit()
+    if not args.render:
+        for exporter in exporters:
+            path = record_path(exporter, args.records)
+            previous = json.loads(path.read_text()) if path.is_file() else None
+            if args.results:
+                if not args.results.is_dir():
+                    parser.error(f"--results {args.results}: not a directory")
+                try:
+                    results = read_results(args.results, names, exporter)
+                except ValueError as e:
+                    parser.error(str(e))
+                wall = sum(r.get("wall_s", 0.0) for r in results)
+                how = "results of an earlier run recorded (sum of per-model wall times)"
+            else:
+                with tempfile.TemporaryDirectory(prefix=f"ortcore-zoo-{exporter}-") as tmp:
+                    out_dir = (args.keep / exporter) if args.keep else Path(tmp)
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    results, wall = run_all(names, out_dir, exporter)
+                how = "models run one after another, one process each"
+            if args.models:
+                how += f" (this run: {len(names)} of the models; the others as recorded before)"
+            record = make_record(exporter, results, wall, how, commit, previous)
+            write_atomic(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+            print(f"{exporter}: {_counts(record['models'])}, {wall / 60:.1f} min", file=sys.stderr)
+    records = load_records(args.records)
+    if not records:
+        parser.error(f"no records in {args.records}; run {REGENERATE} first")
+    write_atomic(args.out, render(records))
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

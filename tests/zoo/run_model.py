@@ -196,6 +196,7 @@ def run(name: str) -> dict[str, Any]:
         "phase": "build model",
         "tolerance": {"rtol": RTOL, "atol": ATOL, "f64_factor": F64_FACTOR},
         "fallback_policy": os.environ.get("ORTMODULE_FALLBACK_POLICY"),
+        "exporter": os.environ.get("ORTCORE_EXPORTER", "torchscript"),
         "torch_threads": torch.get_num_threads(),
     }
     try:

@@ -1,8 +1,11 @@
 """Every zoo model trains under ortcore (fallback disabled) with PyTorch's loss, gradients and AdamW loss curve.
 
-Each model runs in its own process (``tests.zoo.run_model``): a crash or a timeout fails that model only. Results
-are written as JSON to ``$ORTCORE_ZOO_RESULTS`` (default: a pytest temporary directory);
-``python -m tests.zoo.report --results DIR`` turns them into ``docs/models.md``.
+Each model runs in its own process (``tests.zoo.run_model``): a crash or a timeout fails that model only. The route
+is pytest's ``--exporter`` (default torchscript). On the default route every model must pass; on another route each
+model's status must be the one ``docs/models.md`` shows for that route, so a model that breaks or starts to pass
+fails the test until the page is regenerated (``python -m tests.zoo.report --exporter dynamo``). Results are written
+as JSON to ``$ORTCORE_ZOO_RESULTS`` (default: a pytest temporary directory);
+``python -m tests.zoo.report --exporter <route> --results DIR`` records them and rewrites the page.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import pytest
 
 from .catalog import MODELS
 from .deps import ensure_torchvision
-from .harness import describe_failure, run_model
+from .harness import EXPORTERS, check_exporter, describe_failure, run_model
+from .report import DEFAULT_OUT, REGENERATE, documented_statuses
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +38,36 @@ def torchvision_ready() -> None:
     ensure_torchvision()
 
 
+@pytest.fixture(scope="session")
+def route(request: pytest.FixtureRequest) -> str:
+    """The exporter the zoo runs on: pytest's ``--exporter``, else ortcore's default."""
+    return check_exporter(request.config.getoption("--exporter") or EXPORTERS[0])
+
+
+@pytest.fixture(scope="session")
+def documented(route: str) -> dict[str, str]:
+    """Per model, the status docs/models.md shows on ``route``."""
+    statuses = documented_statuses(DEFAULT_OUT.read_text())
+    if route not in statuses:
+        pytest.fail(f"{DEFAULT_OUT.name} has no {route} column; regenerate it: {REGENERATE} --exporter {route}")
+    return statuses[route]
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_model_trains_like_pytorch(name: str, zoo_results: Path, request: pytest.FixtureRequest) -> None:
+def test_model_trains_like_pytorch(name: str, zoo_results: Path, route: str, request: pytest.FixtureRequest) -> None:
+    """Default route: the model passes. Other routes: its status is the one docs/models.md records for it."""
     if MODELS[name].family == "torchvision":
         request.getfixturevalue("torchvision_ready")
-    result = run_model(name, zoo_results)
-    assert result["status"] == "pass", f"{name}: {describe_failure(result)}"
+    result = run_model(name, zoo_results, exporter=route)
+    if route == EXPORTERS[0]:
+        assert result["status"] == "pass", f"{name}: {describe_failure(result)}"
+        return
+    expected = request.getfixturevalue("documented").get(name, "not run")
+    change = "improved" if result["status"] == "pass" else "changed"
+    assert result["status"] == expected, (
+        f"{name} on the {route} route {change}: {DEFAULT_OUT.name} says {expected!r}, this run {result['status']!r} "
+        f"({describe_failure(result)}); regenerate the page with `{REGENERATE} --exporter {route}` and commit it"
+    )
 
 
 def test_a_crashing_model_is_reported_with_its_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

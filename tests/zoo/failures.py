@@ -1,0 +1,246 @@
+"""Why a zoo model failed, as a cause shared by other models: the categories under docs/models.md's table.
+
+A category is matched against the failure's exception type, first line, message and traceback (in that order of
+``Category.patterns``); the first category whose pattern matches wins, and a failure no pattern matches is
+``other``. Each category carries a short label for the table cell, a sentence on the cause and, where one exists,
+the smallest program that shows the same error without the zoo (``repro``), for whoever fixes the exporter.
+
+    python -m tests.zoo.failures    # run each repro on the dynamo route: does it still fail as described?
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Category:
+    """One cause of failure: ``key`` (stable, recorded in the results), a short ``label`` for the table, the
+    ``cause`` in a sentence or two, and a minimal ``repro`` (Python source) if there is one."""
+
+    key: str
+    label: str
+    cause: str
+    patterns: tuple[str, ...]
+    repro: str = ""
+
+    def matches(self, text: str) -> bool:
+        return any(re.search(p, text) for p in self.patterns)
+
+
+_NON_PERSISTENT_BUFFER_REPRO = """\
+# ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE python repro.py  (else ortcore falls back to PyTorch with a warning)
+import torch
+from ortcore import ORTModule
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4), persistent=False)  # not in state_dict()
+
+    def forward(self, x):
+        return self.lin(x * self.scale)
+
+ORTModule(M(), exporter="dynamo")(torch.randn(2, 4)).sum().backward()
+# UnsupportedModelError: exported graph has inputs that are neither arguments nor state: ['module.scale']
+"""
+
+_DATA_DEPENDENT_REPRO = """\
+# ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE python repro.py  (else ortcore falls back to PyTorch with a warning)
+import torch
+from ortcore import ORTModule
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, n):
+        k = int(n.max())  # a Python int read from a tensor: torch.export makes it an unbacked symbol u0
+        return self.lin(x)[:, :k] if k > 0 else self.lin(x)
+
+ORTModule(M(), exporter="dynamo")(torch.randn(2, 4), torch.tensor([3])).sum().backward()
+# ... GuardOnDataDependentSymNode: Could not guard on data-dependent expression u0 > 0
+"""
+
+_NO_ONNX_FUNCTION_REPRO = """\
+# ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE python repro.py  (else ortcore falls back to PyTorch with a warning)
+import torch
+from ortcore import ORTModule
+
+@torch.library.custom_op("zoo::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+scaled.register_fake(lambda x: torch.empty_like(x))
+scaled.register_autograd(lambda ctx, g: g * 2)
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return scaled(self.lin(x))
+
+ORTModule(M(), exporter="dynamo")(torch.randn(2, 4)).sum().backward()
+# DispatchError: No ONNX function found for <OpOverload(op='zoo.scaled', overload='default')>
+"""
+
+_NOT_ROUTED_REPRO = """\
+# ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE python repro.py  (else ortcore falls back to PyTorch with a warning)
+import torch
+from ortcore import ORTModule
+
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Hardswish())
+ORTModule(model, exporter="dynamo")(torch.randn(2, 4)).sum().backward()
+# GraphBuildError: ONNX Runtime could not build the training graph: The gradient builder has not been registered:
+# HardSwish ...   (exporter="torchscript" runs HardSwish on PyTorch: op_routing)
+"""
+
+CATEGORIES: tuple[Category, ...] = (
+    Category(
+        key="non_persistent_buffer",
+        label="non-persistent buffer becomes a graph input",
+        cause=(
+            "A buffer registered with `persistent=False` (BERT-style `position_ids`/`token_type_ids`, rotary "
+            "`inv_freq`) is not in `state_dict()`, so the dynamo exporter does not pass it as a named state input; "
+            "`torch.export` lifts it into a graph input anyway, under its module path, and ortcore refuses an "
+            "input it cannot feed."
+        ),
+        patterns=(r"exported graph has inputs that are neither arguments nor state",),
+        repro=_NON_PERSISTENT_BUFFER_REPRO,
+    ),
+    Category(
+        key="data_dependent_guard",
+        label="torch.export: data-dependent control flow",
+        cause=(
+            "The model branches or sizes a tensor on a value read from a tensor (`.item()`, `int(t)`, a "
+            "data-dependent `nonzero`); `torch.export` cannot decide the branch for every input "
+            "(`GuardOnDataDependentSymNode`)."
+        ),
+        patterns=(r"GuardOnDataDependentSymNode", r"[Cc]ould not guard on data-dependent expression"),
+        repro=_DATA_DEPENDENT_REPRO,
+    ),
+    Category(
+        key="op_not_routed",
+        label="ORT cannot train an op; op routing is TorchScript-only",
+        cause=(
+            "The graph holds an op ORT 1.19.2 cannot train: no gradient builder (HardSwish, Einsum, "
+            "InstanceNormalization from GroupNorm), no CPU kernel for its gradient (ConvTransposeGrad, ResizeGrad) "
+            "or a kernel that rejects the case (bidirectional GRU/LSTM). On the torchscript route the op_routing "
+            "plugin exports such ops as ATen nodes run by PyTorch; on the dynamo route nothing does, so ORT's "
+            "gradient build or session creation fails."
+        ),
+        patterns=(
+            r"gradient builder has not been registered",
+            r"[Cc]ould not find an implementation for \w+Grad",
+            r"kernel only supports the forward direction",
+        ),
+        repro=_NOT_ROUTED_REPRO,
+    ),
+    Category(
+        key="no_onnx_function",
+        label="no ONNX function for an op",
+        cause=(
+            "The exported program calls an operator (a library's custom op or an ATen op) that the dynamo "
+            "exporter's ONNX registry has no function for (`DispatchError`). The TorchScript route runs such ops "
+            "on PyTorch's kernels inside the graph (aten_fallback); the dynamo route has no such fallback."
+        ),
+        patterns=(r"No ONNX function found for", r"DispatchError"),
+        repro=_NO_ONNX_FUNCTION_REPRO,
+    ),
+)
+
+OTHER = Category(
+    key="other",
+    label="other",
+    cause="No shared cause recognised; see the model's first error line.",
+    patterns=(),
+)
+
+MISMATCH = Category(
+    key="mismatch",
+    label="trains, but not like PyTorch",
+    cause="The step ran in ONNX Runtime, but the loss, a gradient or the AdamW loss curve is outside the tolerance.",
+    patterns=(),
+)
+
+CRASH = Category(
+    key="crash",
+    label="process killed by a signal",
+    cause=(
+        "The model's process died (a segmentation fault or an abort) before writing a result; its stderr, with "
+        "faulthandler's Python stack, is the first error line's source."
+    ),
+    patterns=(),
+)
+
+TIMEOUT = Category(
+    key="timeout",
+    label="no result in time",
+    cause="The model's process wrote no result before the zoo's per-model timeout and was killed.",
+    patterns=(),
+)
+
+BY_KEY = {c.key: c for c in (*CATEGORIES, OTHER, MISMATCH, CRASH, TIMEOUT)}
+
+
+def categorize(result: dict[str, Any]) -> Category | None:
+    """The category of a failed result (None for a pass)."""
+    if result["status"] == "pass":
+        return None
+    special = {"mismatch": MISMATCH, "crash": CRASH, "timeout": TIMEOUT}
+    if result["status"] in special:
+        return special[result["status"]]
+    err = result.get("error") or {}
+    text = "\n".join(str(err.get(k) or "") for k in ("type", "first_line", "message", "traceback"))
+    return next((c for c in CATEGORIES if c.matches(text)), OTHER)
+
+
+def failure_op(result: dict[str, Any]) -> str | None:
+    """The operator a failure names, shortened to what a reader recognises (``aten::foo``, ``transformers.x``)."""
+    err = result.get("error") or {}
+    text = "\n".join(str(err.get(k) or "") for k in ("first_line", "message"))
+    match = (
+        re.search(r"OpOverload\(op='([\w.:]+)'", text)
+        or re.search(r"(aten::[\w.]+)", text)
+        or re.search(r"(\w+?)(?:Training)? and \w+Grad kernel", text)
+    )
+    return match.group(1) if match else err.get("op")
+
+
+def run_repro(category: Category, timeout: float = 300) -> tuple[bool, str]:
+    """Run ``category.repro`` in its own process; return whether it still fails with the category's error, and the
+    last line of its stderr."""
+    import subprocess
+    import sys
+
+    from .harness import REPO, child_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", category.repro],
+        cwd=REPO,
+        env=child_env("dynamo"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return done.returncode != 0 and category.matches(done.stderr), lines[-1] if lines else ""
+
+
+def main() -> int:
+    """Run every category's repro on the dynamo route: which causes still fail as described."""
+    for category in CATEGORIES:
+        if category.repro:
+            still, last = run_repro(category)
+            print(f"{category.key:24s} {'still fails' if still else 'NO LONGER FAILS AS DESCRIBED'}: {last[:200]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

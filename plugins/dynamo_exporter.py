@@ -274,6 +274,67 @@ def separate_read_outputs(model: onnx.ModelProto) -> int:
     return separated
 
 
+def _scalar_values(model: onnx.ModelProto) -> dict[str, float]:
+    """The graph's one-element float constants (initializers and ``Constant`` nodes), by value name."""
+    found = {}
+    tensors = [(t.name, t) for t in model.graph.initializer]
+    tensors += [
+        (n.output[0], a.t)
+        for n in model.graph.node
+        if n.op_type == "Constant"
+        for a in n.attribute
+        if a.name == "value"
+    ]
+    for name, tensor in tensors:
+        if tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16):
+            array = onnx.numpy_helper.to_array(tensor)
+            if array.size == 1:
+                found[name] = float(array.reshape(()))
+    return found
+
+
+def reorder_erf_gelus(model: onnx.ModelProto) -> int:
+    """Write ``x * (0.5 * (1 + erf(x / sqrt(2))))`` as ``(x * (1 + erf(x / sqrt(2)))) * 0.5``; returns how many.
+
+    The two are the same product; ORT fuses the second into its ``Gelu`` kernel (with ``GeluGrad``), as it does on
+    the TorchScript route, but not the first, which is how the dynamo route writes ``gelu(approximate="none")``.
+    """
+    scalars = _scalar_values(model)
+    producer = {name: node for node in model.graph.node for name in node.output}
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+
+    def made_by(name: str, op_type: str) -> onnx.NodeProto | None:
+        node = producer.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    reordered = 0
+    for outer in model.graph.node:
+        if outer.op_type != "Mul" or outer.domain not in ("", "ai.onnx") or len(outer.input) != 2:
+            continue
+        for k in (0, 1):
+            x, half_of = outer.input[k], outer.input[1 - k]
+            inner = made_by(half_of, "Mul")
+            if inner is None or readers.get(half_of) != 1:
+                continue
+            halves = [i for i, name in enumerate(inner.input) if abs(scalars.get(name, 0.0) - 0.5) < 1e-7]
+            if not halves:
+                continue
+            half, one_plus = inner.input[halves[0]], inner.input[1 - halves[0]]
+            add = made_by(one_plus, "Add")
+            erf = next((made_by(n, "Erf") for n in add.input if made_by(n, "Erf")), None) if add else None
+            div = made_by(erf.input[0], "Div") if erf else None
+            if div is None or div.input[0] != x or abs(scalars.get(div.input[1], 0.0) - 2**0.5) > 1e-6:
+                continue
+            inner.input[0], inner.input[1] = x, one_plus
+            outer.input[0], outer.input[1] = half_of, half
+            reordered += 1
+            break
+    return reordered
+
+
 def add_required_outputs(model: onnx.ModelProto) -> int:
     """Give ``LayerNormalization`` and ``SoftmaxCrossEntropyLoss`` nodes the outputs ORT's gradients read; returns
     how many outputs were added."""
@@ -372,6 +433,7 @@ class DynamoExporter:
         set_batch_norm_modes(model, module)
         gather_max_pools(model)
         separate_read_outputs(model)
+        reorder_erf_gelus(model)
         _inputs_to_initializers(model, constants)
         _drop_unread_inputs(model, persistent)
         added = add_required_outputs(model)

@@ -37,6 +37,24 @@ def child_env(exporter: str = EXPORTERS[0]) -> dict[str, str]:
     return env
 
 
+def source_commit() -> str:
+    """This checkout's HEAD (short), marked when ortcore/ or plugins/ have uncommitted changes: what a model's run
+    tested (asked per model: each child imports ortcore afresh, so a commit during a run shows in its later rows)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "ortcore", "plugins"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown commit"
+    if out.returncode != 0:
+        return "unknown commit (not a git checkout)"
+    return out.stdout.strip() + (" (with uncommitted changes in ortcore/ or plugins/)" if dirty else "")
+
+
 def _describe_returncode(code: int) -> str:
     if code < 0:
         try:
@@ -79,6 +97,7 @@ def run_model(
             result["returncode"] = done.returncode
             result["exporter"] = exporter
     result["wall_s"] = time.perf_counter() - t0
+    result["commit"] = source_commit()
     from .run_model import write_json
 
     write_json(result, out)

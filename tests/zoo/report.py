@@ -19,7 +19,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `tests.zoo` importable
 from tests.zoo.catalog import MODELS  # noqa: E402
 from tests.zoo.deps import ensure_torchvision  # noqa: E402
 from tests.zoo.failures import BY_KEY, categorize, failure_op  # noqa: E402
-from tests.zoo.harness import EXPORTERS, REPO, check_exporter, describe_failure, run_model  # noqa: E402
+from tests.zoo.harness import EXPORTERS, REPO, check_exporter, describe_failure, run_model, source_commit  # noqa: E402
 from tests.zoo.run_model import ATOL, F64_FACTOR, LR, RTOL, TIMED_STEPS, TRAIN_STEPS  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "models.md"
@@ -135,22 +134,6 @@ def _step(result: dict[str, Any]) -> str:
     return f"{st['eager'] * 1e3:.1f} / {st['ortcore'] * 1e3:.1f} ms (×{result['step_ratio']:.2f})"
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "ortcore", "plugins"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        if out.returncode != 0:
-            return "unknown commit (not a git checkout)"
-        return out.stdout.strip() + (" (with uncommitted changes in ortcore/ or plugins/)" if dirty else "")
-    except OSError:
-        return "unknown commit"
-
-
 def _versions() -> str:
     import onnxruntime
     import torch
@@ -183,7 +166,7 @@ def row(result: dict[str, Any], commit: str) -> dict[str, Any]:
         "first_step_s": result.get("ortcore_first_step_s"),
         "load_average": result.get("load_average"),
         "wall_s": result.get("wall_s"),
-        "commit": commit,
+        "commit": result.get("commit") or commit,
     }
 
 
@@ -430,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="directory for the JSON results of this run (default: temporary)")
     parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
     parser.add_argument("--render", action="store_true", help="only rewrite the page from the records")
-    parser.add_argument("--commit", help="the ortcore commit the results are from (default: this checkout's HEAD)")
+    parser.add_argument(
+        "--commit",
+        help="the ortcore commit of results that do not name theirs (default: this checkout's HEAD)",
+    )
     parser.add_argument("--records", type=Path, default=RECORDS, help="records directory (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file to write (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -446,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
     if args.results and len(exporters) != 1:
         parser.error("--results needs exactly one --exporter: the route those results were run on")
-    commit = args.commit or _git_commit()
+    commit = args.commit or source_commit()
     if not args.render:
         for exporter in exporters:
             path = record_path(exporter, args.records)

@@ -224,3 +224,24 @@ def test_graph_output_read_by_the_loss_keeps_its_shape_under_the_compute_optimiz
         assert_grads_match(ours, reference, f"batch {seed}: ")
         ours.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
+
+
+class ErfGelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 12)
+        self.down = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+def test_erf_gelu_runs_as_ort_gelu_kernels_and_trains_like_torch():
+    """gelu(approximate="none") reaches ORT's Gelu and GeluGrad kernels, as on the TorchScript route."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (5, 8, 3)]
+    ours, _ = train_side_by_side(ErfGelu(), batches, classify)
+    kernels = {n.op_type for n in ours.state_machine.current[1].model.graph.node}
+    assert {"Gelu", "GeluGrad"} <= kernels, sorted(kernels)
+    assert ours.state_machine.counters.exports == 1

@@ -293,11 +293,13 @@ def _scalar_values(model: onnx.ModelProto) -> dict[str, float]:
     return found
 
 
-def reorder_erf_gelus(model: onnx.ModelProto) -> int:
-    """Write ``x * (0.5 * (1 + erf(x / sqrt(2))))`` as ``(x * (1 + erf(x / sqrt(2)))) * 0.5``; returns how many.
+def reorder_gelus(model: onnx.ModelProto) -> int:
+    """Write ``x * (0.5 * (1 + f(x)))`` as ``(x * (1 + f(x))) * 0.5`` for both GELUs; returns how many.
 
-    The two are the same product; ORT fuses the second into its ``Gelu`` kernel (with ``GeluGrad``), as it does on
-    the TorchScript route, but not the first, which is how the dynamo route writes ``gelu(approximate="none")``.
+    ``f(x)`` is ``erf(x / sqrt(2))`` or ``tanh(sqrt(2 / pi) * (x + 0.044715 * x**3))``. The two products are the
+    same; ORT fuses the second into its ``Gelu`` / ``FastGelu`` kernels (with their gradients) and the
+    ``aten_fallback`` plugin's tanh-GELU pass recognises it, as on the TorchScript route, whose graphs have that
+    order; the dynamo route writes the first.
     """
     scalars = _scalar_values(model)
     producer = {name: node for node in model.graph.node for name in node.output}
@@ -309,6 +311,18 @@ def reorder_erf_gelus(model: onnx.ModelProto) -> int:
     def made_by(name: str, op_type: str) -> onnx.NodeProto | None:
         node = producer.get(name)
         return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    def is_gelu_term(name: str, x: str) -> bool:
+        """``name`` is ``erf(x / sqrt(2))`` or ``tanh(c * (x + ...))``."""
+        erf = made_by(name, "Erf")
+        if erf is not None:
+            div = made_by(erf.input[0], "Div")
+            return div is not None and div.input[0] == x and abs(scalars.get(div.input[1], 0.0) - 2**0.5) < 1e-6
+        tanh = made_by(name, "Tanh")
+        scaled = made_by(tanh.input[0], "Mul") if tanh is not None else None
+        if scaled is None:
+            return False
+        return any((add := made_by(n, "Add")) is not None and x in add.input for n in scaled.input)
 
     reordered = 0
     for outer in model.graph.node:
@@ -324,9 +338,7 @@ def reorder_erf_gelus(model: onnx.ModelProto) -> int:
                 continue
             half, one_plus = inner.input[halves[0]], inner.input[1 - halves[0]]
             add = made_by(one_plus, "Add")
-            erf = next((made_by(n, "Erf") for n in add.input if made_by(n, "Erf")), None) if add else None
-            div = made_by(erf.input[0], "Div") if erf else None
-            if div is None or div.input[0] != x or abs(scalars.get(div.input[1], 0.0) - 2**0.5) > 1e-6:
+            if add is None or not any(is_gelu_term(n, x) for n in add.input):
                 continue
             inner.input[0], inner.input[1] = x, one_plus
             outer.input[0], outer.input[1] = half_of, half
@@ -433,7 +445,7 @@ class DynamoExporter:
         set_batch_norm_modes(model, module)
         gather_max_pools(model)
         separate_read_outputs(model)
-        reorder_erf_gelus(model)
+        reorder_gelus(model)
         _inputs_to_initializers(model, constants)
         _drop_unread_inputs(model, persistent)
         added = add_required_outputs(model)

@@ -6,13 +6,15 @@ gradient (rtol 1e-4, atol 1e-5, the parity suite's tolerances), and buffers wher
 * max pooling trains across batch sizes without re-exporting (ORT's ``MaxPoolGrad`` crashes on dynamic axes);
 * a non-persistent buffer becomes an initializer, not a graph input;
 * parameters a call does not read get no gradient instead of failing ORT's gradient build;
-* a graph output that the graph also reads keeps its shape under ORT's compute optimizer.
+* a graph output that the graph also reads keeps its shape under ORT's compute optimizer;
+* erf GELU reaches ORT's fused ``Gelu`` kernels, tanh GELU the ``aten_fallback`` plugin's pass.
 """
 
 from __future__ import annotations
 
 import copy
 
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,22 +228,38 @@ def test_graph_output_read_by_the_loss_keeps_its_shape_under_the_compute_optimiz
         reference.zero_grad(set_to_none=True)
 
 
-class ErfGelu(nn.Module):
-    def __init__(self):
+class GeluMLP(nn.Module):
+    def __init__(self, approximate: str):
         super().__init__()
         self.up = nn.Linear(6, 12)
         self.down = nn.Linear(12, 3)
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
+
+
+def gelu_batches():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (5, 8, 3)]
 
 
 def test_erf_gelu_runs_as_ort_gelu_kernels_and_trains_like_torch():
-    """gelu(approximate="none") reaches ORT's Gelu and GeluGrad kernels, as on the TorchScript route."""
+    """gelu(approximate="none") reaches ORT's Gelu and GeluGrad kernels, as on the TorchScript route (the dynamo
+    route's product order hid it from ORT's fusion)."""
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (5, 8, 3)]
-    ours, _ = train_side_by_side(ErfGelu(), batches, classify)
-    kernels = {n.op_type for n in ours.state_machine.current[1].model.graph.node}
-    assert {"Gelu", "GeluGrad"} <= kernels, sorted(kernels)
+    ours, _ = train_side_by_side(GeluMLP("none"), gelu_batches(), classify)
+    found = {n.op_type for n in ours.state_machine.current[1].model.graph.node}
+    assert {"Gelu", "GeluGrad"} <= found, sorted(found)
     assert ours.state_machine.counters.exports == 1
+
+
+def test_tanh_gelu_trains_like_torch_and_is_found_by_aten_fallbacks_pass():
+    """gelu(approximate="tanh") is written in the order the aten_fallback plugin's tanh-GELU pass recognises."""
+    from ortcore_plugins.aten_fallback.graph_passes import replace_tanh_gelu
+
+    torch.manual_seed(0)
+    ours, _ = train_side_by_side(GeluMLP("tanh"), gelu_batches(), classify)
+    exported = onnx.ModelProto()
+    exported.CopyFrom(ours.state_machine.current[0].model)
+    assert replace_tanh_gelu(exported) == 1

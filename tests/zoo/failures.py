@@ -30,39 +30,25 @@ class Category:
         return any(re.search(p, text) for p in self.patterns)
 
 
-_NON_PERSISTENT_BUFFER_REPRO = """\
-# ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE python repro.py  (else ortcore falls back to PyTorch with a warning)
-import torch
-from ortcore import ORTModule
-
-class M(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-        self.register_buffer("scale", torch.ones(4), persistent=False)  # not in state_dict()
-
-    def forward(self, x):
-        return self.lin(x * self.scale)
-
-ORTModule(M(), exporter="dynamo")(torch.randn(2, 4)).sum().backward()
-# UnsupportedModelError: exported graph has inputs that are neither arguments nor state: ['module.scale']
-"""
-
 _DATA_DEPENDENT_REPRO = """\
 # ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE python repro.py  (else ortcore falls back to PyTorch with a warning)
 import torch
+import torch.nn.functional as F
 from ortcore import ORTModule
 
-class M(torch.nn.Module):
+class M(torch.nn.Module):  # DebertaV2ForSequenceClassification's loss, shortened
     def __init__(self):
         super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
+        self.lin = torch.nn.Linear(4, 3)
 
-    def forward(self, x, n):
-        k = int(n.max())  # a Python int read from a tensor: torch.export makes it an unbacked symbol u0
-        return self.lin(x)[:, :k] if k > 0 else self.lin(x)
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        index = (labels >= 0).nonzero()  # its size is known only at run time: torch.export's unbacked symbol u0
+        if index.size(0) > 0:
+            return F.cross_entropy(logits, labels)
+        return logits.sum() * 0
 
-ORTModule(M(), exporter="dynamo")(torch.randn(2, 4), torch.tensor([3])).sum().backward()
+ORTModule(M(), exporter="dynamo")(torch.randn(2, 4), torch.tensor([0, 2])).backward()
 # ... GuardOnDataDependentSymNode: Could not guard on data-dependent expression u0 > 0
 """
 
@@ -109,18 +95,19 @@ CATEGORIES: tuple[Category, ...] = (
             "A buffer registered with `persistent=False` (BERT-style `position_ids`/`token_type_ids`, rotary "
             "`inv_freq`) is not in `state_dict()`, so the dynamo exporter does not pass it as a named state input; "
             "`torch.export` lifts it into a graph input anyway, under its module path, and ortcore refuses an "
-            "input it cannot feed."
+            "input it cannot feed. Fixed in the dynamo exporter at db6d06d (such buffers become initializers); "
+            "kept so that a return of the error is named."
         ),
         patterns=(r"exported graph has inputs that are neither arguments nor state",),
-        repro=_NON_PERSISTENT_BUFFER_REPRO,
     ),
     Category(
         key="data_dependent_guard",
         label="torch.export: data-dependent control flow",
         cause=(
-            "The model branches or sizes a tensor on a value read from a tensor (`.item()`, `int(t)`, a "
-            "data-dependent `nonzero`); `torch.export` cannot decide the branch for every input "
-            "(`GuardOnDataDependentSymNode`)."
+            "The model branches on a value read from a tensor; in the zoo, in the loss code: DeBERTa-v2's "
+            "classification loss tests `(labels >= 0).nonzero().size(0) > 0` (`u0 > 0`), Wav2Vec2ForCTC tests "
+            "`labels.max() >= vocab_size` (`Eq(u0, 1)`). `torch.export` cannot decide such a branch for every "
+            "input (`GuardOnDataDependentSymNode`); the TorchScript exporter traces the branch the example takes."
         ),
         patterns=(r"GuardOnDataDependentSymNode", r"[Cc]ould not guard on data-dependent expression"),
         repro=_DATA_DEPENDENT_REPRO,

@@ -325,6 +325,8 @@ def render(records: dict[str, dict[str, Any]]) -> str:
         "model keeps failing.",
         "- A fast test (`tests/zoo/test_report.py`, not slow) checks that this page is what the records in "
         "`tests/zoo/records/` render to, so neither is edited alone.",
+        "- Each cause's minimal repro runs with `python -m tests.zoo.failures` (and as slow tests in "
+        "`tests/zoo/test_report.py`): a repro that stops failing means the exporter fixed that cause.",
         "",
         "## What is checked",
         "",

@@ -99,3 +99,13 @@ def test_child_process_gets_the_route_and_nothing_else_of_ortcore(monkeypatch: p
         child_env("onnx")
     with pytest.raises(ValueError, match="not a zoo route"):
         run_model("conv1d", Path("."), exporter="onnx")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("category", [c for c in CATEGORIES if c.repro], ids=lambda c: c.key)
+def test_each_repro_still_fails_as_its_category_says(category) -> None:
+    """A repro that stops failing means the exporter fixed that cause: drop the category (or its repro) then."""
+    from .failures import run_repro
+
+    still, last = run_repro(category)
+    assert still, f"{category.key}'s repro no longer fails with {category.patterns}; last stderr line: {last}"

@@ -123,8 +123,11 @@ def _inputs_to_initializers(model: onnx.ModelProto, values: dict[str, torch.Tens
     moved = [i for i in model.graph.input if i.name in values]
     for value in moved:
         model.graph.input.remove(value)
-        tensor = values[value.name].detach().cpu()
-        model.graph.initializer.append(onnx.numpy_helper.from_array(tensor.numpy(), name=value.name))
+        tensor = values[value.name].detach().cpu().contiguous()
+        initializer = onnx.TensorProto(name=value.name, data_type=value.type.tensor_type.elem_type)
+        initializer.dims.extend(tensor.shape)
+        initializer.raw_data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()  # bfloat16 has no numpy dtype
+        model.graph.initializer.append(initializer)
     return len(moved)
 
 

@@ -318,11 +318,12 @@ def render(records: dict[str, dict[str, Any]]) -> str:
         "`ORTCORE_EXPORTER`; the zoo sets `ORTCORE_EXPORTER` in each model's process.",
         "- `python -m pytest tests/zoo -m slow` runs the default route and requires every model to pass.",
         "- `python -m pytest tests/zoo -m slow --exporter dynamo` runs the dynamo route and requires each model's "
-        "status to be the one in the table above, not a pass: a model that breaks fails the test, and so does one "
-        "that starts to pass (the test names both statuses). Either way the fix is to rerun the route "
-        f"(`{REGENERATE} --exporter dynamo`) and commit the page with the change that caused it, so the table "
-        "always says what the exporter does. Only the status is compared; the error line may change while a "
-        "model keeps failing.",
+        "status to be the one the table above shows for it, pass or not: a model that breaks fails the test, and so "
+        "does one that starts to pass (the message names both statuses). An improvement is recorded by rerunning the "
+        f"route (`{REGENERATE} --exporter dynamo`) and committing the page with the change that caused it; a "
+        "regression is fixed, or recorded the same way if accepted. So the table always says what the route does, "
+        "and no model has to pass for the suite to be green. Only the status is compared: the error line may change "
+        "while a model keeps failing.",
         "- A fast test (`tests/zoo/test_report.py`, not slow) checks that this page is what the records in "
         "`tests/zoo/records/` render to, so neither is edited alone.",
         "- Each cause's minimal repro runs with `python -m tests.zoo.failures` (and as slow tests in "

@@ -476,7 +476,7 @@ def test_plot_draws_the_dynamo_modes_in_colours_of_their_own(tmp_path: Path) -> 
 # -- end to end --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_quick_runs_every_model_and_mode_and_its_json_redraws_the_same_table(tmp_path: Path) -> None:
-    """``ortcore bench --quick --json --plot`` through the console script (about a minute on 2 cores)."""
+    """``ortcore bench --quick --json --plot`` through the console script (about 2 minutes on 2 cores)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"}
     out, png = tmp_path / "quick.json", tmp_path / "quick.png"
     argv = [sys.executable, "-m", "ortcore.cli", "bench", "--quick", "--json", str(out), "--plot", str(png)]
@@ -490,6 +490,8 @@ def test_quick_runs_every_model_and_mode_and_its_json_redraws_the_same_table(tmp
         assert r["ok"], r["error"]
         assert r["config"] == "quick" and len(r["step_times_s"]) == bench.PRESETS["quick"].steps
         assert r["vs_eager"]["max_loss_rel_diff"] < 1e-4  # same seed, weights and batches: same loss curve
+        if r["mode"] in bench.ORTCORE_EXPORTERS:  # each ortcore row on the exporter its mode names
+            assert r["details"]["exporter"] == bench.ORTCORE_EXPORTERS[r["mode"]]
     assert data["configs"][0]["n_params"].keys() == {"bert", "gpt2"}
     assert _png_size(png) == _expected_png_size()
 

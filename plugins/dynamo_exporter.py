@@ -15,16 +15,20 @@ The seam's contract (``ortcore.exporter.Exporter``) holds as on the TorchScript 
   ``SoftmaxCrossEntropyLoss`` its log-probability output when the exporter left them out (their gradients read
   them).
 
-Three differences from ``torch.export``'s view of a module are smoothed over, so that the graph is the one the
-TorchScript route gives:
+The graph is then rewritten into the one the TorchScript route gives ORT's training engine (each rewrite's reason
+is on its function; ``docs/plugins/dynamo_exporter.md`` has the table):
 
-* **Batch norm with ``momentum=None``** (a cumulative average) divides by ``num_batches_tracked``, a data-dependent
-  value ``torch.export`` cannot trace. ortcore updates running statistics itself (``ortcore.graph.update_batch_norm``),
-  so the graph's momentum is never used: such modules are traced with a float momentum, restored afterwards.
-* **Non-persistent buffers** (not in ``state_dict``, such as BERT's ``position_ids``) are not graph inputs: they
-  become initializers holding their values, as the TorchScript route makes them constants.
-* **Parameters and buffers the traced call does not read** (a branch not taken) are not graph inputs either: ORT's
-  gradient builder refuses a trainable input with no consumer, and the TorchScript route leaves them out.
+* **Batch norm**: ``momentum=None`` (a cumulative average, ``1 / num_batches_tracked``, which ``torch.export``
+  cannot trace) is traced with a float momentum, since ortcore updates running statistics itself
+  (``ortcore.graph.update_batch_norm``); training-mode nodes get ``training_mode=1`` and their outputs, eval-mode
+  ones become arithmetic on the running statistics (:func:`set_batch_norm_modes`).
+* **Max pooling** is its indices plus a ``Gather`` (:func:`gather_max_pools`): ORT's ``MaxPoolGrad`` crashes on
+  dynamic axes.
+* **Non-persistent buffers** (not in ``state_dict``, such as BERT's ``position_ids``) become initializers, and
+  **parameters the traced call does not read** are not graph inputs (ORT refuses a trainable input without a
+  consumer).
+* **Graph outputs that nodes also read** get their own ``Identity`` (:func:`separate_read_outputs`), and **GELU**
+  is written in the product order ORT fuses (:func:`reorder_gelus`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ import onnx.numpy_helper
 import torch
 
 from ortcore.errors import UnsupportedModelError
-from ortcore.exporter import DYNAMO, raised_in
+from ortcore.exporter import DYNAMO, custom_autograd_disabled, function_name, raised_in
 from ortcore.hookspecs import hookimpl
 from ortcore.options import LogLevel
 
@@ -377,8 +377,11 @@ class DynamoExporter:
 
     name = DYNAMO
 
-    def __init__(self, optimize: bool = True):
+    def __init__(self, optimize: bool = True, *, inline_autograd_functions: bool = False):
         self.optimize = optimize
+        # ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0: the user accepts custom Functions traced through (as on the TorchScript
+        # route); otherwise a model calling one is refused (see _custom_functions).
+        self.inline_autograd_functions = inline_autograd_functions
 
     def fingerprint(self) -> dict[str, Any]:
         versions = {}
@@ -387,7 +390,7 @@ class DynamoExporter:
                 versions[package] = importlib.metadata.version(package)
             except importlib.metadata.PackageNotFoundError:
                 versions[package] = None
-        return {"optimize": self.optimize, **versions}
+        return {"optimize": self.optimize, "inline_autograd_functions": self.inline_autograd_functions, **versions}
 
     def export(
         self,
@@ -426,8 +429,9 @@ class DynamoExporter:
             for name in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes"):
                 quiet.enter_context(_level(logging.getLogger(name), logging.ERROR))
         start = time.perf_counter()
+        called: list[type] = []
         try:
-            with quiet, _float_batch_norm_momentum(module):
+            with quiet, _float_batch_norm_momentum(module), _custom_functions(called):
                 program = torch.onnx.export(
                     wrapper,
                     tuple(args) + values,
@@ -448,6 +452,15 @@ class DynamoExporter:
                 f"the dynamo exporter could not export {type(module).__name__}: {text}",
                 raised_in_forward=e if raised_in(e, type(module).forward) else None,
             ) from e
+        custom = sorted({function_name(f) for f in called if not f.__module__.startswith("torch.")})
+        if custom and not self.inline_autograd_functions:
+            raise UnsupportedModelError(
+                f"the model calls the custom autograd Function(s) {', '.join(custom)}: torch.export traces through "
+                "their forward, so ONNX Runtime would differentiate the forward instead of running their backward "
+                '(a wrong gradient wherever the two differ). Use exporter = "torchscript", whose autograd_function '
+                "plugin runs each as a PythonOp calling its own backward, or set ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 "
+                "to accept tracing through them"
+            )
         model = program.model_proto
         set_batch_norm_modes(model, module)
         gather_max_pools(model)
@@ -464,15 +477,42 @@ class DynamoExporter:
 
 
 def _first_line(error: BaseException) -> str:
-    """The line of a torch.export / onnxscript error that says what failed (their messages open with advice)."""
+    """The line of a torch.export / onnxscript error that says what failed (their messages open with advice), and
+    where in the model: the ``File ..., line N`` and code line torch.export names for data-dependent control flow,
+    with what to do (graph breaks are impossible inside one exported graph)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    for line in lines:
-        if line.startswith("<class ") or "Error" in line.split(":")[0]:
-            return line
-    cause = error.__cause__
-    if cause is not None and str(cause).strip():
-        return str(cause).strip().splitlines()[0]
-    return lines[0] if lines else type(error).__name__
+    what = next((line for line in lines if line.startswith("<class ") or "Error" in line.split(":")[0]), None)
+    if what is None:
+        cause = error.__cause__
+        what = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else None
+    what = what or (lines[0] if lines else type(error).__name__)
+    if "raised this error:" in str(error):
+        after = lines[next(i for i, line in enumerate(lines) if "raised this error:" in line) + 1 :]
+        where = [line for line in after[:2] if line]
+        if where and where[0].startswith("File "):
+            what += f" at {where[0]}" + (f": {where[1]}" if len(where) > 1 else "")
+    if "data-dependent" in what:
+        what += (
+            " (Python control flow on a tensor's value: torch.export cannot break the graph there; use torch.cond, "
+            'compute the condition outside the model, or use exporter = "torchscript", which traces the branch taken)'
+        )
+    return what
+
+
+@contextlib.contextmanager
+def _custom_functions(called: list[type]) -> Iterator[None]:
+    """Record every ``torch.autograd.Function`` subclass applied while tracing (torch.export inlines them)."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        called.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
 
 
 @contextlib.contextmanager
@@ -487,4 +527,4 @@ def _level(log: logging.Logger, level: int):
 
 @hookimpl
 def ortcore_exporters(config: Any) -> dict[str, Any]:
-    return {DYNAMO: lambda config: DynamoExporter()}
+    return {DYNAMO: lambda config: DynamoExporter(inline_autograd_functions=custom_autograd_disabled(config.env))}

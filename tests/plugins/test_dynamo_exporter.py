@@ -157,3 +157,100 @@ def test_graph_takes_parameters_as_named_inputs_and_has_the_outputs_ort_needs():
     assert outputs == {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
     batch_dim = graph.input[0].type.tensor_type.shape.dim[0]
     assert batch_dim.dim_param  # symbolic: batch changes reuse the graph
+
+
+# -- what torch.export does differently ----------------------------------------------------------------------------
+
+
+class Triple(torch.autograd.Function):
+    """Forward doubles, backward triples: differentiating the forward would give 2, PyTorch gives 3."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+class UsesFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Triple.apply(self.fc(x)).sum()
+
+
+def test_custom_autograd_function_is_refused_not_differentiated_wrongly():
+    model = ORTModule(UsesFunction(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(UnsupportedModelError, match=r"custom autograd Function\(s\) .*Triple: torch.export traces"):
+        model(torch.randn(3, 4))
+
+
+def test_custom_autograd_function_falls_back_to_pytorch_by_default_policy():
+    """With the default fallback policy the model runs in PyTorch: the Function's own backward (3, not 2)."""
+    torch.manual_seed(0)
+    reference = UsesFunction()
+    model = ORTModule(copy.deepcopy(reference), host=dynamo_host(), exporter="dynamo")
+    x = torch.randn(3, 4)
+    with pytest.warns(RuntimeWarning, match=r"running UsesFunction in PyTorch.*Triple"):
+        model(x).backward()
+    reference(x).backward()
+    torch.testing.assert_close(model.fc.bias.grad, reference.fc.bias.grad, rtol=0, atol=0)
+    torch.testing.assert_close(reference.fc.bias.grad, torch.full((4,), 9.0))  # 3 rows x backward's 3
+
+
+def test_custom_autograd_function_traced_through_when_asked():
+    """ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0: traced through on both routes: the forward's derivative (2 per row)."""
+    host = dynamo_host(env={"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "0"})
+    model = ORTModule(UsesFunction(), host=host, exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    model(torch.randn(3, 4)).backward()
+    torch.testing.assert_close(model.fc.bias.grad, torch.full((4,), 6.0))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.fc1(t)), x, use_reentrant=False)
+        return self.fc2(h).sum()
+
+
+def test_checkpointed_model_trains_like_pytorch():
+    torch.manual_seed(0)
+    reference = Checkpointed()
+    model = ORTModule(
+        copy.deepcopy(reference), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE"
+    )
+    x = torch.randn(5, 4)
+    loss, expected = model(x), reference(x)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:  # data-dependent: no graph break is possible on this route
+            h = h * 2
+        return h.sum()
+
+
+def test_data_dependent_control_flow_error_names_the_line():
+    model = ORTModule(Branches(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(
+        UnsupportedModelError, match=r"test_dynamo_exporter.py\", line \d+, in forward: if h.sum\(\) > 0.*torch.cond"
+    ):
+        model(torch.randn(3, 4))

@@ -87,6 +87,32 @@ ORTModule(model, exporter="dynamo")(torch.randn(2, 4)).sum().backward()
 # HardSwish ...   (exporter="torchscript" runs HardSwish on PyTorch: op_routing)
 """
 
+_CUSTOM_FUNCTION_REPRO = """\
+# ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE python repro.py  (else ortcore falls back to PyTorch with a warning)
+import torch
+from ortcore import ORTModule
+
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Double.apply(self.lin(x))
+
+ORTModule(M(), exporter="dynamo")(torch.randn(2, 4)).sum().backward()
+# UnsupportedModelError: the model calls the custom autograd Function(s) __main__.Double: torch.export traces ...
+"""
+
 CATEGORIES: tuple[Category, ...] = (
     Category(
         key="non_persistent_buffer",
@@ -99,6 +125,18 @@ CATEGORIES: tuple[Category, ...] = (
             "kept so that a return of the error is named."
         ),
         patterns=(r"exported graph has inputs that are neither arguments nor state",),
+    ),
+    Category(
+        key="custom_autograd_function",
+        label="custom autograd Function refused",
+        cause=(
+            "The model calls a `torch.autograd.Function` (BLOOM's `GeLUFunction`). `torch.export` traces through its "
+            "forward, so ORT would differentiate the forward instead of running the Function's backward; the dynamo "
+            "route refuses such a model (since 051ca2a) unless `ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0` accepts the "
+            "traced forward. The torchscript route runs each Function as a PythonOp calling its own backward."
+        ),
+        patterns=(r"calls the custom autograd Function",),
+        repro=_CUSTOM_FUNCTION_REPRO,
     ),
     Category(
         key="data_dependent_guard",

@@ -253,6 +253,23 @@ def _trace_through(function: type, args: tuple, kwargs: dict) -> Any:
 
 
 @contextlib.contextmanager
+def function_apply_replaced(replacement: Callable[..., Any]):
+    """Inside, ``SomeFunction.apply(*args, **kwargs)`` of every ``torch.autograd.Function`` subclass calls
+    ``replacement(cls, apply, args, kwargs)``, where ``apply(cls, *args, **kwargs)`` is torch's own; restored after.
+    Exporters use it to see or redirect custom Functions while tracing."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        return replacement(cls, original.__func__, args, kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+@contextlib.contextmanager
 def _tracing_through(handler_for: Callable[[type], Any] | None):
     """While tracing, call the forward of each Function whose handler answers :data:`INLINE` as ordinary code, so
     that the tracer records its ops (the body torch records for a Function call is wrong for some Functions, e.g.
@@ -260,20 +277,16 @@ def _tracing_through(handler_for: Callable[[type], Any] | None):
     if handler_for is None:
         yield
         return
-    original = torch.autograd.Function.__dict__["apply"]
 
-    def apply(cls, *args, **kwargs):
+    def apply(cls, original, args, kwargs):
         if torch.jit.is_tracing() and getattr(cls, "symbolic", None) is None:
             handler = _handler(handler_for, cls)
             if handler == INLINE or getattr(handler, "traces_through", lambda _args: False)(args):
                 return _trace_through(cls, args, kwargs)
-        return original.__func__(cls, *args, **kwargs)
+        return original(cls, *args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
+    with function_apply_replaced(apply):
         yield
-    finally:
-        torch.autograd.Function.apply = original
 
 
 def _handler(handler_for: Callable[[type], Any], function: type) -> Any:

@@ -46,7 +46,13 @@ import onnx.numpy_helper
 import torch
 
 from ortcore.errors import UnsupportedModelError
-from ortcore.exporter import DYNAMO, custom_autograd_disabled, function_name, raised_in
+from ortcore.exporter import (
+    DYNAMO,
+    custom_autograd_disabled,
+    function_apply_replaced,
+    function_name,
+    raised_in,
+)
 from ortcore.hookspecs import hookimpl
 from ortcore.options import LogLevel
 
@@ -499,20 +505,14 @@ def _first_line(error: BaseException) -> str:
     return what
 
 
-@contextlib.contextmanager
-def _custom_functions(called: list[type]) -> Iterator[None]:
+def _custom_functions(called: list[type]) -> contextlib.AbstractContextManager:
     """Record every ``torch.autograd.Function`` subclass applied while tracing (torch.export inlines them)."""
-    original = torch.autograd.Function.__dict__["apply"]
 
-    def apply(cls, *args, **kwargs):
+    def apply(cls, original, args, kwargs):
         called.append(cls)
-        return original.__func__(cls, *args, **kwargs)
+        return original(cls, *args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original
+    return function_apply_replaced(apply)
 
 
 @contextlib.contextmanager

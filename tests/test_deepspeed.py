@@ -62,9 +62,8 @@ def _rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one(deepspeed_world) -> None:
-    """DeepSpeed's engine needs torch.distributed: the session's gloo world of one process (tests/conftest.py)."""
+# DeepSpeed's optimizers and engine call torch.distributed: the session's gloo world of one (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("deepspeed_world")
 
 
 def ds_config(stage: int, **extra: Any) -> dict[str, Any]:

@@ -35,9 +35,8 @@ POISON = {2: INF, 5: NAN}
 POISON_STEPS = sorted(POISON)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_process_group(deepspeed_world):
-    """DeepSpeed's optimizers call torch.distributed: the session's world of one process (tests/conftest.py)."""
+# DeepSpeed's optimizers and engine call torch.distributed: the session's gloo world of one (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("deepspeed_world")
 
 
 def mlp() -> torch.nn.Module:

@@ -189,6 +189,8 @@ STOP_GRADIENT = "StopGradient"
 AUTOGRAD_FUNCTION_PLUGIN = "autograd_function"
 ATEN_FALLBACK_PLUGIN = "aten_fallback"  # runs ops without an ONNX symbolic (named in the exporter's error)
 INLINE = "inline"  # a handler's answer: trace through the Function's forward, as if it were ordinary code
+# Reentrant activation checkpointing, the one torch Function a handler decides about (see the autograd_function plugin).
+TORCH_CHECKPOINT_FUNCTION = "torch.utils.checkpoint.CheckpointFunction"
 
 
 def custom_autograd_disabled(env: Mapping[str, str]) -> bool:

@@ -93,6 +93,27 @@ def ortcore_export_symbolics(config: Config) -> dict[str, Any] | None:
 
 
 @hookspec
+def ortcore_export_translations(config: Config) -> dict[Any, Callable[..., Any]] | None:
+    """Extra onnxscript translations for the dynamo route (``torch.onnx.export``'s ``custom_translation_table``):
+    ``{torch.ops.ns.op.overload: onnxscript_function}``. An op with a translation is kept whole in the exported
+    program (not decomposed) and becomes whatever nodes its function writes (``org.pytorch.aten::ATen``,
+    ``com.microsoft::PythonOp``, ...). The dynamo counterpart of ``ortcore_export_symbolics``.
+
+    Called once per ORTModule on the dynamo route; an overload claimed by two plugins is an error naming both. None:
+    nothing to add.
+    """
+
+
+@hookspec
+def ortcore_program_passes(config: Config) -> list[GraphPass] | None:
+    """Passes over ``torch.export``'s program on the dynamo route, before it is translated to ONNX: each
+    ``GraphPass``'s ``run(program: torch.export.ExportedProgram, context)`` edits ``program.graph_module`` in place
+    (replacing calls ONNX Runtime cannot serve by custom ops that ``ortcore_export_translations`` translate, say).
+    Ordered by their ``before``/``after`` names like graph passes. None: nothing to add.
+    """
+
+
+@hookspec
 def ortcore_graph_passes(config: Config) -> list[GraphPass] | None:
     """Post-export graph passes: small objects with a unique ``name``, ``before``/``after`` lists of other passes'
     names, and ``run(model: onnx.ModelProto, context) -> None`` that edits the forward graph in place.

@@ -2,7 +2,8 @@
 
 Stages, in the order data flows, with the hook plugins implement at each (docs/architecture.md)::
 
-    export                     ortcore_exporter, ortcore_export_symbolics, ortcore_load_export/ortcore_export_done
+    export                     ortcore_exporter, ortcore_export_symbolics (TorchScript) or ortcore_export_translations
+                               and ortcore_program_passes (dynamo), ortcore_load_export/ortcore_export_done
     pre-gradient graph passes  ortcore_graph_passes
     gradient build             ortcore_graph_transformer_config            -> BuiltGraph
     gradient-graph passes      ortcore_gradient_graph_passes               (edit BuiltGraph.model)

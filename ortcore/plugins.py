@@ -455,6 +455,13 @@ class Hooks:
     def export_symbolics(self) -> dict[str, Any]:
         return self._merged("ortcore_export_symbolics", "register a symbolic for", config=self.config)
 
+    def export_translations(self) -> dict[Any, Any]:
+        return self._merged("ortcore_export_translations", "translate", config=self.config)
+
+    def program_passes(self) -> list[GraphPass]:
+        found = self._collect_items("ortcore_program_passes", config=self.config)
+        return order_passes(attrs.evolve(p, plugin=plugin) for plugin, p in found)
+
     def graph_passes(self) -> list[GraphPass]:
         found = self._collect_items("ortcore_graph_passes", config=self.config)
         return order_passes(attrs.evolve(p, plugin=plugin) for plugin, p in found)

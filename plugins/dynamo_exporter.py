@@ -38,7 +38,7 @@ import importlib.metadata
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import onnx
@@ -47,12 +47,16 @@ import torch
 
 from ortcore.errors import UnsupportedModelError
 from ortcore.exporter import (
+    AUTOGRAD_FUNCTION_PLUGIN,
     DYNAMO,
+    INLINE,
+    TORCH_CHECKPOINT_FUNCTION,
     custom_autograd_disabled,
     function_apply_replaced,
     function_name,
     raised_in,
 )
+from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import LogLevel
 
@@ -388,6 +392,22 @@ class DynamoExporter:
         # ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0: the user accepts custom Functions traced through (as on the TorchScript
         # route); otherwise a model calling one is refused (see _custom_functions).
         self.inline_autograd_functions = inline_autograd_functions
+        # What plugins add to this route (use_hooks): onnxscript translations of ops, passes over the exported
+        # program before it is translated, and who runs each custom autograd Function.
+        self.translations: dict[Any, Callable[..., Any]] = {}
+        self.program_passes: list[GraphPass] = []
+        self.function_handler: Callable[[type], Any] | None = None
+        self.config: Any = None
+
+    def use_hooks(self, hooks: Any) -> None:
+        """Take the plugins' contributions to this route: ``ortcore_export_translations`` (onnxscript translations
+        of ops, torch.onnx's ``custom_translation_table``), ``ortcore_program_passes`` (edits of the exported
+        program's FX graph before translation) and ``ortcore_autograd_function_handler`` (who runs each custom
+        autograd Function: its handler's ``dynamo_apply``)."""
+        self.translations.update(hooks.export_translations())
+        self.program_passes = list(hooks.program_passes())
+        self.function_handler = hooks.autograd_function_handler
+        self.config = hooks.config
 
     def fingerprint(self) -> dict[str, Any]:
         versions = {}
@@ -397,6 +417,39 @@ class DynamoExporter:
             except importlib.metadata.PackageNotFoundError:
                 versions[package] = None
         return {"optimize": self.optimize, "inline_autograd_functions": self.inline_autograd_functions, **versions}
+
+    def _custom_functions(self, refused: list[type]) -> contextlib.AbstractContextManager:
+        """While tracing, each custom ``torch.autograd.Function`` call goes where its handler says
+        (``ortcore_autograd_function_handler``): traced through (:data:`ortcore.exporter.INLINE`, or the handler's
+        ``traces_through(args)``), or the handler's ``dynamo_apply(apply, args, kwargs)``, which records the call
+        in the exported program (a custom op its translation turns into a node). A Function nobody answers for is
+        traced through and appended to ``refused`` (the export is refused after tracing, naming them all), unless
+        ``inline_autograd_functions``. torch's own Functions are traced through, except reentrant
+        ``torch.utils.checkpoint``, which is the handler's to decide as on the TorchScript route."""
+
+        def apply(cls, original, args, kwargs):
+            name = function_name(cls)
+            if name.startswith("torch.") and name != TORCH_CHECKPOINT_FUNCTION:
+                return original(cls, *args, **kwargs)
+            handler = self.function_handler(cls) if self.function_handler is not None else None
+            if handler is None:
+                if not self.inline_autograd_functions and name != TORCH_CHECKPOINT_FUNCTION:
+                    refused.append(cls)
+                return original(cls, *args, **kwargs)
+            if handler != INLINE and hasattr(handler, "check"):
+                handler.check()
+            if handler == INLINE or getattr(handler, "traces_through", lambda _args: False)(args):
+                return original(cls, *args, **kwargs)
+            dynamo_apply = getattr(handler, "dynamo_apply", None)
+            if dynamo_apply is None:
+                raise UnsupportedModelError(
+                    f"the custom autograd Function {name} is handled by {type(handler).__name__}, which cannot run "
+                    'it on the dynamo route (it has no dynamo_apply): use exporter = "torchscript", or set '
+                    "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 to trace through it"
+                )
+            return dynamo_apply(cls, original, args, kwargs)
+
+        return function_apply_replaced(apply)
 
     def export(
         self,
@@ -435,18 +488,23 @@ class DynamoExporter:
             for name in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes"):
                 quiet.enter_context(_level(logging.getLogger(name), logging.ERROR))
         start = time.perf_counter()
-        called: list[type] = []
+        refused: list[type] = []
         try:
-            with quiet, _float_batch_norm_momentum(module), _custom_functions(called):
-                program = torch.onnx.export(
-                    wrapper,
-                    tuple(args) + values,
+            with quiet, _float_batch_norm_momentum(module), self._custom_functions(refused):
+                program = _capture(wrapper, tuple(args) + values, (dims + (None,) * len(values),))
+            captured = time.perf_counter()
+            context = PassContext(module=module, training=training, config=self.config)
+            for program_pass in self.program_passes:
+                program_pass.run(program, context)
+            with quiet:
+                onnx_program = torch.onnx.export(
+                    program,
                     dynamo=True,
                     input_names=list(input_names) + names,
                     output_names=list(output_names) or None,
-                    dynamic_shapes=(dims + (None,) * len(values),),
                     opset_version=max(opset, 18),
                     optimize=self.optimize,
+                    custom_translation_table=self.translations or None,
                     verbose=log_level == LogLevel.VERBOSE,
                     report=False,
                 )
@@ -458,16 +516,16 @@ class DynamoExporter:
                 f"the dynamo exporter could not export {type(module).__name__}: {text}",
                 raised_in_forward=e if raised_in(e, type(module).forward) else None,
             ) from e
-        custom = sorted({function_name(f) for f in called if not f.__module__.startswith("torch.")})
-        if custom and not self.inline_autograd_functions:
+        if refused:
             raise UnsupportedModelError(
-                f"the model calls the custom autograd Function(s) {', '.join(custom)}: torch.export traces through "
-                "their forward, so ONNX Runtime would differentiate the forward instead of running their backward "
-                '(a wrong gradient wherever the two differ). Use exporter = "torchscript", whose autograd_function '
-                "plugin runs each as a PythonOp calling its own backward, or set ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 "
-                "to accept tracing through them"
+                f"the model calls the custom autograd Function(s) "
+                f"{', '.join(sorted({function_name(f) for f in refused}))}: torch.export traces through their "
+                "forward, so ONNX Runtime would differentiate the forward instead of running their backward (a wrong "
+                f"gradient wherever the two differ), and no plugin runs them on this route. Enable the "
+                f"{AUTOGRAD_FUNCTION_PLUGIN!r} plugin, which runs each as a PythonOp calling its own backward, or set "
+                "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 to accept tracing through them"
             )
-        model = program.model_proto
+        model = onnx_program.model_proto
         set_batch_norm_modes(model, module)
         gather_max_pools(model)
         separate_read_outputs(model)
@@ -476,8 +534,8 @@ class DynamoExporter:
         _drop_unread_inputs(model, persistent)
         added = add_required_outputs(model)
         logger.log(
-            15, "dynamo export: %.2f s, %d nodes, %d outputs added for ORT's gradients", time.perf_counter() - start,
-            len(model.graph.node), added,
+            15, "dynamo export: %.2f s (torch.export %.2f s), %d nodes, %d outputs added for ORT's gradients",
+            time.perf_counter() - start, captured - start, len(model.graph.node), added,
         )  # fmt: skip
         return model
 
@@ -505,14 +563,21 @@ def _first_line(error: BaseException) -> str:
     return what
 
 
-def _custom_functions(called: list[type]) -> contextlib.AbstractContextManager:
-    """Record every ``torch.autograd.Function`` subclass applied while tracing (torch.export inlines them)."""
-
-    def apply(cls, original, args, kwargs):
-        called.append(cls)
-        return original(cls, *args, **kwargs)
-
-    return function_apply_replaced(apply)
+def _capture(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple) -> torch.export.ExportedProgram:
+    """``torch.export`` as ``torch.onnx.export(dynamo=True)`` captures a module (non-strict first, then strict);
+    the first strategy's error is raised when none succeeds."""
+    try:
+        from torch.onnx._internal.exporter import _capture_strategies
+    except ImportError:  # another torch layout: plain non-strict export
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    failures = []
+    for strategy_class in _capture_strategies.CAPTURE_STRATEGIES:
+        strategy = strategy_class(verbose=False, dump=False, artifacts_dir=".", timestamp="")
+        result = strategy(module, args, None, dynamic_shapes=dynamic_shapes)
+        if result.exported_program is not None:
+            return result.exported_program
+        failures.append(result.exception)
+    raise failures[0]
 
 
 @contextlib.contextmanager

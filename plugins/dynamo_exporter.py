@@ -395,19 +395,21 @@ class DynamoExporter:
         # What plugins add to this route (use_hooks): onnxscript translations of ops, passes over the exported
         # program before it is translated, and who runs each custom autograd Function.
         self.translations: dict[Any, Callable[..., Any]] = {}
-        self.program_passes: list[GraphPass] = []
-        self.function_handler: Callable[[type], Any] | None = None
-        self.config: Any = None
+        self.hooks: Any = None
 
     def use_hooks(self, hooks: Any) -> None:
-        """Take the plugins' contributions to this route: ``ortcore_export_translations`` (onnxscript translations
-        of ops, torch.onnx's ``custom_translation_table``), ``ortcore_program_passes`` (edits of the exported
-        program's FX graph before translation) and ``ortcore_autograd_function_handler`` (who runs each custom
-        autograd Function: its handler's ``dynamo_apply``)."""
-        self.translations.update(hooks.export_translations())
-        self.program_passes = list(hooks.program_passes())
-        self.function_handler = hooks.autograd_function_handler
-        self.config = hooks.config
+        """Take the plugins' contributions to this route, asked for at each export: ``ortcore_program_passes``
+        (edits of the exported program's FX graph before translation), then ``ortcore_export_translations``
+        (onnxscript translations of ops, torch.onnx's ``custom_translation_table``; asked after the passes, which
+        may define the ops they translate) and ``ortcore_autograd_function_handler`` (who runs each custom autograd
+        Function: its handler's ``dynamo_apply``)."""
+        self.hooks = hooks
+
+    def _translations(self) -> dict[Any, Callable[..., Any]]:
+        return {**(self.hooks.export_translations() if self.hooks is not None else {}), **self.translations}
+
+    def _function_handler(self, function: type) -> Any:
+        return self.hooks.autograd_function_handler(function) if self.hooks is not None else None
 
     def fingerprint(self) -> dict[str, Any]:
         versions = {}
@@ -431,7 +433,7 @@ class DynamoExporter:
             name = function_name(cls)
             if name.startswith("torch.") and name != TORCH_CHECKPOINT_FUNCTION:
                 return original(cls, *args, **kwargs)
-            handler = self.function_handler(cls) if self.function_handler is not None else None
+            handler = self._function_handler(cls)
             if handler is None:
                 if not self.inline_autograd_functions and name != TORCH_CHECKPOINT_FUNCTION:
                     refused.append(cls)
@@ -493,9 +495,10 @@ class DynamoExporter:
             with quiet, _float_batch_norm_momentum(module), self._custom_functions(refused):
                 program = _capture(wrapper, tuple(args) + values, (dims + (None,) * len(values),))
             captured = time.perf_counter()
-            context = PassContext(module=module, training=training, config=self.config)
-            for program_pass in self.program_passes:
-                program_pass.run(program, context)
+            if self.hooks is not None:
+                context = PassContext(module=module, training=training, config=self.hooks.config)
+                for program_pass in self.hooks.program_passes():
+                    program_pass.run(program, context)
             with quiet:
                 onnx_program = torch.onnx.export(
                     program,
@@ -504,7 +507,7 @@ class DynamoExporter:
                     output_names=list(output_names) or None,
                     opset_version=max(opset, 18),
                     optimize=self.optimize,
-                    custom_translation_table=self.translations or None,
+                    custom_translation_table=self._translations() or None,
                     verbose=log_level == LogLevel.VERBOSE,
                     report=False,
                 )

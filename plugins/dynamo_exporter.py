@@ -56,7 +56,7 @@ from ortcore.exporter import (
     function_name,
     raised_in,
 )
-from ortcore.graph_passes import GraphPass, PassContext
+from ortcore.graph_passes import PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import LogLevel
 

@@ -34,8 +34,11 @@ is on its function; ``docs/plugins/dynamo_exporter.md`` has the table):
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
+import inspect
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -500,16 +503,14 @@ class DynamoExporter:
                 for program_pass in self.hooks.program_passes():
                     program_pass.run(program, context)
             with quiet:
-                onnx_program = torch.onnx.export(
+                onnx_program = _translate(
                     program,
-                    dynamo=True,
+                    self._translations(),
                     input_names=list(input_names) + names,
                     output_names=list(output_names) or None,
-                    opset_version=max(opset, 18),
+                    opset=max(opset, 18),
                     optimize=self.optimize,
-                    custom_translation_table=self._translations() or None,
                     verbose=log_level == LogLevel.VERBOSE,
-                    report=False,
                 )
         except UnsupportedModelError:
             raise
@@ -564,6 +565,67 @@ def _first_line(error: BaseException) -> str:
             'compute the condition outside the model, or use exporter = "torchscript", which traces the branch taken)'
         )
     return what
+
+
+_base_registries: dict[int, Any] = {}
+_registry_lock = threading.Lock()
+
+
+def _registry(opset: int, translations: dict[Any, Callable[..., Any]]) -> Any:
+    """torch.onnx's table of op translations for ``opset`` with ``translations`` added (to a copy). The table of
+    torch's and onnxscript's own translations is built once per process: building it takes 0.4-0.9 s, which every
+    export after the first (an inference graph, a new input signature, another model) would pay again."""
+    from torch.onnx._internal.exporter import _registration
+
+    with _registry_lock:
+        base = _base_registries.get(opset)
+        if base is None:
+            base = _base_registries[opset] = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    registry = copy.copy(base)
+    registry.functions = {op: list(entries) for op, entries in base.functions.items()}
+    for op, function in translations.items():
+        registry.register_op(op, function, is_complex=False)
+    return registry
+
+
+def _translate(
+    program: torch.export.ExportedProgram,
+    translations: dict[Any, Callable[..., Any]],
+    *,
+    input_names: list[str],
+    output_names: list[str] | None,
+    opset: int,
+    optimize: bool,
+    verbose: bool,
+) -> Any:
+    """``torch.onnx.export(program, dynamo=True, custom_translation_table=translations)`` on the per-process
+    translation table (:func:`_registry`); through the public call on a torch whose exporter is laid out otherwise."""
+    try:
+        from torch.onnx._internal.exporter import _core
+    except ImportError:
+        _core = None
+    if _core is None or "registry" not in inspect.signature(_core.export).parameters:
+        return torch.onnx.export(
+            program,
+            dynamo=True,
+            input_names=input_names,
+            output_names=output_names,
+            opset_version=opset,
+            optimize=optimize,
+            custom_translation_table=translations or None,
+            verbose=verbose,
+            report=False,
+        )
+    return _core.export(
+        program,
+        registry=_registry(opset, translations),
+        input_names=input_names,
+        output_names=output_names,
+        opset_version=opset,
+        optimize=optimize,
+        verbose=verbose,
+        report=False,
+    )
 
 
 def _capture(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple) -> torch.export.ExportedProgram:

@@ -159,6 +159,95 @@ def test_graph_takes_parameters_as_named_inputs_and_has_the_outputs_ort_needs():
     assert batch_dim.dim_param  # symbolic: batch changes reuse the graph
 
 
+# -- the route's seam: plugins' translations and program passes ---------------------------------------------------
+
+_seam_library = torch.library.Library("ortcore_seam_test", "FRAGMENT")
+_seam_library.define("scaled(Tensor x, float k) -> Tensor")
+_seam_library.impl("scaled", lambda x, k: x * k, "CompositeImplicitAutograd")
+
+
+class UsesScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(torch.ops.ortcore_seam_test.scaled(self.fc(x), 0.5), y)
+
+
+class SeamPlugin:
+    """A third-party plugin extending the dynamo route: a pass over the exported program and a translation."""
+
+    def __init__(self):
+        self.seen_in_program: list[str] = []
+        self.translated: list[float] = []
+
+    def _count(self, program, context) -> None:
+        assert isinstance(program, torch.export.ExportedProgram) and context.training
+        self.seen_in_program += [
+            str(n.target) for n in program.graph.nodes if "ortcore_seam_test" in str(getattr(n, "target", ""))
+        ]
+
+    @hookimpl
+    def ortcore_program_passes(self, config):
+        from ortcore.graph_passes import GraphPass
+
+        return [GraphPass("seam_test.count", run=self._count)]
+
+    @hookimpl
+    def ortcore_export_translations(self, config):
+        from onnxscript import opset18 as op
+
+        def scaled(x, k: float):
+            self.translated.append(k)
+            return op.Mul(x, op.CastLike(op.Constant(value_float=k), x))
+
+        return {torch.ops.ortcore_seam_test.scaled.default: scaled}
+
+
+def test_plugins_translate_ops_and_see_the_exported_program():
+    """A plugin's op is kept whole through decomposition and translated by the plugin's function; its program pass
+    runs on the exported program first. Loss and gradients equal PyTorch's (rtol 1e-5, atol 1e-6)."""
+    torch.manual_seed(0)
+    reference = UsesScaled()
+    seam = SeamPlugin()
+    host = make_host({plugin.NAME: plugin, "seam_test": seam})
+    model = ORTModule(copy.deepcopy(reference), host=host, exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    x, y = batch(5, 0)
+    loss, expected = model(x, y), reference(x, y)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert seam.seen_in_program == ["ortcore_seam_test.scaled.default"]
+    assert seam.translated == [0.5]
+
+
+def test_translation_table_is_built_once_and_plugins_translations_stay_per_export(monkeypatch):
+    """torch.onnx's own table of translations is built once per process; a plugin's translation goes into the copy
+    one export uses, never into the shared table."""
+    from torch.onnx._internal.exporter import _registration
+
+    built = []
+    original = _registration.ONNXRegistry.from_torchlib.__func__
+
+    def counting(cls, *args, **kwargs):
+        built.append(1)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(_registration.ONNXRegistry, "from_torchlib", classmethod(counting))
+    monkeypatch.setattr(plugin, "_base_registries", {})
+    seam = SeamPlugin()
+    host = make_host({plugin.NAME: plugin, "seam_test": seam})
+    for _ in range(2):
+        model = ORTModule(UsesScaled(), host=host, exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+        model(*batch(4, 0)).backward()
+    assert len(built) == 1 and seam.translated == [0.5, 0.5]
+    shared = plugin._base_registries[18]
+    assert not shared.is_registered(torch.ops.ortcore_seam_test.scaled.default)
+
+
 # -- what torch.export does differently ----------------------------------------------------------------------------
 
 

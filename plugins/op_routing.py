@@ -29,9 +29,7 @@ alias an input (``diagonal``'s view), which ORT must own.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +51,7 @@ from ortcore_plugins.services.aten_nodes import (
     FLOAT_TYPES,
     aten_node,
     constant_argument,
+    define_wrapper,
     is_none,
     is_string_constant,
     op_packet,
@@ -66,7 +65,7 @@ logger = logging.getLogger("ortcore.op_routing")
 NAME = "op_routing"
 ENV_ENABLED = "ORTCORE_OP_ROUTING"
 ENV_NEVER = "ORTCORE_OP_ROUTING_NEVER"
-WRAPPER_NAMESPACE = "ortcore_route"
+WRAPPER_NAMESPACE = aten_nodes.WRAPPER_NAMESPACE
 REASONS_PASS = "op_routing.reasons"
 TYPES_PASS = "op_routing.typed_outputs"
 METADATA_PREFIX = ROUTED_METADATA_PREFIX
@@ -277,11 +276,6 @@ def _base_symbolic(op: str, opset: int) -> Callable[..., Any] | None:
     return base[max(usable)] if usable else None
 
 
-_wrapper_lock = threading.Lock()
-_wrapper_library: torch.library.Library | None = None
-_wrappers: dict[str, str] = {}  # wrapper name -> its schema text
-
-
 ABSENT = "absent"  # an optional argument the executor cannot pass, left at None: not an input of the node
 
 
@@ -328,49 +322,13 @@ def _wrapper(
     float_inputs: tuple[int, ...],
 ) -> str:
     """Define (once) the ``ortcore_route::`` op taking ``flat`` inputs in ``order`` and calling ``aten::<op>``."""
-    global _wrapper_library
     overload = schema.overload_name
     signature = (
         f"{op}.{overload}|{[(f.argument, f.item, f.kind) for f in flat]}|{order}|{differentiable}|{float_inputs}"
     )
-    name = f"{op}__{overload or 'default'}__{hashlib.sha1(signature.encode()).hexdigest()[:10]}"
-    with _wrapper_lock:
-        if name in _wrappers:
-            return f"{WRAPPER_NAMESPACE}::{name}"
-        if _wrapper_library is None:
-            _wrapper_library = torch.library.Library(WRAPPER_NAMESPACE, "FRAGMENT")
-        arguments = [f"{flat[i].kind} a{position}" for position, i in enumerate(order)]
-        returns = [str(r.type) for r in schema.returns]
-        returns_text = returns[0] if len(returns) == 1 else f"({', '.join(returns)})"
-        text = f"({', '.join(arguments)}) -> {returns_text}"
-        packet = getattr(getattr(torch.ops.aten, op), overload or "default")
-        n_args = len(schema.arguments)
-        kwarg_only = [a.kwarg_only for a in schema.arguments]
-        placement = [(flat[i].argument, flat[i].item) for i in order]
-
-        def call(*values: Any) -> Any:
-            args: list[Any] = [None] * n_args
-            lists: dict[int, dict[int, Any]] = {}
-            for (argument, item), value in zip(placement, values, strict=True):
-                if item is None:
-                    args[argument] = value
-                else:
-                    lists.setdefault(argument, {})[item] = value
-            for argument, items in lists.items():
-                args[argument] = [items[i] for i in sorted(items)]
-            positional = [v for v, kw in zip(args, kwarg_only, strict=True) if not kw]
-            keywords = {a.name: v for a, v, kw in zip(schema.arguments, args, kwarg_only, strict=True) if kw}
-            result = packet(*positional, **keywords)
-            # ORT owns what the executor hands back: an output sharing an input's memory (a view) is copied.
-            if isinstance(result, tuple | list):
-                return tuple(r.clone() if r._is_view() else r for r in result)
-            return result.clone() if result._is_view() else result
-
-        _wrapper_library.define(f"{name}{text}")
-        # CompositeImplicitAutograd: the call decomposes into the aten op, so autograd differentiates it.
-        _wrapper_library.impl(name, call, "CompositeImplicitAutograd")
-        _wrappers[name] = text
-    return f"{WRAPPER_NAMESPACE}::{name}"
+    kinds = [flat[i].kind for i in order]
+    placement = [((flat[i].argument, flat[i].item),) for i in order]
+    return define_wrapper(op, overload, schema, kinds, placement, signature)
 
 
 def _on(route: Route, args: tuple) -> bool:

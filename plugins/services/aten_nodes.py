@@ -20,6 +20,7 @@ Call :func:`prepare` (or a plugin's own preparation that includes it) before ORT
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Callable
@@ -374,6 +375,80 @@ def register_vjp_gradient(
         if stopped:
             C.register_custom_stop_gradient_edges(key, stopped)
         _vjp_gradients.add((operator, overload))
+
+
+# -- wrapper ops ------------------------------------------------------------------------------------------------------
+#
+# ORT 1.19.2 builds an ATen node's gradient only when its first input needs one, and its executor passes tensors one
+# by one. A call is therefore exported as a *wrapper op* of WRAPPER_NAMESPACE, defined once per call signature: its
+# inputs are the call's arguments in the order the node needs (an input that needs a gradient first), a tensor list
+# (einsum's operands, an RNN's weights) spread over separate inputs, one tensor given once however many arguments it
+# fills; it calls the op and copies any output that is a view of an input (ORT owns what the executor hands back).
+
+WRAPPER_NAMESPACE = "ortcore_route"
+
+_wrapper_lock = threading.Lock()
+_wrapper_library: torch.library.Library | None = None
+_wrappers: dict[str, str] = {}  # wrapper name -> its schema text
+
+
+def define_wrapper(
+    op: str,
+    overload: str,
+    schema: Any,
+    kinds: list[str],
+    placement: list[tuple[tuple[int, int | None], ...]],
+    signature: str,
+) -> str:
+    """Define (once) and name the wrapper op of one call signature of ``op`` (``gru``, ``aten::gru``,
+    ``transformers::grouped_mm_fallback``) at ``overload``, whose ``schema`` is ``schema``.
+
+    Wrapper input ``k`` has schema type ``kinds[k]`` and fills ``placement[k]``: ``(argument, item)`` pairs, the index
+    of a schema argument and, for a tensor list, the index in the list (None for a plain argument). Arguments no
+    input fills are left at None. ``signature`` (text) tells call signatures apart: the wrapper is named
+    ``<op>__<overload>__<hash of signature>``, so its gradient definition (one per name and process) fits the call.
+    """
+    global _wrapper_library
+    short = op.rpartition("::")[2]
+    name = f"{short}__{overload or 'default'}__{hashlib.sha1(signature.encode()).hexdigest()[:10]}"
+    with _wrapper_lock:
+        if name in _wrappers:
+            return f"{WRAPPER_NAMESPACE}::{name}"
+        if _wrapper_library is None:
+            _wrapper_library = torch.library.Library(WRAPPER_NAMESPACE, "FRAGMENT")
+        arguments = [f"{kind} a{position}" for position, kind in enumerate(kinds)]
+        returns = [str(r.type) for r in schema.returns]
+        returns_text = returns[0] if len(returns) == 1 else f"({', '.join(returns)})"
+        text = f"({', '.join(arguments)}) -> {returns_text}"
+        packet = getattr(op_packet(op), overload or "default")
+        n_args = len(schema.arguments)
+        kwarg_only = [a.kwarg_only for a in schema.arguments]
+        targets = [tuple(p) for p in placement]
+
+        def call(*values: Any) -> Any:
+            args: list[Any] = [None] * n_args
+            lists: dict[int, dict[int, Any]] = {}
+            for places, value in zip(targets, values, strict=True):
+                for argument, item in places:
+                    if item is None:
+                        args[argument] = value
+                    else:
+                        lists.setdefault(argument, {})[item] = value
+            for argument, items in lists.items():
+                args[argument] = [items[i] for i in sorted(items)]
+            positional = [v for v, kw in zip(args, kwarg_only, strict=True) if not kw]
+            keywords = {a.name: v for a, v, kw in zip(schema.arguments, args, kwarg_only, strict=True) if kw}
+            result = packet(*positional, **keywords)
+            # ORT owns what the executor hands back: an output sharing an input's memory (a view) is copied.
+            if isinstance(result, tuple | list):
+                return tuple(r.clone() if r._is_view() else r for r in result)
+            return result.clone() if result._is_view() else result
+
+        _wrapper_library.define(f"{name}{text}")
+        # CompositeImplicitAutograd: the call decomposes into the op, so autograd differentiates it.
+        _wrapper_library.impl(name, call, "CompositeImplicitAutograd")
+        _wrappers[name] = text
+    return f"{WRAPPER_NAMESPACE}::{name}"
 
 
 # -- runs -----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,330 @@
+"""Every plugin's graph pass or graph-reading feature on the dynamo route's graphs (torch.export + onnxscript).
+
+The plugins' passes were written against TorchScript-exported graphs; the dynamo route names nodes differently
+(``node_linear_3``), writes other op forms (``LayerNormalization``, ``SoftmaxCrossEntropyLoss``, no ``Constant``
+nodes) and runs onnxscript's optimizer. Each test runs a small model where the feature should act with
+``exporter="dynamo"``, compares with PyTorch (loss, outputs and every gradient: rtol 1e-4, atol 1e-5 unless a test
+says otherwise), and asserts the feature acted (rewritten nodes, a report, a log line), so a test fails if a pass
+silently stops matching the dynamo route's graphs. The table in ``docs/plugins/dynamo_exporter.md`` ("Plugins on the
+dynamo route") summarises the results.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from models import assert_grads_match, bert_batch, gpt2_batch, hf_step, make_batches, tiny_bert, tiny_gpt2
+from torch import nn
+
+import ortcore_plugins.compute_optimizer as compute_optimizer
+import ortcore_plugins.dynamo_exporter as dynamo_exporter
+import ortcore_plugins.efficient_attention as efficient_attention
+import ortcore_plugins.gradient_fixes as gradient_fixes
+import ortcore_plugins.runtime_inspector as runtime_inspector
+import ortcore_plugins.sparse_optimizer as sparse_optimizer
+from ortcore import DebugOptions, ORTModule
+from ortcore.plugins import PluginHost
+from ortcore.testing import make_host
+
+pytest.importorskip("onnxscript")
+
+RTOL, ATOL = 1e-4, 1e-5
+NO_FALLBACK = {"ORTMODULE_FALLBACK_POLICY": "FALLBACK_DISABLE"}
+
+
+@pytest.fixture(autouse=True)
+def no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing may fall back to PyTorch silently: every parity check below must have run in ORT."""
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+
+@pytest.fixture
+def hosts() -> Iterator[Callable[..., PluginHost]]:
+    """``hosts(*plugins, env=..., table=...)``: a host with the dynamo exporter and ``plugins``, closed after the test."""
+    made: list[PluginHost] = []
+
+    def factory(*plugins: Any, env: dict[str, str] | None = None, table: dict | None = None) -> PluginHost:
+        registered = {dynamo_exporter.NAME: dynamo_exporter, **{p.NAME: p for p in plugins}}
+        host = make_host(registered, env={**NO_FALLBACK, **(env or {})}, table=table)
+        made.append(host)
+        return host
+
+    yield factory
+    for host in made:
+        host.close()
+
+
+def on_dynamo(model: nn.Module, host: PluginHost, **kwargs: Any) -> tuple[ORTModule, nn.Module]:
+    """``(ORTModule on the dynamo route, deep copy of model)``."""
+    reference = copy.deepcopy(model)
+    return ORTModule(model, host=host, exporter="dynamo", fallback_policy="FALLBACK_DISABLE", **kwargs), reference
+
+
+def saving(tmp_path: Path, prefix: str) -> DebugOptions:
+    return DebugOptions(save_onnx=True, onnx_prefix=prefix, save_path=str(tmp_path))
+
+
+def op_types(path: Path) -> Counter:
+    """Op types of a saved graph, ATen nodes counted by their operator (``ATen:<operator>``)."""
+    counts: Counter = Counter()
+    for n in onnx.load(str(path)).graph.node:
+        if n.op_type == "ATen":
+            counts["ATen:" + next(a.s.decode() for a in n.attribute if a.name == "operator")] += 1
+        else:
+            counts[n.op_type] += 1
+    return counts
+
+
+def assert_dynamo_graph(model: ORTModule) -> None:
+    """The model ran in ORT on a graph the dynamo route made (onnxscript names nodes ``node_<aten op>``)."""
+    assert model.fallback_reason is None, model.fallback_reason
+    names = [n.name for n in model.state_machine.current[0].model.graph.node]
+    assert any(name.startswith("node_") for name in names), names[:10]
+
+
+def step_matches(ours: ORTModule, reference: nn.Module, args: tuple, loss_fn: Callable = lambda out: out) -> None:
+    """One forward and backward on both sides: loss and every gradient match."""
+    loss, expected = loss_fn(ours(*args)), loss_fn(reference(*args))
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+    loss.backward()
+    expected.backward()
+    assert_grads_match(ours, reference, rtol=RTOL, atol=ATOL)
+    assert_dynamo_graph(ours)
+
+
+# -- gradient_fixes -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def broadcast_rewrites(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many inputs each run of the broadcast pass rewrote."""
+    counts: list[int] = []
+    original = gradient_fixes.fix_broadcast_gradients
+
+    def counting(model: onnx.ModelProto, context: Any = None) -> int:
+        counts.append(original(model, context))
+        return counts[-1]
+
+    monkeypatch.setattr(gradient_fixes, "fix_broadcast_gradients", counting)
+    return counts
+
+
+COND = torch.tensor([[True, False, True, True], [False, True, True, False], [True, True, False, True]])
+
+
+class MaskedTanh(nn.Module):
+    """``where(mask, tanh(w), 0)`` with ``w`` of shape ``[1, N]``: ORT hands back a ``[B, N]`` gradient for ``w``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1, 4))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.where(mask, torch.tanh(self.w), 0.0) * x)
+
+
+class WhereBothSides(nn.Module):
+    """A ``Where`` whose two data inputs are broadcast parameters, and a ``Pow`` whose base is broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(1, 4))
+        self.b = nn.Parameter(torch.randn(3, 1))
+        self.base = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, exponent: torch.Tensor) -> torch.Tensor:
+        return torch.where(COND, self.a, self.b) + torch.pow(self.base, exponent)
+
+
+def test_where_with_a_broadcast_parameter_is_fixed_and_matches_autograd(hosts, broadcast_rewrites) -> None:
+    ours, reference = on_dynamo(MaskedTanh(), hosts(gradient_fixes))
+    weight = torch.randn(5, 4)
+    for batch in (5, 5):  # the second step reuses the session
+        x, mask = torch.randn(batch, 4), torch.rand(batch, 4) > 0.5
+        step_matches(ours, reference, (x, mask), lambda out: (out * weight).sum())
+        ours.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert broadcast_rewrites and broadcast_rewrites[0] >= 1, broadcast_rewrites
+    where = [n for n in ours.state_machine.current[0].model.graph.node if n.op_type == "Where"]
+    assert where and any(name.startswith("ortcore.gradient_fixes") for n in where for name in n.input)
+
+
+def test_where_and_pow_with_broadcast_data_inputs_match_autograd(hosts, broadcast_rewrites) -> None:
+    ours, reference = on_dynamo(WhereBothSides(), hosts(gradient_fixes))
+    exponent = torch.rand(3, 4) + 0.5
+    weight = torch.randn(3, 4)
+    step_matches(ours, reference, (exponent,), lambda out: (out * weight).sum())
+    assert broadcast_rewrites[0] >= 3, broadcast_rewrites  # Where's two data inputs and Pow's base
+
+
+def test_without_the_plugin_the_dynamo_route_has_the_where_bug() -> None:
+    """The bug is ORT's, whichever exporter: without the pass the ``[1, N]`` parameter gets a ``[B, N]`` gradient."""
+    host = make_host({dynamo_exporter.NAME: dynamo_exporter}, env=NO_FALLBACK)
+    ours, _ = on_dynamo(MaskedTanh(), host)
+    with pytest.raises(Exception, match=r"'w' has shape \(1, 4\)"):
+        ours(torch.randn(5, 4), torch.rand(5, 4) > 0.5).sum().backward()
+    host.close()
+
+
+@pytest.mark.parametrize("op", [torch.add, torch.mul], ids=["add", "mul"])
+def test_user_inputs_that_broadcast_are_right_or_refused_never_silently_wrong(hosts, op) -> None:
+    """Two user inputs ``[B, N]`` and ``[1, N]``: torch.export (size-oblivious, as torch.onnx captures) exports the
+    ``1`` as the symbol of ``B``, so the graph claims equal shapes and no pass can see the broadcast. ortcore's
+    gradient-shape check must then refuse the step by name; once the exporter keeps such dimensions static, the pass
+    fixes them and the gradients match."""
+
+    class Two(nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return op(x, y)
+
+    ours, _ = on_dynamo(Two(), hosts(gradient_fixes))
+    x, y = torch.randn(3, 4, requires_grad=True), torch.randn(1, 4, requires_grad=True)
+    x_ref, y_ref = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+    weight = torch.randn(3, 4)
+    try:
+        (ours(x, y) * weight).sum().backward()
+    except Exception as e:  # noqa: BLE001 - what matters is that it names the cause
+        assert "does not reduce a broadcast back" in str(e) and "gradient_fixes" in str(e), e
+        return
+    (op(x_ref, y_ref) * weight).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(y.grad, y_ref.grad, rtol=RTOL, atol=ATOL)
+
+
+class GroupedConv1d(nn.Module):
+    """Wav2Vec2's positional convolution in small: grouped 1-D, ``padding="same"`` on a second one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grouped = nn.Conv1d(8, 8, 5, padding=2, groups=4)
+        self.same = nn.Conv1d(8, 8, 4, padding="same")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.same(F.gelu(self.grouped(x))) + x
+
+
+def test_grouped_and_same_padded_convolutions_are_rewritten_and_match_autograd(hosts, monkeypatch) -> None:
+    rewritten: list[int] = []
+    original = gradient_fixes.fix_conv_gradients
+    monkeypatch.setattr(
+        gradient_fixes, "fix_conv_gradients", lambda m, c=None: rewritten.append(original(m, c)) or rewritten[-1]
+    )
+    ours, reference = on_dynamo(GroupedConv1d(), hosts(gradient_fixes))
+    x = torch.randn(2, 8, 11, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    weight = torch.randn(2, 8, 11)
+    (ours(x) * weight).sum().backward()
+    (reference(x_ref) * weight).sum().backward()
+    assert_grads_match(ours, reference, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=RTOL, atol=ATOL)
+    assert rewritten == [1], rewritten  # the grouped one (the dynamo route writes "same" as explicit pads)
+
+
+# -- efficient_attention --------------------------------------------------------------------------------------------
+
+
+def _attention_host(hosts: Callable[..., PluginHost]) -> PluginHost:
+    return hosts(efficient_attention, table={"plugins": {efficient_attention.NAME: {"enable": True}}})
+
+
+def _gpt2_step(model: nn.Module, batch: dict) -> tuple[Any, torch.Tensor]:
+    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["input_ids"])
+    return out, out.loss
+
+
+@pytest.mark.parametrize(
+    ("make", "make_batch", "step"),
+    [(tiny_bert, bert_batch, hf_step), (tiny_gpt2, gpt2_batch, _gpt2_step)],
+    ids=["bert", "gpt2"],
+)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_hugging_face_attention_is_fused_and_matches_torch(hosts, tmp_path, make, make_batch, step, attn) -> None:
+    ours, reference = on_dynamo(
+        make(attn_implementation=attn), _attention_host(hosts), debug_options=saving(tmp_path, "attn")
+    )
+    batch = make_batches(make_batch, 1)[0]
+    (_, loss), (_, expected) = step(ours, batch), step(reference, batch)
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+    loss.backward()
+    expected.backward()
+    assert_grads_match(ours, reference, rtol=RTOL, atol=ATOL)
+    report = efficient_attention.last_report()
+    assert report is not None and report.replaced == 2 and report.skipped == [], report
+    ops = op_types(tmp_path / "attn_training.onnx")
+    assert ops[f"ATen:{efficient_attention.FORWARD_OP}"] == 2 and "Softmax" not in ops, ops
+
+
+# -- sparse_optimizer -----------------------------------------------------------------------------------------------
+
+
+class PaddedLM(nn.Module):
+    def __init__(self, vocab: int = 40, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(F.gelu(self.mix(self.embed(ids))))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+
+def padded_batch(batch: int = 4, seq: int = 8, vocab: int = 40, valid: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, vocab, (batch, seq))
+    labels = ids.clone()
+    labels[:, valid:] = -100
+    return ids, labels
+
+
+def test_label_sparsity_gathers_valid_rows_before_the_loss(hosts, tmp_path) -> None:
+    host = hosts(sparse_optimizer, compute_optimizer, env={"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1"})
+    ours, reference = on_dynamo(PaddedLM(), host, debug_options=saving(tmp_path, "lm"))
+    step_matches(ours, reference, padded_batch())
+    marked, trained = op_types(tmp_path / "lm_pre_grad_training.onnx"), op_types(tmp_path / "lm_training.onnx")
+    assert marked["PythonOp"] == 1 and marked["SoftmaxCrossEntropyLossInternal"] == 1, marked
+    assert trained["ShrunkenGather"] == 2 and trained["PythonOp"] == 0, trained
+
+
+# -- runtime_inspector ----------------------------------------------------------------------------------------------
+
+
+VOCAB, PAD = 20, 1
+
+
+class TinyLM(nn.Module):
+    """Embedding with a padding_idx; the loss reads shifted labels (``labels[:, 1:]``), as causal LMs do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 8, padding_idx=PAD)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.tokens(input_ids)))[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+
+def test_input_density_finds_the_embedding_and_the_labels(hosts, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="ortcore.runtime_inspector")
+    host = hosts(runtime_inspector, env={"ORTMODULE_PRINT_INPUT_DENSITY": "1"})
+    ours, reference = on_dynamo(TinyLM(), host)
+    ids = torch.randint(2, VOCAB, (4, 8))
+    labels = ids.clone()
+    ids[:, -2:] = PAD
+    labels[:, -2:] = -100
+    step_matches(ours, reference, (ids, labels))
+    [table] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("input density at step 0")]
+    rows = {line.split()[1] + " " + line.split()[2]: line.split() for line in table.splitlines()[2:]}
+    assert rows["embedding tokens.weight"][-2:] == ["0.750", "24/32"], table
+    # labels[:, 1:] of 4 rows x 8: 7 per row, of which 5 are not ignored
+    assert [v for k, v in rows.items() if k.startswith("labels of")][0][-2:] == ["0.714", "20/28"], table

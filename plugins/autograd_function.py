@@ -20,10 +20,13 @@ Options (``[plugins.autograd_function]`` in ortcore.toml, or the environment):
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import attrs
 import onnx
@@ -35,7 +38,13 @@ from ortcore.exporter import INLINE, function_name, python_op_symbolic
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import parse_bool
-from ortcore_plugins.services.python_op import PYTHON_OP, PYTHON_OP_DOMAIN, install_runners, registry
+from ortcore_plugins.services.python_op import (
+    PYTHON_OP,
+    PYTHON_OP_DOMAIN,
+    install_runners,
+    python_op_node,
+    registry,
+)
 
 logger = logging.getLogger("ortcore.autograd_function")
 
@@ -139,15 +148,14 @@ def _sizes(value) -> list[int | None]:
         return []
 
 
-def _dim_sources(inputs: list, outputs: list) -> list[list]:
-    """For each output dimension, the ``[tensor input, dimension]`` with the same traced size (the same position
-    first, then the same position from the end, then any), or None: the graph pass gives the output that input's
-    (symbolic) dimension, so that ORT's gradient builder sees which dimensions agree."""
-    shapes = [_sizes(v) for v in inputs]
+def _dim_sources(shapes: list[list], output_shapes: list[list]) -> list[list]:
+    """For each output dimension, the ``[tensor input, dimension]`` with the same size (the same position first, then
+    the same position from the end, then any), or None; sizes are ints, symbols (the dynamo route's), or None
+    (unknown). The graph pass gives the output that input's (symbolic) dimension, so that ORT's gradient builder sees
+    which dimensions agree."""
     sources = []
-    for output in outputs:
+    for sizes in output_shapes:
         dims = []
-        sizes = _sizes(output)
         for k, size in enumerate(sizes):
             found = None
             candidates = [(i, k) for i, s in enumerate(shapes) if k < len(s)]
@@ -160,6 +168,54 @@ def _dim_sources(inputs: list, outputs: list) -> list[list]:
             dims.append(found)
         sources.append(dims)
     return sources
+
+
+def python_op_attributes(
+    key: str,
+    convention: str,
+    constants: list,
+    input_types: list[int],
+    input_ranks: list[int],
+    output_types: list[int],
+    output_ranks: list[int],
+    dims: list[list],
+) -> dict[str, str | int | list[int]]:
+    """The PythonOp node's attributes, the same on both routes: ``constants`` are the non-tensor arguments in order
+    (``convention`` has a ``c`` for each): ints, bools and tuples of them by value, any other object (a float: ORT's
+    float attributes are float32; None, a string) by reference."""
+    values: dict[str, list] = {}
+
+    def add(kind: str, position: int, items: list) -> None:
+        values.setdefault(f"input_{kind}_positions", []).append(position)
+        if kind.endswith("tuple"):
+            values.setdefault(f"input_{kind}_begins", []).append(len(values.get(f"input_{kind}s", [])))
+        values.setdefault(f"input_{kind}s", []).extend(items)
+
+    positions = [i for i, kind in enumerate(convention) if kind != "d"]
+    for position, arg in zip(positions, constants):
+        if isinstance(arg, bool):  # before int: bool is an int
+            add("bool_scalar", position, [int(arg)])
+        elif isinstance(arg, int):
+            add("int_scalar", position, [arg])
+        elif isinstance(arg, tuple) and arg and all(isinstance(v, bool) for v in arg):
+            add("bool_tuple", position, [int(v) for v in arg])
+        elif isinstance(arg, tuple) and arg and all(isinstance(v, int) and not isinstance(v, bool) for v in arg):
+            add("int_tuple", position, list(arg))
+        else:
+            add("pointer_scalar", position, [registry.keep(arg)])
+    return {
+        "func_name": key,
+        "input_convention": convention,
+        "input_tensor_types": input_types,
+        "input_tensor_ranks": input_ranks,
+        # Boolean outputs leave the node as uint8 (ORT's DLPack import has no boolean) and are cast back.
+        "output_tensor_types": [onnx.TensorProto.UINT8 if t == BOOL else t for t in output_types],
+        "output_tensor_ranks": output_ranks,
+        "training_mode": 1,  # inference graphs get 0 (see inference_mode_pass)
+        "safe_run_mode": 1,  # the runner keeps a second reference to each context
+        "comment": json.dumps({"dims": dims}),
+        **values,
+    }
 
 
 class PythonOpHandler:
@@ -184,54 +240,26 @@ class PythonOpHandler:
     def export(self, g, node, args):
         install_runners()
         convention = node.cconv()
-        bool_inputs = tuple(
-            i for i, (arg, kind) in enumerate(zip(args, convention)) if kind == "d" and _onnx_dtype(arg) == BOOL
-        )
-        key = registry.key(self.function, bool_inputs)
         if len(convention) != len(args):
-            raise UnsupportedModelError(f"{key}: {len(args)} arguments but calling convention {convention!r}")
-        tensors, types, ranks = [], [], []
-        constants: dict[str, list] = {}
-
-        def add(kind: str, position: int, values: list) -> None:
-            constants.setdefault(f"input_{kind}_positions", []).append(position)
-            if kind.endswith("tuple"):
-                constants.setdefault(f"input_{kind}_begins", []).append(len(constants.get(f"input_{kind}s", [])))
-            constants.setdefault(f"input_{kind}s", []).extend(values)
-
-        for position, (arg, kind) in enumerate(zip(args, convention)):
-            if kind == "d":
-                tensors.append(arg)
-                types.append(_onnx_dtype(arg))
-                ranks.append(arg.type().dim() or 0)
-            elif isinstance(arg, bool):  # before int: bool is an int
-                add("bool_scalar", position, [int(arg)])
-            elif isinstance(arg, int):
-                add("int_scalar", position, [arg])
-            elif isinstance(arg, tuple) and arg and all(isinstance(v, bool) for v in arg):
-                add("bool_tuple", position, [int(v) for v in arg])
-            elif isinstance(arg, tuple) and arg and all(isinstance(v, int) and not isinstance(v, bool) for v in arg):
-                add("int_tuple", position, list(arg))
-            else:  # any other object (a float: ORT's float attributes are float32; None, a string) by reference
-                add("pointer_scalar", position, [registry.keep(arg)])
+            raise UnsupportedModelError(
+                f"{function_name(self.function)}: {len(args)} arguments but calling convention {convention!r}"
+            )
+        tensors = [arg for arg, kind in zip(args, convention) if kind == "d"]
+        types = [_onnx_dtype(arg) for arg in tensors]
+        bool_inputs = tuple(i for i, kind in enumerate(convention) if kind == "d" and _onnx_dtype(args[i]) == BOOL)
         outputs = list(node.outputs())
-        attributes: dict[str, Any] = {
-            "func_name_s": key,
-            "input_convention_s": convention,
-            "input_tensor_types_i": types,
-            "input_tensor_ranks_i": ranks,
-            # Boolean outputs leave the node as uint8 (ORT's DLPack import has no boolean) and are cast back.
-            "output_tensor_types_i": [
-                onnx.TensorProto.UINT8 if _onnx_dtype(o) == BOOL else _onnx_dtype(o) for o in outputs
-            ],
-            "output_tensor_ranks_i": [o.type().dim() or 0 for o in outputs],
-            "training_mode_i": 1,  # inference graphs get 0 (see inference_mode_pass)
-            "safe_run_mode_i": 1,  # the runner keeps a second reference to each context
-            "comment_s": json.dumps({"dims": _dim_sources(list(node.inputs()), outputs)}),
-        }
-        for name, values in constants.items():
-            attributes[name + "_i"] = values
-        results = g.op(f"{PYTHON_OP_DOMAIN}::{PYTHON_OP}", *tensors, outputs=len(outputs) + 1, **attributes)
+        attributes = python_op_attributes(
+            registry.key(self.function, bool_inputs),
+            convention,
+            [a for a, kind in zip(args, convention) if kind != "d"],
+            types,
+            [arg.type().dim() or 0 for arg in tensors],
+            [_onnx_dtype(o) for o in outputs],
+            [o.type().dim() or 0 for o in outputs],
+            _dim_sources([_sizes(v) for v in node.inputs()], [_sizes(o) for o in outputs]),
+        )
+        typed = {f"{name}_s" if isinstance(value, str) else f"{name}_i": value for name, value in attributes.items()}
+        results = g.op(f"{PYTHON_OP_DOMAIN}::{PYTHON_OP}", *tensors, outputs=len(outputs) + 1, **typed)
         results[0].setType(torch._C.TensorType.get().with_dtype(torch.int64))
         values = []
         for result, output in zip(results[1:], outputs):
@@ -241,6 +269,19 @@ class PythonOpHandler:
             result.setType(output.type())
             values.append(result)
         return values if len(values) > 1 else values[0]
+
+    def dynamo_apply(self, function: type, apply: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The dynamo route: record this call in the program being exported as one ``ortcore_pyop::apply`` op,
+        whose translation (:func:`translate_function_call`) writes the PythonOp node; returns the traced outputs."""
+        if _forward_running():  # a Function called inside another's forward while its output shapes are computed
+            return apply(function, *args, **kwargs)
+        install_runners()
+        arguments = _positional(function, args, kwargs)
+        call = FunctionCall.record(function, apply, arguments)
+        tensors = [arguments[i] for i in call.tensor_positions]
+        outputs = list(_function_call_op()(call.index, tensors))
+        call.describe(tensors, outputs)
+        return call.result(outputs)
 
 
 def handler_for(config: Config, function: type) -> Any:
@@ -254,6 +295,191 @@ def handler_for(config: Config, function: type) -> Any:
     if not options.python_op:
         return INLINE
     return PythonOpHandler(function)
+
+
+# -- the dynamo route -----------------------------------------------------------------------------------------------
+# torch.export would inline a Function's forward; each call is recorded instead as one op of this namespace, taking
+# the call's index and its tensor arguments, whose translation writes the PythonOp node the TorchScript route writes.
+OP_NAMESPACE = "ortcore_pyop"
+_ONNX_DTYPES = {
+    torch.float32: onnx.TensorProto.FLOAT,
+    torch.float64: onnx.TensorProto.DOUBLE,
+    torch.float16: onnx.TensorProto.FLOAT16,
+    torch.bfloat16: onnx.TensorProto.BFLOAT16,
+    torch.int64: onnx.TensorProto.INT64,
+    torch.int32: onnx.TensorProto.INT32,
+    torch.int16: onnx.TensorProto.INT16,
+    torch.int8: onnx.TensorProto.INT8,
+    torch.uint8: onnx.TensorProto.UINT8,
+    torch.bool: onnx.TensorProto.BOOL,
+    torch.complex64: onnx.TensorProto.COMPLEX64,
+    torch.complex128: onnx.TensorProto.COMPLEX128,
+}
+_TENSOR = object()  # marks a tensor output in a call's output structure
+
+
+def _onnx_dtype_of(dtype: torch.dtype, function: type) -> int:
+    try:
+        return _ONNX_DTYPES[dtype]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"{function_name(function)} takes or returns a {dtype} tensor, which a PythonOp cannot carry; allowed: "
+            f"{', '.join(sorted(str(d) for d in _ONNX_DTYPES))}"
+        ) from None
+
+
+def _symbolic_size(size: Any) -> int | str:
+    """A dimension as :func:`_dim_sources` compares it: an int, or the symbol's expression (compared without
+    adding a guard to the export)."""
+    if isinstance(size, torch.SymInt):
+        expr = size.node.expr
+        return int(expr) if expr.is_number else str(expr)
+    return int(size)
+
+
+def _positional(function: type, args: tuple, kwargs: dict) -> tuple:
+    """The call's arguments in ``forward``'s order, as ``Function.apply`` binds them (with defaults filled in for
+    Functions with a ``setup_context``)."""
+    setup_context = torch.autograd.function._is_setup_context_defined(function.setup_context)
+    if not kwargs and not setup_context:
+        return tuple(args)
+    signature = inspect.signature(function.forward)
+    if not setup_context:  # forward(ctx, ...): bind past the context
+        bound = signature.bind(None, *args, **kwargs)
+        return tuple(bound.args[1:])
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.args)
+
+
+_running = threading.local()
+
+
+def _forward_running() -> bool:
+    return getattr(_running, "depth", 0) > 0
+
+
+@attrs.define(eq=False)
+class FunctionCall:
+    """One Function call the dynamo route recorded: what the ``ortcore_pyop::apply`` op's shape function and its
+    translation need, found by the op's ``call`` argument (calls stay recorded for the life of the process, as the
+    objects PythonOp nodes refer to do)."""
+
+    index: int
+    function: type
+    apply: Callable[..., Any]  # torch's own Function.apply
+    arguments: tuple  # the tensor arguments are replaced by the op's at each use
+    tensor_positions: tuple[int, ...]
+    attributes: dict[str, Any] = attrs.field(factory=dict)
+    bool_outputs: tuple[int, ...] = ()
+    structure: tuple | None = None  # the forward's result: None for one tensor, else its items (_TENSOR for tensors)
+
+    calls: ClassVar[list[FunctionCall]] = []
+    lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def record(cls, function: type, apply: Callable[..., Any], arguments: tuple) -> FunctionCall:
+        positions = tuple(i for i, a in enumerate(arguments) if isinstance(a, torch.Tensor))
+        for i, arg in enumerate(arguments):
+            if i not in positions and any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(arg)):
+                raise UnsupportedModelError(
+                    f"{function_name(function)} receives tensors inside argument {i} ({type(arg).__name__}): a "
+                    "PythonOp takes tensors only as arguments of their own; pass them as separate arguments, or skip "
+                    "the Function (ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS) to trace through it"
+                )
+            if isinstance(arg, torch.SymInt | torch.SymFloat | torch.SymBool):
+                raise UnsupportedModelError(
+                    f"{function_name(function)} receives a size computed from a dynamic dimension as argument {i} "
+                    f"({arg}): a PythonOp keeps non-tensor arguments fixed. Pass it as a tensor, or skip the "
+                    "Function (ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS) to trace through it"
+                )
+        stored = tuple(None if i in positions else a for i, a in enumerate(arguments))
+        with cls.lock:
+            call = cls(len(cls.calls), function, apply, stored, positions)
+            cls.calls.append(call)
+        return call
+
+    def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The Function's forward on copies of ``tensors`` (fake ones while exporting: that gives the outputs'
+        shapes), without autograd; nested Function calls run as plain ``apply``."""
+        arguments = list(self.arguments)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            arguments[position] = tensor.clone()  # the op must not change its inputs (mark_dirty)
+        _running.depth = getattr(_running, "depth", 0) + 1
+        try:
+            with torch.no_grad():
+                result = self.apply(self.function, *arguments)
+        finally:
+            _running.depth -= 1
+        items = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+        if self.structure is None:
+            self.structure = (
+                None
+                if isinstance(result, torch.Tensor)
+                else tuple(_TENSOR if isinstance(r, torch.Tensor) else r for r in items)
+            )
+        # Fresh outputs: an op's outputs may not alias its inputs or each other.
+        return [r.clone(memory_format=torch.contiguous_format) for r in items if isinstance(r, torch.Tensor)]
+
+    def describe(self, tensors: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """The node's attributes, from the traced inputs and outputs."""
+        name = self.function
+        bool_inputs = tuple(p for p, t in zip(self.tensor_positions, tensors) if t.dtype == torch.bool)
+        convention = "".join("d" if i in self.tensor_positions else "c" for i in range(len(self.arguments)))
+        self.bool_outputs = tuple(k for k, o in enumerate(outputs) if o.dtype == torch.bool)
+        self.attributes = python_op_attributes(
+            registry.key(self.function, bool_inputs),
+            convention,
+            [a for i, a in enumerate(self.arguments) if i not in self.tensor_positions],
+            [_onnx_dtype_of(t.dtype, name) for t in tensors],
+            [t.dim() for t in tensors],
+            [_onnx_dtype_of(o.dtype, name) for o in outputs],
+            [o.dim() for o in outputs],
+            _dim_sources(
+                [[_symbolic_size(d) for d in t.shape] for t in tensors],
+                [[_symbolic_size(d) for d in o.shape] for o in outputs],
+            ),
+        )
+
+    def result(self, outputs: list[torch.Tensor]) -> Any:
+        """What ``apply`` returns, the op's outputs in the forward's result structure."""
+        if self.structure is None:
+            return outputs[0]
+        found = iter(outputs)
+        return tuple(next(found) if item is _TENSOR else item for item in self.structure)
+
+
+def _run_function_call(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return FunctionCall.calls[call].run(tensors)
+
+
+_library: Any = None
+
+
+def _function_call_op() -> Any:
+    """``ortcore_pyop::apply(int call, Tensor[] tensors) -> Tensor[]``, defined once per process: its kernel (also
+    its fake, shape-only, kernel) runs the recorded call's forward in PyTorch."""
+    global _library
+    with FunctionCall.lock:
+        if _library is None:
+            library = torch.library.Library(OP_NAMESPACE, "DEF")
+            library.define("apply(int call, Tensor[] tensors) -> Tensor[]")
+            library.impl("apply", _run_function_call, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{OP_NAMESPACE}::apply", _run_function_call, lib=library)
+            _library = library
+    return torch.ops.ortcore_pyop.apply.default
+
+
+def translate_function_call(call: int, tensors: list) -> list:
+    """The onnxscript translation of ``ortcore_pyop::apply``: the call's PythonOp node (see
+    :func:`python_op_attributes`), its boolean outputs cast back from uint8."""
+    from onnxscript import opset18
+
+    recorded = FunctionCall.calls[call]
+    outputs = python_op_node(list(tensors), recorded.attributes, len(recorded.attributes["output_tensor_types"]))
+    return [
+        opset18.Cast(value, to=BOOL) if k in recorded.bool_outputs else value for k, value in enumerate(outputs[1:])
+    ]
 
 
 # -- running --------------------------------------------------------------------------------------------------------
@@ -327,6 +553,12 @@ def ortcore_autograd_function_handler(config: Config, function: type) -> Any:
 @hookimpl
 def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
     return {"prim::PythonOp": python_op_symbolic(lambda function: handler_for(config, function))}
+
+
+@hookimpl
+def ortcore_export_translations(config: Config) -> dict[Any, Any]:
+    """The dynamo route's PythonOp: the translation of the op each Function call is recorded as."""
+    return {_function_call_op(): translate_function_call} if _options(config).python_op else {}
 
 
 @hookimpl

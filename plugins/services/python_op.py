@@ -7,7 +7,8 @@ Plugins that put PythonOp nodes into a graph (``autograd_function`` for custom a
 * :data:`registry`, the Function classes by the ``func_name`` their nodes carry (:meth:`FunctionRegistry.key`),
   and the non-tensor arguments the nodes refer to by address (:meth:`FunctionRegistry.keep`);
 * :func:`install_runners`, which registers the forward and backward runners below with ORT (idempotent): a plugin
-  calls it before it exports or adds a PythonOp node.
+  calls it before it exports or adds a PythonOp node;
+* :func:`python_op_node`, which writes a PythonOp node from an onnxscript translation (the dynamo route).
 
 The runners, without a compiler:
 
@@ -280,9 +281,7 @@ def run_forward(func_name: str, requires_grad: list, tensor_flags: list, trainin
     if grad_fn is not None and hasattr(grad_fn, "saved_tensors"):
         saved = {t.untyped_storage().data_ptr() for t in grad_fn.saved_tensors if t is not None}
     # An output the Function saved goes to ORT as a copy, so that nothing ORT does to its buffer reaches backward.
-    capsules = [
-        to_capsule(o.detach().clone() if o.untyped_storage().data_ptr() in saved else o) for o in outputs
-    ]
+    capsules = [to_capsule(o.detach().clone() if o.untyped_storage().data_ptr() in saved else o) for o in outputs]
     if not training:
         return [None, *capsules]
     context = _Context(function, leaves, outputs)
@@ -317,3 +316,51 @@ def install_runners() -> None:
         install(run_forward, run_backward)
     except RunnerUnavailableError as e:
         raise UnsupportedModelError(str(e)) from e
+
+
+# -- writing the node from onnxscript (the dynamo route) -------------------------------------------------------------
+_ONNX_TYPES = [
+    f"tensor({t})"
+    for t in (
+        "float", "double", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool", "string",
+        "complex64", "complex128",
+    )
+]  # fmt: skip
+
+
+def python_op_node(inputs: list[Any], attributes: dict[str, str | int | list[int]], outputs: int) -> list[Any]:
+    """Write one ``com.microsoft::PythonOp`` node inside an onnxscript translation (``ortcore_export_translations``);
+    returns its ``1 + outputs`` values: the context (an int64 scalar, typed here) and the Function's outputs.
+
+    ``attributes`` are the node's (``func_name``, ``input_convention``, ...): strings, ints and int lists. onnxscript
+    keeps only the attributes and outputs a schema declares, so each node gets a schema of its own.
+    """
+    import onnx_ir as ir
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    kinds = {str: OpSchema.AttrType.STRING, int: OpSchema.AttrType.INT, list: OpSchema.AttrType.INTS}
+    ir_kinds = {str: ir.AttributeType.STRING, int: ir.AttributeType.INT, list: ir.AttributeType.INTS}
+    parameter = OpSchema.FormalParameter
+    schema = OpSchema(
+        PYTHON_OP,
+        PYTHON_OP_DOMAIN,
+        1,
+        inputs=[parameter("inputs", "T", param_option=OpSchema.FormalParameterOption.Variadic, is_homogeneous=False)]
+        if inputs
+        else [],
+        outputs=[parameter("context", "TContext"), *(parameter(f"output_{i}", f"T{i}") for i in range(outputs))],
+        type_constraints=[
+            ("T", _ONNX_TYPES, ""),
+            ("TContext", ["tensor(int64)"], ""),
+            *((f"T{i}", _ONNX_TYPES, "") for i in range(outputs)),
+        ],
+        attributes=[OpSchema.Attribute(name, kinds[type(value)], "") for name, value in attributes.items()],
+    )
+    op = onnxscript.values.Op(onnxscript.values.Opset(PYTHON_OP_DOMAIN, 1), PYTHON_OP, schema)
+    # Attributes as typed values: an empty list has no type of its own.
+    typed = {name: ir.Attr(name, ir_kinds[type(value)], value) for name, value in attributes.items()}
+    results = op(*inputs, **typed)
+    results = list(results) if isinstance(results, list | tuple) else [results]
+    results[0].dtype, results[0].shape = ir.DataType.INT64, ir.Shape([])
+    return results

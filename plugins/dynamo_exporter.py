@@ -38,8 +38,11 @@ import copy
 import importlib.metadata
 import inspect
 import logging
+import pathlib
+import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -559,12 +562,37 @@ def _first_line(error: BaseException) -> str:
         where = [line for line in after[:2] if line]
         if where and where[0].startswith("File "):
             what += f" at {where[0]}" + (f": {where[1]}" if len(where) > 1 else "")
+    if "data-dependent" in what and " at File " not in what:
+        where = _user_frame(error)
+        if where is not None:
+            what += f" at {where}"
     if "data-dependent" in what:
         what += (
             " (Python control flow on a tensor's value: torch.export cannot break the graph there; use torch.cond, "
             'compute the condition outside the model, or use exporter = "torchscript", which traces the branch taken)'
         )
     return what
+
+
+def _user_frame(error: BaseException) -> str | None:
+    """``File "...", line N, in f: code`` of the innermost frame outside torch, ortcore and the standard library in
+    the traceback of ``error`` or the errors it was raised from: the model's line torch.export stopped at."""
+    skipped = tuple(
+        str(pathlib.Path(module.__file__).resolve().parent)
+        for module in (torch, contextlib, sys.modules["ortcore"], sys.modules[__name__.rpartition(".")[0] or __name__])
+    )
+    found = None
+    seen: set[int] = set()
+    chain: BaseException | None = error
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        for frame in traceback.extract_tb(chain.__traceback__):
+            if not str(pathlib.Path(frame.filename).resolve()).startswith(skipped):
+                found = frame
+        chain = chain.__cause__ or chain.__context__
+    if found is None:
+        return None
+    return f'File "{found.filename}", line {found.lineno}, in {found.name}' + (f": {found.line}" if found.line else "")
 
 
 _base_registries: dict[int, Any] = {}

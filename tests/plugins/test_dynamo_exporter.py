@@ -343,3 +343,29 @@ def test_data_dependent_control_flow_error_names_the_line():
         UnsupportedModelError, match=r"test_dynamo_exporter.py\", line \d+, in forward: if h.sum\(\) > 0.*torch.cond"
     ):
         model(torch.randn(3, 4))
+
+
+class CountsLabels(nn.Module):
+    """Hugging Face DeBERTa's loss code: a branch on the size of a ``nonzero`` result."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        logits = self.fc(x)
+        kept = (labels >= 0).nonzero()
+        if kept.size(0) > 0:
+            return nn.functional.cross_entropy(logits, labels)
+        return logits.sum() * 0
+
+
+def test_data_dependent_size_error_names_the_models_line():
+    """torch.export's message names no line for a guard on a data-dependent size; the model's frame is found in the
+    error's traceback instead."""
+    model = ORTModule(CountsLabels(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"test_dynamo_exporter.py\", line \d+, in forward: if kept.size\(0\) > 0.*torch.cond",
+    ):
+        model(torch.randn(3, 4), torch.tensor([0, 2, 1]))

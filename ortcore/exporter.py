@@ -396,6 +396,32 @@ def raised_in(error: BaseException, function: Callable[..., Any]) -> bool:
 
 
 @contextlib.contextmanager
+def quiet_export(log_level: LogLevel, *, loggers: tuple[str, ...] = (), capture_fds: bool = False):
+    """An exporter's noise kept to ortcore's log level: above INFO its Python warnings are ignored and ``loggers``
+    show only errors; above DEVINFO (with ``capture_fds``) what it prints to the process's stdout/stderr is captured
+    and logged at DEVINFO. INFO lets warnings through, DEVINFO prints, VERBOSE the exporter's own graph dump."""
+    with contextlib.ExitStack() as stack:
+        if log_level > LogLevel.INFO:
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
+            for name in loggers:
+                stack.enter_context(_logger_level(logging.getLogger(name), logging.ERROR))
+        if capture_fds and log_level > LogLevel.DEVINFO:
+            stack.enter_context(_captured_fds())
+        yield
+
+
+@contextlib.contextmanager
+def _logger_level(log: logging.Logger, level: int):
+    previous = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(previous)
+
+
+@contextlib.contextmanager
 def _captured_fds():
     """Capture what the exporter prints, from Python and from C++ (its IR dumps go to std::cout), and log it at
     DEVINFO instead: at WARNING the exporter says nothing on the terminal."""
@@ -465,16 +491,9 @@ class TorchScriptExporter:
     ) -> onnx.ModelProto:
         register_symbolics(self.symbolics, opset)
         buffer = io.BytesIO()
-        # WARNING keeps the exporter quiet; INFO lets its warnings through, DEVINFO its prints, VERBOSE its graph dump.
-        quiet = contextlib.ExitStack()
-        if log_level > LogLevel.INFO:
-            quiet.enter_context(warnings.catch_warnings())
-            warnings.simplefilter("ignore")
-        if log_level > LogLevel.DEVINFO:
-            quiet.enter_context(_captured_fds())
         handler_for = getattr(self.symbolics.get("prim::PythonOp"), "handler_for", None)
         try:
-            with quiet, _tracing_through(handler_for):
+            with quiet_export(log_level, capture_fds=True), _tracing_through(handler_for):
                 torch.onnx.export(
                     module,
                     args,

@@ -43,7 +43,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +59,7 @@ from ortcore.exporter import (
     custom_autograd_disabled,
     function_apply_replaced,
     function_name,
+    quiet_export,
     raised_in,
 )
 from ortcore.graph_passes import PassContext
@@ -70,6 +70,8 @@ NAME = "dynamo_exporter"
 
 logger = logging.getLogger("ortcore")
 
+# Loggers of torch.export and torch.onnx, kept to errors below ortcore's INFO level (quiet_export).
+_LOGGERS = ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes")
 # Outputs ORT's gradient builders read, by op type: (outputs the op must have, names of the ones added).
 _REQUIRED_OUTPUTS = {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
 
@@ -489,23 +491,21 @@ class DynamoExporter:
             {d: torch.export.Dim.AUTO for d in range(t.dim())} if name in dynamic_axes else None
             for name, t in zip(input_names, args)
         )
-        quiet = contextlib.ExitStack()
-        if log_level > LogLevel.INFO:
-            quiet.enter_context(warnings.catch_warnings())
-            warnings.simplefilter("ignore")
-            for name in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes"):
-                quiet.enter_context(_level(logging.getLogger(name), logging.ERROR))
         start = time.perf_counter()
         refused: list[type] = []
         try:
-            with quiet, _float_batch_norm_momentum(module), self._custom_functions(refused):
+            with (
+                quiet_export(log_level, loggers=_LOGGERS),
+                _float_batch_norm_momentum(module),
+                self._custom_functions(refused),
+            ):
                 program = _capture(wrapper, tuple(args) + values, (dims + (None,) * len(values),))
             captured = time.perf_counter()
             if self.hooks is not None:
                 context = PassContext(module=module, training=training, config=self.hooks.config)
                 for program_pass in self.hooks.program_passes():
                     program_pass.run(program, context)
-            with quiet:
+            with quiet_export(log_level, loggers=_LOGGERS):
                 onnx_program = _translate(
                     program,
                     self._translations(),
@@ -671,16 +671,6 @@ def _capture(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple) -> tor
             return result.exported_program
         failures.append(result.exception)
     raise failures[0]
-
-
-@contextlib.contextmanager
-def _level(log: logging.Logger, level: int):
-    previous = log.level
-    log.setLevel(level)
-    try:
-        yield
-    finally:
-        log.setLevel(previous)
 
 
 @hookimpl

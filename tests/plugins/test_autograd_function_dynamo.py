@@ -541,3 +541,31 @@ def test_error_in_backward_fails_the_step_and_is_logged(host, caplog):
 
 def test_tolerances_are_the_parity_suites():
     assert (RTOL, ATOL) == (1e-4, 1e-5)
+
+
+# -- a Hugging Face model -------------------------------------------------------------------------------------------
+def tiny_bloom() -> nn.Module:
+    """``BloomForCausalLM`` (its MLP's GELU is the custom Function ``GeLUFunction`` in training mode): 2 layers."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    config = BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=2, hidden_dropout=0.0, attention_dropout=0.0)
+    return BloomForCausalLM(config).train()
+
+
+def bloom_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 128, (3, 12), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def bloom_step(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    out = model(**data, use_cache=False)
+    return out.logits, out.loss
+
+
+def test_hugging_face_bloom_trains_with_parity(host):
+    pytest.importorskip("transformers")
+    ort, ref = on_dynamo(tiny_bloom(), host())
+    check_step_and_training(ort, ref, make_batches(bloom_batch, 4), bloom_step, steps=3)
+    assert func_names(ort) == ["transformers.models.bloom.modeling_bloom.GeLUFunction"] * 2  # one per layer
+    assert_ran_in_ort(ort, exports=1)

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -127,7 +128,6 @@ def plugin_host(kind: str) -> Iterator[PluginHost]:
     finally:
         set_host(previous)
         host.close()
-
 
 
 def wrap(model: nn.Module, **kwargs: Any) -> ORTModule:
@@ -613,3 +613,10 @@ def install_contrib(folder: str, module: str) -> None:
 def run_in(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run a command in ``cwd``, capturing its text output (a fresh process: it loads plugins from entry points)."""
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from models import free_port
 
 from ortcore import ORTModule
 
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -57,7 +51,7 @@ def _train(rank: int, world: int, port: int, use_ortcore: bool, out: str) -> Non
 
 def _run(tmp_path, use_ortcore: bool) -> list[dict]:
     out = str(tmp_path / ("ort" if use_ortcore else "torch"))
-    mp.spawn(_train, args=(2, _free_port(), use_ortcore, out), nprocs=2, join=True)
+    mp.spawn(_train, args=(2, free_port(), use_ortcore, out), nprocs=2, join=True)
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 
@@ -65,9 +59,13 @@ def _run(tmp_path, use_ortcore: bool) -> list[dict]:
 def test_ddp_over_ortmodule_matches_ddp_over_the_model(tmp_path):
     reference, ours = _run(tmp_path, False), _run(tmp_path, True)
     for rank in range(2):
-        torch.testing.assert_close(torch.tensor(ours[rank]["losses"]), torch.tensor(reference[rank]["losses"]), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(ours[rank]["losses"]), torch.tensor(reference[rank]["losses"]), rtol=1e-4, atol=1e-6
+        )
         for name, value in reference[rank]["state"].items():
-            torch.testing.assert_close(ours[rank]["state"][name], value, rtol=1e-4, atol=1e-5, msg=f"{name} on rank {rank}")
+            torch.testing.assert_close(
+                ours[rank]["state"][name], value, rtol=1e-4, atol=1e-5, msg=f"{name} on rank {rank}"
+            )
         # DDP's gradient hooks fire per parameter per step, as with the plain model.
         assert ours[rank]["hook_calls"] == reference[rank]["hook_calls"] == STEPS * len(list(_model().parameters()))
     # Both ranks end with the same weights (the gradients were all-reduced).

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from models import assert_ran_in_ort, gpt2_batch, make_batches, tiny_gpt2
+from models import assert_ran_in_ort, free_port, gpt2_batch, make_batches, tiny_gpt2
 
 from ortcore import GraphBuildError, ORTModule
 
@@ -47,12 +46,6 @@ MICRO_BATCH = 3  # gpt2_batch's batch size
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-5
 PARAM_ATOL = STEPS * LR * 0.01
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
@@ -275,7 +268,7 @@ def _train_rank(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_zero_over_ortmodule_in_two_processes_trains_like_zero_over_the_model(tmp_path):
     out = str(tmp_path / "results")
-    mp.spawn(_train_rank, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_train_rank, args=(2, free_port(), out), nprocs=2, join=True)
     results = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
     for stage in (1, 2):
         for rank in range(2):

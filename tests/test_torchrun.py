@@ -15,7 +15,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from models import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "distributed_example.py"
 STEPS = 14  # an epoch is 11 steps: the run crosses into the second epoch
@@ -41,12 +41,6 @@ def _example():
 
 
 example = _example()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _environment() -> dict[str, str]:
@@ -216,7 +210,7 @@ def test_rank_0_checkpoint_loads_into_a_plain_pytorch_model(one_node):
 def test_two_nodes_on_this_machine_train_as_one_process(tmp_path):
     """Two torchrun agents, ``--nnodes 2 --nproc-per-node 1``, meeting at a c10d rendezvous on 127.0.0.1."""
     out = tmp_path / "out"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     launcher = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
     agents = [_start(_torchrun([*launcher, "--rdzv-id", "test_two_nodes"], out), tmp_path) for _ in range(2)]
     _wait(agents)

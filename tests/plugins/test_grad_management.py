@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from collections import Counter
 
 import pytest
@@ -22,6 +21,7 @@ from models import (
     assert_ran_in_ort,
     check_gradient_accumulation,
     check_step_and_training,
+    free_port,
     make_batches,
     mlp_batch,
     mlp_step,
@@ -269,12 +269,6 @@ def test_bad_value_names_the_variable():
 STEPS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_ddp(rank: int, world: int, port: int, use_ortcore: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -311,7 +305,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _run_ddp(tmp_path, use_ortcore: bool) -> list[dict]:
     out = str(tmp_path / ("ort" if use_ortcore else "torch"))
-    mp.spawn(_train_ddp, args=(2, _free_port(), use_ortcore, out), nprocs=2, join=True)
+    mp.spawn(_train_ddp, args=(2, free_port(), use_ortcore, out), nprocs=2, join=True)
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 
@@ -325,7 +319,9 @@ def test_ddp_over_ortmodule_with_grad_management(tmp_path):
             torch.tensor(ours[rank]["losses"]), torch.tensor(reference[rank]["losses"]), rtol=1e-4, atol=1e-6
         )
         for name, value in reference[rank]["state"].items():
-            torch.testing.assert_close(ours[rank]["state"][name], value, rtol=1e-4, atol=1e-5, msg=f"{name} on rank {rank}")
+            torch.testing.assert_close(
+                ours[rank]["state"][name], value, rtol=1e-4, atol=1e-5, msg=f"{name} on rank {rank}"
+            )
         assert ours[rank]["hook_calls"] == reference[rank]["hook_calls"] == STEPS * trainable
     for name, value in ours[0]["state"].items():
         torch.testing.assert_close(ours[1]["state"][name], value)

@@ -40,12 +40,12 @@ import torch
 from ortcore.config import Config, option
 from ortcore.errors import OptionError, UnsupportedModelError
 from ortcore.explain import ROUTED_METADATA_PREFIX, aten_kind, operator_of
-from ortcore.exporter import TORCHSCRIPT, TorchScriptExporter, custom_autograd_disabled, exporter_name
+from ortcore.exporter import DYNAMO, TORCHSCRIPT, TorchScriptExporter, custom_autograd_disabled, exporter_name
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import parse_bool
 from ortcore_plugins.aten_fallback import ROUTABLE_OPS, FallbackExporter, prepare_runtime, type_aten_outputs
-from ortcore_plugins.services import aten_nodes
+from ortcore_plugins.services import aten_nodes, aten_program
 from ortcore_plugins.services.aten_nodes import (
     ATEN_DOMAIN,
     FLOAT_TYPES,
@@ -68,8 +68,11 @@ ENV_NEVER = "ORTCORE_OP_ROUTING_NEVER"
 WRAPPER_NAMESPACE = aten_nodes.WRAPPER_NAMESPACE
 REASONS_PASS = "op_routing.reasons"
 TYPES_PASS = "op_routing.typed_outputs"
+DISTINCT_PASS = "op_routing.distinct_inputs"
 METADATA_PREFIX = ROUTED_METADATA_PREFIX
 EXPORTER_GAP = "the TorchScript exporter has no ONNX symbolic for it"
+EXPORTER_GAP_DYNAMO = "the dynamo exporter has no onnxscript translation for it"
+PROGRAM_PASS = "op_routing.program"
 FASTER_IN_TORCH = "PyTorch's kernel is faster on CPU (aten_fallback torch_kernels)"
 
 
@@ -479,7 +482,8 @@ _logged: set[tuple[str, str]] = set()
 def _note_routed(op: str, reason: str) -> None:
     if (op, reason) not in _logged:
         _logged.add((op, reason))
-        logger.info("aten::%s runs on PyTorch's kernel inside the ORT graph: %s", op, reason)
+        name = op if "::" in op else f"aten::{op}"
+        logger.info("%s runs on PyTorch's kernel inside the ORT graph: %s", name, reason)
 
 
 def symbolics(config: Config) -> dict[str, Callable[..., Any]]:
@@ -490,6 +494,92 @@ def symbolics(config: Config) -> dict[str, Callable[..., Any]]:
     return {f"::{r.op}": route_symbolic(r) for r in ROUTES if r.op not in options.never}
 
 
+# -- the dynamo route: calls of the exported program -----------------------------------------------------------------
+#
+# torch.export keeps CompositeImplicitAutograd ops whole (gru.input, group_norm, instance_norm, einsum,
+# conv_transpose2d.input, upsample_bilinear2d.vec, ...): the dynamo route finds a route's calls at that level, in the
+# exported program's FX graph, before torch.onnx decomposes anything, and turns each into a wrapper op that its
+# translation writes as one ATen node (ortcore_plugins.services.aten_program).
+
+
+def _flag(name: str) -> Callable[[dict[str, Any], Any], bool]:
+    return lambda arguments, target: bool(arguments.get(name))
+
+
+def _is_program_reduction(arguments: dict[str, Any], target: Any) -> bool:
+    """``max``/``min`` over the whole tensor or a dim (ReduceMax/ReduceMin), not the binary ``max.other``."""
+    return target._overloadname in ("default", "dim")
+
+
+@attrs.frozen
+class ProgramRoute:
+    """Which calls of the exported program a :class:`Route` applies to on the dynamo route."""
+
+    route: Route
+    ops: tuple[str, ...]  # aten op names as the program calls them
+    when: Callable[[dict[str, Any], Any], bool] | None = None  # (arguments by name, OpOverload) -> route this call?
+
+
+_BY_OP = {r.op: r for r in ROUTES}
+
+PROGRAM_ROUTES: tuple[ProgramRoute, ...] = (
+    *(
+        ProgramRoute(_BY_OP[op], (op,))
+        for op in ("hardswish", "hardsigmoid", "einsum", "cumsum", "instance_norm", "group_norm", "amax", "amin")
+    ),
+    ProgramRoute(_BY_OP["max"], ("max",), _is_program_reduction),
+    ProgramRoute(_BY_OP["min"], ("min",), _is_program_reduction),
+    *(ProgramRoute(_BY_OP[op], (op,), _flag("bidirectional")) for op in ("gru", "lstm", "rnn_tanh", "rnn_relu")),
+    ProgramRoute(_BY_OP["_convolution"], ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")),
+    ProgramRoute(_BY_OP["_convolution"], ("convolution", "_convolution"), _flag("transposed")),
+    *(ProgramRoute(r, (r.op,)) for r in ROUTES if r.onnx_op == "Resize"),
+    ProgramRoute(_BY_OP["flip"], ("flip",)),
+    ProgramRoute(_BY_OP["multinomial"], ("multinomial",)),
+    ProgramRoute(_BY_OP["diagonal"], ("diagonal",)),
+)
+
+
+def _program_reason(
+    node: torch.fx.Node, routes: dict[str, ProgramRoute], reach: aten_program.GradientReach, gaps: bool
+) -> str | None:
+    """Why ``node`` runs on PyTorch's kernel (None: it stays in ORT)."""
+    target = node.target
+    program_route = routes.get(target._schema.name.rpartition("::")[2]) if target.namespace == "aten" else None
+    if program_route is not None:
+        route = program_route.route
+        if program_route.when is not None:
+            try:
+                arguments = dict(zip([a.name for a in target._schema.arguments], aten_program.bind(node), strict=True))
+            except aten_program.Unroutable:
+                return None
+            if not program_route.when(arguments, target):
+                return None
+        device = aten_program.device_of(node)
+        if device is not None and device not in route.devices:
+            return None
+        if route.gradient_only and not aten_program.may_need_gradient(node, reach):
+            return None
+        return route.reason
+    if gaps and not aten_program.has_translation(target):
+        return EXPORTER_GAP_DYNAMO
+    return None
+
+
+def _route_program(program: torch.export.ExportedProgram, context: PassContext) -> int:
+    """The dynamo route's routing: calls the routes apply to and ops the exporter cannot translate become wrapper ops
+    exported as ATen nodes."""
+    options = _options(context.config)
+    by_op = {op: r for r in PROGRAM_ROUTES if r.route.op not in options.never for op in r.ops}
+
+    def decide(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
+        return _program_reason(node, by_op, reach, gaps=True)
+
+    routed = aten_program.route_calls(program, context.module, decide, prepare_runtime)
+    for name, reason in routed:
+        _note_routed(name.removeprefix("aten::"), reason)
+    return len(routed)
+
+
 # -- the exporter: exporter gaps, and the reasons of what was routed --------------------------------------------------
 
 
@@ -497,14 +587,15 @@ class RoutingExporter(FallbackExporter):
     """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``)."""
 
 
-_REASONS = {r.op: r.reason for r in ROUTES}
+_REASONS = {r.op: r.reason for r in ROUTES} | {op: r.route.reason for r in PROGRAM_ROUTES for op in r.ops}
 
 
 _CORE_OPS = {"detach_copy": "a detach() inside a gradient path: a stop-gradient, which ORT has no op for"}
 
 
-def add_reasons(model: onnx.ModelProto) -> None:
-    """Record ``ortcore.routed::<op>`` = reason for every ATen node of the exported ``model``."""
+def add_reasons(model: onnx.ModelProto, gap: str = EXPORTER_GAP) -> None:
+    """Record ``ortcore.routed::<op>`` = reason for every ATen node of the exported ``model`` (``gap``: the reason of
+    an op routed because the exporter cannot write it)."""
     reasons: dict[str, str] = {}
     for node in model.graph.node:
         if node.op_type != "ATen" or node.domain != ATEN_DOMAIN:
@@ -513,7 +604,7 @@ def add_reasons(model: onnx.ModelProto) -> None:
         # native_layer_norm, linear for addmm).
         op = aten_kind(operator_of(node))
         speed = FASTER_IN_TORCH if op in ROUTABLE_OPS else None
-        reasons.setdefault(op, _REASONS.get(op) or _CORE_OPS.get(op) or speed or EXPORTER_GAP)
+        reasons.setdefault(op, _REASONS.get(op) or _CORE_OPS.get(op) or speed or gap)
     known = {p.key for p in model.metadata_props}
     for op, reason in sorted(reasons.items()):
         if METADATA_PREFIX + op not in known:
@@ -523,7 +614,8 @@ def add_reasons(model: onnx.ModelProto) -> None:
 def _reasons_pass(model: onnx.ModelProto, context: PassContext | None = None) -> int:
     """After the other passes (tanh-GELU adds ATen nodes): every ATen node's op has a recorded reason."""
     before = len(model.metadata_props)
-    add_reasons(model)
+    dynamo = context is not None and exporter_name(context.config) == DYNAMO
+    add_reasons(model, EXPORTER_GAP_DYNAMO if dynamo else EXPORTER_GAP)
     return len(model.metadata_props) - before
 
 
@@ -554,11 +646,39 @@ def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
 
 
 @hookimpl
+def ortcore_program_passes(config: Config) -> list[GraphPass]:
+    """The dynamo route: routed calls and ops the exporter cannot translate become wrapper ops (ATen nodes)."""
+    if not _options(config).enabled:
+        return []
+    return [GraphPass(PROGRAM_PASS, run=_route_program)]
+
+
+@hookimpl
+def ortcore_export_translations(config: Config) -> dict[Any, Any]:
+    """The translations of the wrapper ops the program passes made (one ATen node each)."""
+    if not _options(config).enabled:
+        return {}
+    return aten_program.translations()
+
+
+@hookimpl
 def ortcore_graph_passes(config: Config) -> list[GraphPass]:
     if not _options(config).enabled:
         return []
     # type_aten_outputs is idempotent: aten_fallback may run it too.
-    return [GraphPass(TYPES_PASS, run=type_aten_outputs), GraphPass(REASONS_PASS, run=_reasons_pass)]
+    return [
+        GraphPass(TYPES_PASS, run=type_aten_outputs),
+        GraphPass(REASONS_PASS, run=_reasons_pass),
+        GraphPass(DISTINCT_PASS, run=_distinct_inputs),
+    ]
+
+
+def _distinct_inputs(model: onnx.ModelProto, context: PassContext) -> int:
+    """On the dynamo route, whose optimizer merges equal values: no value twice among an ATen node's inputs
+    (idempotent: aten_fallback may run it too)."""
+    if exporter_name(context.config) != DYNAMO:
+        return 0
+    return aten_program.distinct_aten_inputs(model)
 
 
 @hookimpl

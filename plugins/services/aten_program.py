@@ -1,0 +1,454 @@
+"""The ATen node service on the dynamo route: calls of ``torch.export``'s program become ATen nodes run by PyTorch.
+
+The dynamo route's counterpart of the TorchScript symbolics that ``op_routing`` and ``aten_fallback`` write with
+:mod:`ortcore_plugins.services.aten_nodes`. A program pass (``ortcore_program_passes``) picks calls in the exported
+program's FX graph and hands each to :func:`route_call`, which
+
+* binds the call's arguments to its op's schema and defines, once per call signature, the wrapper op that takes them
+  (:func:`~ortcore_plugins.services.aten_nodes.define_wrapper`): an input that may need a gradient first (ORT builds
+  an ATen node's gradient only then), tensor lists spread over separate inputs, a tensor passed twice given once;
+* makes the FX node call the wrapper instead (the same node: its name, value metadata and users stay);
+* registers the wrapper's VJP gradient definition (:func:`~ortcore_plugins.services.aten_nodes.register_vjp_gradient`);
+* and keeps the onnxscript translation that writes the wrapper as one ``org.pytorch.aten::ATen`` node, which
+  :func:`translations` hands to ``ortcore_export_translations`` (an op in that table is not decomposed).
+
+:class:`GradientReach` says whether a value may carry a gradient: computed in floating point from a trained parameter
+(certainly) or from one of the model's inputs (possibly: whether an input requires grad is not in the program).
+:func:`has_translation` says whether the exporter can write an op itself (a torchlib function, or a decomposition).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .aten_nodes import WRAPPER_NAMESPACE, define_wrapper, op_packet, prepare, register_vjp_gradient
+
+logger = logging.getLogger("ortcore.aten")
+
+ATEN_DOMAIN = "org.pytorch.aten"
+FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+
+# c10::ScalarType numbers: a dtype argument travels as an int (aten ops take an int for a ScalarType).
+_SCALAR_TYPES = {
+    torch.uint8: 0,
+    torch.int8: 1,
+    torch.int16: 2,
+    torch.int32: 3,
+    torch.int64: 4,
+    torch.float16: 5,
+    torch.float32: 6,
+    torch.float64: 7,
+    torch.complex64: 9,
+    torch.complex128: 10,
+    torch.bool: 11,
+    torch.bfloat16: 15,
+}
+
+
+class Unroutable(Exception):
+    """A call the ATen executor cannot run (an argument it cannot pass, a result that is not a tensor)."""
+
+
+# -- which values may carry a gradient --------------------------------------------------------------------------------
+
+NONE, POSSIBLE, CERTAIN = 0, 1, 2
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _carries_float(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype in FLOAT_DTYPES
+    if isinstance(value, tuple | list):
+        return any(_carries_float(v) for v in value)
+    return False
+
+
+class GradientReach:
+    """Whether each value of an exported program may carry a gradient back to a graph input.
+
+    The program's user inputs are the model's inputs, then its parameters and buffers (the dynamo exporter's
+    layout). A value computed in floating point from a parameter that requires grad certainly does
+    (:data:`CERTAIN`); from a floating-point model input possibly (:data:`POSSIBLE`: the input may require grad);
+    an integer or boolean value, a constant, or a value computed only from those or from frozen tensors does not.
+    """
+
+    def __init__(self, program: torch.export.ExportedProgram, module: torch.nn.Module | None):
+        graph = program.graph_module.graph
+        user = list(program.graph_signature.user_inputs)
+        state: dict[str, torch.Tensor] = {}
+        if module is not None:
+            state = dict(module.named_parameters())
+            state.update(module.named_buffers())
+        names = list(state)
+        n_inputs = len(user) - len(state) if len(user) >= len(state) else len(user)
+        placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+        self.levels: dict[torch.fx.Node, int] = {}
+        for k, name in enumerate(user):
+            node = placeholders.get(name)
+            if node is None or not _carries_float(_val(node)):
+                continue
+            if k < n_inputs:
+                self.levels[node] = POSSIBLE
+            else:
+                self.levels[node] = CERTAIN if state[names[k - n_inputs]].requires_grad else NONE
+        for node in graph.nodes:
+            if node.op != "call_function" or not _carries_float(_val(node)):
+                continue
+            self.levels[node] = max((self.levels.get(i, NONE) for i in node.all_input_nodes), default=NONE)
+
+    def of(self, node: Any) -> int:
+        return self.levels.get(node, NONE) if isinstance(node, torch.fx.Node) else NONE
+
+
+# -- can the exporter write an op ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _onnx_registry() -> Any:
+    from torch.onnx._internal.exporter import _registration
+
+    return _registration.ONNXRegistry.from_torchlib()
+
+
+@functools.cache
+def _decomposed() -> frozenset[Any]:
+    table = dict(torch.export.default_decompositions().items())
+    table.update(torch._decomp.decomposition_table)
+    return frozenset(op for op in table if isinstance(op, torch._ops.OpOverload))
+
+
+# Ops the exporter removes or writes itself without a translation: assertions, ops of the onnx namespace.
+_HANDLED_NAMESPACES = ("onnx",)
+_HANDLED_PREFIXES = ("_assert", "sym_constrain_range")
+
+
+def has_translation(target: Any) -> bool:
+    """Can the dynamo exporter write ``target`` (an ``OpOverload``) in ONNX: has it a torchlib function, or a
+    decomposition (torch.export's default ones, PyTorch's table, a CompositeImplicitAutograd kernel)?
+
+    Ops of ortcore's own ``ortcore*`` namespaces count as written: the plugin that puts them in the program
+    translates them.
+    """
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    namespace = target.namespace
+    name = target._schema.name.rpartition("::")[2]
+    if namespace.startswith("ortcore") or namespace in _HANDLED_NAMESPACES or name.startswith(_HANDLED_PREFIXES):
+        return True
+    if _onnx_registry().is_registered(target) or target in _decomposed():
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
+
+
+# -- routing one call -------------------------------------------------------------------------------------------------
+
+
+def bind(node: torch.fx.Node) -> list[Any]:
+    """The call's value of each argument of its op's schema (defaults filled in)."""
+    schema = node.target._schema
+    values = []
+    for k, a in enumerate(schema.arguments):
+        if k < len(node.args) and not a.kwarg_only:
+            values.append(node.args[k])
+        elif a.name in node.kwargs:
+            values.append(node.kwargs[a.name])
+        elif a.has_default_value():
+            values.append(a.default_value)
+        else:
+            raise Unroutable(f"argument {a.name!r} is missing")
+    return values
+
+
+def _is_tensor_list(t: Any) -> bool:
+    if t.kind() != "ListType":
+        return False
+    element = t.getElementType()
+    element = element.getElementType() if element.kind() == "OptionalType" else element
+    return element.kind() == "TensorType"
+
+
+_SIMPLE = {
+    "IntType": "int",
+    "SymIntType": "SymInt",
+    "FloatType": "float",
+    "BoolType": "bool",
+    "NumberType": "Scalar",
+    "StringType": "str",
+    "ScalarTypeType": "int",
+}
+_LISTS = {"IntType": "int[]", "SymIntType": "SymInt[]", "FloatType": "float[]", "BoolType": "bool[]"}
+
+
+def _kind(t: Any, name: str) -> str:
+    """The wrapper's schema type for a present (not None) non-tensor-list argument of type ``t``."""
+    kind = t.kind()
+    if kind == "TensorType":
+        return "Tensor"
+    if kind == "ListType" and t.getElementType().kind() in _LISTS:
+        return _LISTS[t.getElementType().kind()]
+    if kind in _SIMPLE:
+        return _SIMPLE[kind]
+    raise Unroutable(f"argument {name!r} has type {t}, which the ATen executor cannot pass")
+
+
+def _used_outputs(node: torch.fx.Node, n_outputs: int) -> set[int]:
+    """Which outputs of a call something reads (ORT gives no gradient for an output nothing reads)."""
+    if n_outputs == 1:
+        return {0} if node.users else set()
+    used: set[int] = set()
+    for user in node.users:
+        if user.target is operator.getitem and isinstance(user.args[1], int):
+            if user.users:
+                used.add(user.args[1])
+        else:
+            return set(range(n_outputs))
+    return used
+
+
+def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Callable[[], None] = prepare) -> str:
+    """Make ``node`` (a call of an ``OpOverload``) call a wrapper op exported as one ATen node; returns the wrapper's
+    operator name. Raises :class:`Unroutable` (naming the argument or result) when the executor cannot run it."""
+    target = node.target
+    schema = target._schema
+    if any(r.type.kind() != "TensorType" for r in schema.returns):
+        raise Unroutable("it returns non-tensors")
+    values = bind(node)
+    # The ATen node's inputs: (kind, value, places), places being the (argument, list item) pairs the input fills.
+    inputs: list[tuple[str, Any, list[tuple[int, int | None]]]] = []
+    tensor_input: dict[torch.fx.Node, int] = {}
+
+    def add_tensor(value: Any, place: tuple[int, int | None], name: str) -> None:
+        if not isinstance(value, torch.fx.Node) or not isinstance(_val(value), torch.Tensor):
+            raise Unroutable(f"argument {name!r} is not a tensor computed in the graph")
+        if value in tensor_input:  # one value twice among an ATen node's inputs breaks ORT's gradient build
+            inputs[tensor_input[value]][2].append(place)
+            return
+        tensor_input[value] = len(inputs)
+        inputs.append(("Tensor", value, [place]))
+
+    for k, (a, value) in enumerate(zip(schema.arguments, values, strict=True)):
+        if value is None:
+            continue  # an optional argument left at None: the wrapper passes None
+        t = a.type.getElementType() if a.type.kind() == "OptionalType" else a.type
+        if _is_tensor_list(t):
+            for i, item in enumerate(value):
+                add_tensor(item, (k, i), a.name)
+        elif t.kind() == "TensorType":
+            add_tensor(value, (k, None), a.name)
+        else:
+            kind = _kind(t, a.name)
+            if isinstance(value, torch.dtype):
+                if value not in _SCALAR_TYPES:
+                    raise Unroutable(f"argument {a.name!r} is {value}, which the ATen executor cannot pass")
+                value = _SCALAR_TYPES[value]
+            elif not isinstance(value, bool | int | float | str | list | tuple | torch.fx.Node):
+                raise Unroutable(f"argument {a.name!r} is {value!r}, which the ATen executor cannot pass")
+            inputs.append((kind, value, [(k, None)]))
+    floats = {v for kind, v, _ in inputs if kind == "Tensor" and _val(v).dtype in FLOAT_DTYPES}
+    levels = [reach.of(v) if kind == "Tensor" and v in floats else NONE for kind, v, _ in inputs]
+    if max(levels, default=NONE) > NONE:
+        # ORT builds an ATen node's gradient only when its first input needs one: the surest such input goes first.
+        inputs.insert(0, inputs.pop(levels.index(max(levels))))
+    float_inputs = tuple(j for j, (kind, v, _) in enumerate(inputs) if kind == "Tensor" and v in floats)
+    val = _val(node)
+    results = list(val) if isinstance(val, tuple | list) else [val]
+    used = _used_outputs(node, len(schema.returns))
+    differentiable = tuple(
+        j for j, r in enumerate(results) if isinstance(r, torch.Tensor) and r.dtype in FLOAT_DTYPES and j in used
+    )
+    kinds = [kind for kind, _, _ in inputs]
+    placement = [tuple(places) for _, _, places in inputs]
+    signature = f"{target.name()}|{list(zip(kinds, placement, strict=True))}|{differentiable}|{float_inputs}"
+    name = define_wrapper(schema.name, target._overloadname, schema, kinds, placement, signature)
+    wrapper = op_packet(name).default
+    register_vjp_gradient(name, "", wrapper._schema, differentiable, float_inputs, prepare_runtime)
+    with _lock:
+        if wrapper not in _translations:
+            _translations[wrapper] = _translation(name, kinds, len(schema.returns))
+    node.target = wrapper
+    node.args = tuple(v for _, v, _ in inputs)
+    node.kwargs = {}
+    return name
+
+
+def may_need_gradient(node: torch.fx.Node, reach: GradientReach) -> bool:
+    """May a gradient flow through the call: does one of its floating-point tensor inputs (or list items) carry one?"""
+    return any(reach.of(i) > NONE for i in node.all_input_nodes if isinstance(_val(i), torch.Tensor))
+
+
+def device_of(node: torch.fx.Node) -> str | None:
+    """The device type of the call's first tensor input (None if unknown)."""
+    for i in node.all_input_nodes:
+        value = _val(i)
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return None
+
+
+def route_calls(
+    program: torch.export.ExportedProgram,
+    module: torch.nn.Module | None,
+    decide: Callable[[torch.fx.Node, GradientReach], str | None],
+    prepare_runtime: Callable[[], None] = prepare,
+) -> list[tuple[str, str]]:
+    """Route every call of ``program`` that ``decide(node, reach)`` gives a reason for (:func:`route_call`); returns
+    ``(op, reason)`` of each routed call. A call the executor cannot run stays as it is (logged at WARNING)."""
+    reach = GradientReach(program, module)
+    routed = []
+    for node in list(program.graph_module.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace == WRAPPER_NAMESPACE:
+            continue
+        reason = decide(node, reach)
+        if reason is None:
+            continue
+        name = node.target._schema.name
+        try:
+            route_call(node, reach, prepare_runtime)
+        except Unroutable as e:
+            logger.warning("%s stays as the exporter writes it: the ATen executor cannot run it (%s)", name, e)
+            continue
+        routed.append((name, reason))
+    if routed:
+        program.graph_module.recompile()
+    return routed
+
+
+def distinct_aten_inputs(model: Any, context: Any = None) -> int:
+    """Give each repeated input of an ATen node its own ``Identity``; returns how many (an ONNX graph pass).
+
+    The exporter's optimizer merges equal values (an LSTM's two zero initial states become one), and one value twice
+    among an ATen node's inputs breaks ORT's gradient build (two gradients of one name).
+    """
+    import onnx
+
+    graph = model.graph
+    taken = {name for node in graph.node for name in (*node.input, *node.output)}
+    taken.update(v.name for v in graph.input)
+    nodes = []
+    added = 0
+    for node in graph.node:
+        if node.op_type == "ATen" and node.domain == ATEN_DOMAIN:
+            seen: set[str] = set()
+            for k, name in enumerate(node.input):
+                if name and name in seen:
+                    copy = f"{name}_ortcore_distinct"
+                    n = 1
+                    while copy in taken:
+                        copy, n = f"{name}_ortcore_distinct{n}", n + 1
+                    taken.add(copy)
+                    nodes.append(onnx.helper.make_node("Identity", [name], [copy], name=f"{copy}_Identity"))
+                    node.input[k] = copy
+                    added += 1
+                seen.add(name)
+        nodes.append(node)
+    if added:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return added
+
+
+# -- translations -----------------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_translations: dict[Any, Callable[..., Any]] = {}
+
+
+def translations() -> dict[Any, Callable[..., Any]]:
+    """``{wrapper overload: onnxscript translation}`` of every wrapper routed so far (``ortcore_export_translations``);
+    the same function objects each time, so two plugins may offer them."""
+    with _lock:
+        return dict(_translations)
+
+
+_ATEN_TYPES = [
+    "tensor(float)",
+    "tensor(double)",
+    "tensor(float16)",
+    "tensor(bfloat16)",
+    "tensor(int64)",
+    "tensor(int32)",
+    "tensor(int16)",
+    "tensor(int8)",
+    "tensor(uint8)",
+    "tensor(bool)",
+    "tensor(string)",
+]
+
+
+@functools.cache
+def aten_op(n_outputs: int) -> Any:
+    """The onnxscript op writing an ``org.pytorch.aten::ATen`` node with ``n_outputs`` outputs (onnxscript knows
+    ATen's schema only from us; the recorder gives a node as many outputs as its schema lists)."""
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    variadic = OpSchema.FormalParameterOption.Variadic
+    return onnxscript.values.Op(
+        onnxscript.values.Opset(ATEN_DOMAIN, 1),
+        "ATen",
+        OpSchema(
+            "ATen",
+            ATEN_DOMAIN,
+            1,
+            inputs=[OpSchema.FormalParameter("inputs", "T", param_option=variadic, is_homogeneous=False)],
+            outputs=[OpSchema.FormalParameter(f"output_{j}", f"T{j}") for j in range(n_outputs)],
+            type_constraints=[("T", _ATEN_TYPES, ""), *((f"T{j}", _ATEN_TYPES, "") for j in range(n_outputs))],
+            attributes=[
+                OpSchema.Attribute("operator", OpSchema.AttrType.STRING, ""),
+                OpSchema.Attribute("overload_name", OpSchema.AttrType.STRING, ""),
+            ],
+        ),
+    )
+
+
+def _onnx_input(kind: str, value: Any) -> Any:
+    """One input of the ATen node: a tensor (or a value the graph computes, such as a size) as it is, a constant
+    argument as the small tensor the executor converts back (strings as UTF-8 bytes, floats in double)."""
+    import numpy as np
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+
+    def constant(array: Any) -> Any:
+        return op.Constant(value=ir.tensor(array))
+
+    if isinstance(value, ir.Value):
+        return value
+    if kind.endswith("[]"):
+        dtype = {"int[]": np.int64, "SymInt[]": np.int64, "float[]": np.float64, "bool[]": np.bool_}[kind]
+        if any(isinstance(v, ir.Value) for v in value):  # symbolic sizes among the items
+            one = constant(np.array([1], dtype=np.int64))
+            parts = [
+                op.Reshape(v, one) if isinstance(v, ir.Value) else constant(np.array([v], dtype=dtype)) for v in value
+            ]
+            return op.Concat(*parts, axis=0)
+        return constant(np.array(list(value), dtype=dtype))
+    if kind == "str":
+        return constant(np.frombuffer(value.encode("utf-8"), dtype=np.uint8).copy())
+    if isinstance(value, bool):
+        return constant(np.array(value, dtype=np.bool_))
+    if isinstance(value, int) and kind != "float":
+        return constant(np.array(value, dtype=np.int64))
+    return constant(np.array(float(value), dtype=np.float64))
+
+
+def _translation(operator_name: str, kinds: list[str], n_outputs: int) -> Callable[..., Any]:
+    aten = aten_op(n_outputs)
+
+    def translate(*args: Any) -> Any:
+        inputs = [_onnx_input(kind, value) for kind, value in zip(kinds, args, strict=True)]
+        return aten(*inputs, operator=operator_name, overload_name="")
+
+    translate.__name__ = f"aten_{operator_name.rpartition('::')[2]}"
+    return translate

@@ -280,8 +280,9 @@ def ortcore_autograd_function_handler(config: Config, function: type) -> Any | N
     its forward/backward) or None. Stops at the first non-None result.
 
     A handler is ``ortcore.exporter.INLINE`` (trace through the Function's forward) or an object with
-    ``export(g, node, args)`` returning the node's outputs, and optionally ``check()`` (raise to refuse the Function)
-    and ``traces_through(args) -> bool`` (trace one call through). Called while exporting, for each Function call;
+    ``export(g, node, args)`` returning the node's outputs (TorchScript route) and ``dynamo_apply(function, apply,
+    args, kwargs)`` returning the call's outputs while torch.export traces (dynamo route), and optionally ``check()``
+    (raise to refuse the Function) and ``traces_through(args) -> bool`` (trace one call through). Called while exporting, for each Function call;
     Functions with their own ``symbolic`` never reach it.
     """
 

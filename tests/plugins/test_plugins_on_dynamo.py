@@ -27,8 +27,10 @@ from torch import nn
 
 import ortcore_plugins.activation_stats as activation_stats
 import ortcore_plugins.compute_optimizer as compute_optimizer
+import ortcore_plugins.cuda_execution as cuda_execution
 import ortcore_plugins.dynamo_exporter as dynamo_exporter
 import ortcore_plugins.efficient_attention as efficient_attention
+import ortcore_plugins.export_cache as export_cache
 import ortcore_plugins.grad_management as grad_management
 import ortcore_plugins.gradient_fixes as gradient_fixes
 import ortcore_plugins.memory_recompute as memory_recompute
@@ -561,3 +563,92 @@ def test_statistics_files_of_the_dynamo_route_do_not_diverge_from_torch(subscrib
     report = find_divergence(tmp_path / "pt", tmp_path / "ort")
     assert not report.diverged, report.summary()
     assert report.steps == [0, 1, 2] and report.compared == 3 * 2 * len(ACTIVATION_NET_NAMES)
+
+
+# -- compute_optimizer ----------------------------------------------------------------------------------------------
+
+
+class FirstTokenHead(nn.Module):
+    """``head(gelu(enc(x))[:, 0])``: the first-token slice ORT's UpStreamGather can move above ``enc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.enc(x))[:, 0])
+
+
+@pytest.mark.parametrize("enable", ["1", "0"])
+def test_upstream_gather_moves_the_first_token_slice_to_the_input(hosts, tmp_path, enable) -> None:
+    host = hosts(compute_optimizer, env={"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": enable})
+    ours, reference = on_dynamo(FirstTokenHead(), host, debug_options=saving(tmp_path, "head"))
+    step_matches(ours, reference, (torch.randn(4, 6, 8),), lambda out: out.square().sum())
+    graph = onnx.load(str(tmp_path / "head_training.onnx")).graph
+    producer = {out: node.op_type for node in graph.node for out in node.output}
+    [gather] = [n for n in graph.node if n.op_type == "Gather"]
+    # On: the slice runs on the input, so enc and gelu see one token per row instead of six.
+    assert producer.get(gather.input[0], gather.input[0]) == ("x" if enable == "1" else "Gelu")
+
+
+# -- export_cache ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dynamo_exports(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of each module the dynamo exporter exported."""
+    calls: list[str] = []
+    original = dynamo_exporter.DynamoExporter.export
+
+    def export(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> onnx.ModelProto:
+        calls.append(type(module).__name__)
+        return original(self, module, *args, **kwargs)
+
+    monkeypatch.setattr(dynamo_exporter.DynamoExporter, "export", export)
+    return calls
+
+
+def _bn_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_export_cache_keeps_the_routes_apart_and_a_cached_dynamo_graph_trains(hosts, tmp_path, dynamo_exports) -> None:
+    host = hosts(export_cache, env={"ORTMODULE_CACHE_DIR": str(tmp_path)})
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    entries = lambda: sorted(tmp_path.glob(f"*{export_cache.ENTRY_SUFFIX}"))  # noqa: E731
+
+    ORTModule(_bn_model(0), host=host, fallback_policy="FALLBACK_DISABLE")(x).sum().backward()  # TorchScript route
+    assert len(entries()) == 1 and dynamo_exports == []
+
+    ours, reference = on_dynamo(_bn_model(0), host)  # another exporter, another key: exported, stored beside it
+    step_matches(ours, reference, (x,), lambda out: out.square().mean())
+    assert len(entries()) == 2 and len(dynamo_exports) == 1
+
+    ours, reference = on_dynamo(_bn_model(1), host)  # a fresh module of the same code: loaded, not exported
+    optimizer, optimizer_ref = (
+        torch.optim.SGD(ours.parameters(), lr=0.1),
+        torch.optim.SGD(reference.parameters(), lr=0.1),
+    )
+    for step in range(3):
+        step_matches(ours, reference, (x * (step + 1),), lambda out: out.square().mean())
+        for o in (optimizer, optimizer_ref):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    assert len(dynamo_exports) == 1 and len(entries()) == 2
+    torch.testing.assert_close(ours.module[1].running_mean, reference[1].running_mean, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(ours.module[1].running_var, reference[1].running_var, rtol=RTOL, atol=ATOL)
+
+
+# -- cuda_execution -------------------------------------------------------------------------------------------------
+
+
+def test_cuda_options_on_cpu_are_reported_once_and_change_nothing(hosts, caplog) -> None:
+    cuda_execution._reported.clear()
+    caplog.set_level(logging.WARNING, logger="ortcore.cuda_execution")
+    host = hosts(cuda_execution, env={"ORTMODULE_ENABLE_TUNING": "1"})
+    ours, reference = on_dynamo(nn.Linear(4, 2), host)
+    step_matches(ours, reference, (torch.randn(3, 4),), lambda out: out.square().sum())
+    reports = [r.getMessage() for r in caplog.records if r.name == "ortcore.cuda_execution"]
+    assert len(reports) == 1 and "enable_tuning (ORTMODULE_ENABLE_TUNING)" in reports[0], reports

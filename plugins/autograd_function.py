@@ -279,8 +279,9 @@ class PythonOpHandler:
         arguments = _positional(function, args, kwargs)
         call = FunctionCall.record(function, apply, arguments)
         tensors = [arguments[i] for i in call.tensor_positions]
-        outputs = list(_function_call_op()(call.index, tensors))
-        call.describe(tensors, outputs)
+        sizes = [arguments[i] for i in call.size_positions]
+        outputs = list(_function_call_op()(call.index, tensors, sizes))
+        call.describe(tensors, sizes, outputs)
         return call.result(outputs)
 
 
@@ -370,6 +371,8 @@ class FunctionCall:
     apply: Callable[..., Any]  # torch's own Function.apply
     arguments: tuple  # the tensor arguments are replaced by the op's at each use
     tensor_positions: tuple[int, ...]
+    # Ints that are sizes of dynamic dimensions (SymInts while tracing): int64 scalar inputs of the node.
+    size_positions: tuple[int, ...]
     attributes: dict[str, Any] = attrs.field(factory=dict)
     bool_outputs: tuple[int, ...] = ()
     structure: tuple | None = None  # the forward's result: None for one tensor, else its items (_TENSOR for tensors)
@@ -387,24 +390,27 @@ class FunctionCall:
                     "PythonOp takes tensors only as arguments of their own; pass them as separate arguments, or skip "
                     "the Function (ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS) to trace through it"
                 )
-            if isinstance(arg, torch.SymInt | torch.SymFloat | torch.SymBool):
+            if isinstance(arg, torch.SymFloat | torch.SymBool):
                 raise UnsupportedModelError(
-                    f"{function_name(function)} receives a size computed from a dynamic dimension as argument {i} "
-                    f"({arg}): a PythonOp keeps non-tensor arguments fixed. Pass it as a tensor, or skip the "
-                    "Function (ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS) to trace through it"
+                    f"{function_name(function)} receives a value computed from a dynamic dimension as argument {i} "
+                    f"({arg}, a {type(arg).__name__}): a PythonOp takes such values only as ints. Pass an int or a "
+                    "tensor, or skip the Function (ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS) to trace through it"
                 )
-        stored = tuple(None if i in positions else a for i, a in enumerate(arguments))
+        sizes = tuple(i for i, a in enumerate(arguments) if isinstance(a, torch.SymInt))
+        stored = tuple(None if i in positions or i in sizes else a for i, a in enumerate(arguments))
         with cls.lock:
-            call = cls(len(cls.calls), function, apply, stored, positions)
+            call = cls(len(cls.calls), function, apply, stored, positions, sizes)
             cls.calls.append(call)
         return call
 
-    def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, tensors: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
         """The Function's forward on copies of ``tensors`` (fake ones while exporting: that gives the outputs'
         shapes), without autograd; nested Function calls run as plain ``apply``."""
         arguments = list(self.arguments)
         for position, tensor in zip(self.tensor_positions, tensors):
             arguments[position] = tensor.clone()  # the op must not change its inputs (mark_dirty)
+        for position, size in zip(self.size_positions, sizes):
+            arguments[position] = size
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
             with torch.no_grad():
@@ -421,25 +427,40 @@ class FunctionCall:
         # Fresh outputs: an op's outputs may not alias its inputs or each other.
         return [r.clone(memory_format=torch.contiguous_format) for r in items if isinstance(r, torch.Tensor)]
 
-    def describe(self, tensors: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    def describe(self, tensors: list[torch.Tensor], sizes: list[torch.SymInt], outputs: list[torch.Tensor]) -> None:
         """The node's attributes, from the traced inputs and outputs."""
-        name = self.function
+        function = self.function
         bool_inputs = tuple(p for p, t in zip(self.tensor_positions, tensors) if t.dtype == torch.bool)
-        convention = "".join("d" if i in self.tensor_positions else "c" for i in range(len(self.arguments)))
+        inputs = self.node_inputs(tensors, sizes)
         self.bool_outputs = tuple(k for k, o in enumerate(outputs) if o.dtype == torch.bool)
         self.attributes = python_op_attributes(
-            registry.key(self.function, bool_inputs),
-            convention,
-            [a for i, a in enumerate(self.arguments) if i not in self.tensor_positions],
-            [_onnx_dtype_of(t.dtype, name) for t in tensors],
-            [t.dim() for t in tensors],
-            [_onnx_dtype_of(o.dtype, name) for o in outputs],
+            registry.key(function, bool_inputs, self.size_positions),
+            "".join(
+                "d" if p in self.tensor_positions or p in self.size_positions else "c"
+                for p in range(len(self.arguments))
+            ),
+            [
+                a
+                for p, a in enumerate(self.arguments)
+                if p not in self.tensor_positions and p not in self.size_positions
+            ],
+            [
+                onnx.TensorProto.INT64 if isinstance(v, torch.SymInt) else _onnx_dtype_of(v.dtype, function)
+                for v in inputs
+            ],
+            [0 if isinstance(v, torch.SymInt) else v.dim() for v in inputs],
+            [_onnx_dtype_of(o.dtype, function) for o in outputs],
             [o.dim() for o in outputs],
             _dim_sources(
-                [[_symbolic_size(d) for d in t.shape] for t in tensors],
+                [[] if isinstance(v, torch.SymInt) else [_symbolic_size(d) for d in v.shape] for v in inputs],
                 [[_symbolic_size(d) for d in o.shape] for o in outputs],
             ),
         )
+
+    def node_inputs(self, tensors: list, sizes: list) -> list:
+        """The node's inputs in argument order: the tensors and the sizes (as int64 scalars) interleaved."""
+        at = dict(zip(self.tensor_positions, tensors)) | dict(zip(self.size_positions, sizes))
+        return [at[p] for p in sorted(at)]
 
     def result(self, outputs: list[torch.Tensor]) -> Any:
         """What ``apply`` returns, the op's outputs in the forward's result structure."""
@@ -449,34 +470,36 @@ class FunctionCall:
         return tuple(next(found) if item is _TENSOR else item for item in self.structure)
 
 
-def _run_function_call(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return FunctionCall.calls[call].run(tensors)
+def _run_function_call(call: int, tensors: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+    return FunctionCall.calls[call].run(tensors, sizes)
 
 
 _library: Any = None
 
 
 def _function_call_op() -> Any:
-    """``ortcore_pyop::apply(int call, Tensor[] tensors) -> Tensor[]``, defined once per process: its kernel (also
-    its fake, shape-only, kernel) runs the recorded call's forward in PyTorch."""
+    """``ortcore_pyop::apply(int call, Tensor[] tensors, SymInt[] sizes) -> Tensor[]``, defined once per process:
+    its kernel (also its fake, shape-only, kernel) runs the recorded call's forward in PyTorch."""
     global _library
     with FunctionCall.lock:
         if _library is None:
             library = torch.library.Library(OP_NAMESPACE, "DEF")
-            library.define("apply(int call, Tensor[] tensors) -> Tensor[]")
+            library.define("apply(int call, Tensor[] tensors, SymInt[] sizes) -> Tensor[]")
             library.impl("apply", _run_function_call, "CompositeExplicitAutograd")
             torch.library.register_fake(f"{OP_NAMESPACE}::apply", _run_function_call, lib=library)
             _library = library
     return torch.ops.ortcore_pyop.apply.default
 
 
-def translate_function_call(call: int, tensors: list) -> list:
+def translate_function_call(call: int, tensors: list, sizes: list) -> list:
     """The onnxscript translation of ``ortcore_pyop::apply``: the call's PythonOp node (see
     :func:`python_op_attributes`), its boolean outputs cast back from uint8."""
     from onnxscript import opset18
 
     recorded = FunctionCall.calls[call]
-    outputs = python_op_node(list(tensors), recorded.attributes, len(recorded.attributes["output_tensor_types"]))
+    scalars = [opset18.Reshape(s, opset18.Constant(value_ints=[])) for s in sizes]  # int64 scalars
+    inputs = recorded.node_inputs(list(tensors), scalars)
+    outputs = python_op_node(inputs, recorded.attributes, len(recorded.attributes["output_tensor_types"]))
     return [
         opset18.Cast(value, to=BOOL) if k in recorded.bool_outputs else value for k, value in enumerate(outputs[1:])
     ]

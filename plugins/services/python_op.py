@@ -199,25 +199,28 @@ class FunctionRegistry:
 
     def __init__(self):
         self.functions: dict[str, type] = {}
-        self.keys: dict[tuple[type, tuple[int, ...]], str] = {}
+        self.keys: dict[tuple[type, tuple[int, ...], tuple[int, ...]], str] = {}
         self.bool_inputs: dict[str, frozenset[int]] = {}
+        self.int_inputs: dict[str, frozenset[int]] = {}
         self.constants: dict[int, Any] = {}
         self.lock = threading.Lock()
 
-    def key(self, function: type, bool_inputs: tuple[int, ...] = ()) -> str:
+    def key(self, function: type, bool_inputs: tuple[int, ...] = (), int_inputs: tuple[int, ...] = ()) -> str:
         """The node name of ``function`` called with boolean tensors at argument positions ``bool_inputs``
-        (DLPack hands ORT's booleans over as uint8: the runner casts them back)."""
+        (DLPack hands ORT's booleans over as uint8: the runner casts them back) and with Python ints that the node
+        takes as int64 scalar tensors at ``int_inputs`` (sizes of dynamic dimensions: the runner passes ints)."""
         with self.lock:
-            if (function, bool_inputs) in self.keys:
-                return self.keys[(function, bool_inputs)]
+            if (function, bool_inputs, int_inputs) in self.keys:
+                return self.keys[(function, bool_inputs, int_inputs)]
             base = function_name(function)
             key = base
             for n in itertools.count(2):  # two local classes may share a qualified name
                 if key not in self.functions:
                     break
                 key = f"{base}#{n}"
-            self.functions[key], self.keys[(function, bool_inputs)] = function, key
+            self.functions[key], self.keys[(function, bool_inputs, int_inputs)] = function, key
             self.bool_inputs[key] = frozenset(bool_inputs)
+            self.int_inputs[key] = frozenset(int_inputs)
         from onnxruntime.capi import _pybind_state as C
 
         C.register_torch_autograd_function(key, function)
@@ -258,6 +261,7 @@ def run_forward(func_name: str, requires_grad: list, tensor_flags: list, trainin
     held_contexts().clear()
     function = registry.functions[func_name]
     bool_inputs = registry.bool_inputs[func_name]
+    int_inputs = registry.int_inputs[func_name]
     leaves: list[torch.Tensor | None] = []
     call_args = []
     for position, (arg, is_tensor, wants_grad) in enumerate(zip(args, tensor_flags, requires_grad)):
@@ -266,6 +270,10 @@ def run_forward(func_name: str, requires_grad: list, tensor_flags: list, trainin
             leaves.append(None)
             continue
         tensor = from_capsule(arg)
+        if position in int_inputs:
+            call_args.append(int(tensor.item()))
+            leaves.append(None)
+            continue
         if position in bool_inputs:
             tensor = tensor.view(torch.bool)
         leaf = tensor.detach().requires_grad_(bool(wants_grad) and training and tensor.is_floating_point())

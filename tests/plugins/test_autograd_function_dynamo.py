@@ -388,6 +388,44 @@ def test_node_is_the_torchscript_routes(ortcore_host):
     assert nodes["dynamo"] == nodes["torchscript"]
 
 
+class Relu6(Function):
+    """Has its own TorchScript ``symbolic``, which the dynamo route cannot use; its backward is not the forward's
+    derivative at 6 (it lets the gradient through there)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(0.0, 6.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * ((x > 0) & (x <= 6)).to(grad.dtype)
+
+    @staticmethod
+    def symbolic(g, x):
+        return g.op("Clip", x, g.op("Constant", value_t=torch.tensor(0.0)), g.op("Constant", value_t=torch.tensor(6.0)))
+
+
+def test_function_with_a_symbolic_runs_as_python_op(host):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Relu6.apply(self.fc(x) * 4).sum()
+
+    ort, ref = on_dynamo(Model(), host())
+    x = torch.randn(8, 4)
+    loss, loss_ref = ort(x), ref(x)
+    assert_losses_match(loss, loss_ref)
+    loss.backward()
+    loss_ref.backward()
+    assert_grads_match(ort, ref)
+    assert func_names(ort) == [f"{__name__}.Relu6"]
+
+
 # -- traced through -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "env",
@@ -488,8 +526,12 @@ def test_checkpoint_is_traced_through_and_matches_torch(host, reentrant, env):
 
 # -- what a PythonOp cannot take ------------------------------------------------------------------------------------
 class Scale(Function):
+    seen: list = []  # the Python ints it was called with
+
     @staticmethod
     def forward(ctx, x, n):
+        if type(n) is int:  # a SymInt while the exporter computes shapes
+            Scale.seen.append(n)
         ctx.n = n
         return x * n
 
@@ -498,18 +540,33 @@ class Scale(Function):
         return grad * ctx.n, None
 
 
-def test_size_of_a_dynamic_dimension_as_argument_is_refused_naming_it(host):
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
+class ScaleBySize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
 
-        def forward(self, x):
-            return Scale.apply(self.fc(x), x.shape[0]).sum()
+    def forward(self, x):
+        return Scale.apply(self.fc(x), x.shape[0]).sum()
 
-    ort = ORTModule(Model(), host=host(), exporter="dynamo")
-    with pytest.raises(UnsupportedModelError, match=r"Scale receives a size computed from a dynamic dimension"):
-        ort(torch.randn(3, 4))
+
+def test_size_of_a_dynamic_dimension_as_argument_follows_the_batch(host):
+    """``x.shape[0]`` is an int64 input of the node (not an attribute fixed at export): the Function gets each
+    batch's size as a Python int, without a re-export."""
+    Scale.seen.clear()
+    ort, ref = on_dynamo(ScaleBySize(), host())
+    for n in (3, 7):
+        x = torch.randn(n, 4)
+        loss, loss_ref = ort(x), ref(x)
+        assert_losses_match(loss, loss_ref)
+        loss.backward()
+        loss_ref.backward()
+        assert_grads_match(ort, ref)
+        ort.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert_ran_in_ort(ort, exports=1)
+    (node,) = python_ops(ort)
+    assert next(a.s for a in node.attribute if a.name == "input_convention") == b"dd"
+    assert Scale.seen == [3, 3, 7, 7]  # ORT's call and torch's, each batch
 
 
 def test_error_in_backward_fails_the_step_and_is_logged(host, caplog):

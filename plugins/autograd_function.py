@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import attrs
 import onnx
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ortcore.config import Config, option
 from ortcore.errors import OptionError, UnsupportedModelError
@@ -411,6 +412,9 @@ class FunctionCall:
             arguments[position] = tensor.clone()  # the op must not change its inputs (mark_dirty)
         for position, size in zip(self.size_positions, sizes):
             arguments[position] = size
+        mode = torch._guards.detect_fake_mode(tensors) if tensors else None
+        shape_env = getattr(mode, "shape_env", None)
+        fresh = len(shape_env.pending_fresh_unbacked_symbols) if shape_env is not None else 0
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
             with torch.no_grad():
@@ -425,7 +429,14 @@ class FunctionCall:
                 else tuple(_TENSOR if isinstance(r, torch.Tensor) else r for r in items)
             )
         # Fresh outputs: an op's outputs may not alias its inputs or each other.
-        return [r.clone(memory_format=torch.contiguous_format) for r in items if isinstance(r, torch.Tensor)]
+        outputs = [r.clone(memory_format=torch.contiguous_format) for r in items if isinstance(r, torch.Tensor)]
+        if shape_env is not None:
+            # Values the forward read from its tensors (``.item()``) are symbols of the shape computation only; the
+            # ones no output's shape depends on are not outputs of the op (torch.export would ask where they go).
+            used = free_unbacked_symbols(outputs)
+            pending = shape_env.pending_fresh_unbacked_symbols
+            pending[fresh:] = [symbol for symbol in pending[fresh:] if symbol in used]
+        return outputs
 
     def describe(self, tensors: list[torch.Tensor], sizes: list[torch.SymInt], outputs: list[torch.Tensor]) -> None:
         """The node's attributes, from the traced inputs and outputs."""

@@ -426,6 +426,59 @@ def test_function_with_a_symbolic_runs_as_python_op(host):
     assert func_names(ort) == [f"{__name__}.Relu6"]
 
 
+class Normalize(Function):
+    """Reads a value from its input (``.item()``): a symbol of the export's shape computation, a float in ORT's call;
+    its backward treats that value as a constant (not the forward's derivative)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.peak = x.abs().max().item()
+        return x / ctx.peak
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.peak
+
+
+class Positive(Function):
+    """An output whose length depends on the input's values."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = x > 0
+        ctx.save_for_backward(mask)
+        return x[mask]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return torch.zeros(mask.shape, dtype=grad.dtype).masked_scatter(mask, grad)
+
+
+def test_value_dependent_forwards_match_torch(host):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = Normalize.apply(self.fc(x))
+            return (Positive.apply(h) ** 2).sum()
+
+    ort, ref = on_dynamo(Model(), host())
+    for n in (6, 9):
+        x = torch.randn(n, 4)
+        loss, loss_ref = ort(x), ref(x)
+        assert_losses_match(loss, loss_ref)
+        loss.backward()
+        loss_ref.backward()
+        assert_grads_match(ort, ref)
+        ort.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert sorted(func_names(ort)) == [f"{__name__}.Normalize", f"{__name__}.Positive"]
+    assert_ran_in_ort(ort, exports=1)
+
+
 # -- traced through -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "env",

@@ -1,12 +1,19 @@
 """Run custom ``torch.autograd.Function`` s inside ONNX Runtime's graph by calling back into PyTorch.
 
-Every Function the model calls (except those with their own ``symbolic``, which export themselves) is exported as
-one ``com.microsoft::PythonOp`` node. When ORT reaches that node it calls back into the Function's ``apply`` with
-the node's inputs (zero-copy through DLPack) and the non-tensor arguments recorded at export; ORT's gradient graph
-gets a ``PythonOpGrad`` node that runs the Function's ``backward`` through PyTorch's autograd engine, so
-``ctx.save_for_backward``, ``needs_input_grad``, ``mark_non_differentiable``, ``mark_dirty`` and
+Every Function the model calls (on the TorchScript route, except those with their own ``symbolic``, which export
+themselves) is exported as one ``com.microsoft::PythonOp`` node. When ORT reaches that node it calls back into the
+Function's ``apply`` with the node's inputs (zero-copy through DLPack) and the non-tensor arguments recorded at
+export; ORT's gradient graph gets a ``PythonOpGrad`` node that runs the Function's ``backward`` through PyTorch's
+autograd engine, so ``ctx.save_for_backward``, ``needs_input_grad``, ``mark_non_differentiable``, ``mark_dirty`` and
 ``set_materialize_grads`` behave as in PyTorch. The runners ORT calls are ``ctypes`` callbacks
 (:mod:`ortcore_plugins.services.python_op`): no compiler is needed.
+
+Both exporters write the same node. The TorchScript route exports the traced ``prim::PythonOp`` through its
+symbolic (:meth:`PythonOpHandler.export`). On the dynamo route ``torch.export`` would inline the Function's forward;
+instead each call is recorded as one ``ortcore_pyop::apply(call, tensors, sizes)`` op
+(:meth:`PythonOpHandler.dynamo_apply`), whose fake kernel runs the forward on fake tensors for the outputs' (symbolic)
+shapes and whose onnxscript translation (``ortcore_export_translations``) writes the PythonOp node; sizes of dynamic
+dimensions passed to a Function become int64 inputs of the node, so batch and sequence changes need no re-export.
 
 Options (``[plugins.autograd_function]`` in ortcore.toml, or the environment):
 
@@ -31,7 +38,6 @@ from typing import Any, ClassVar
 import attrs
 import onnx
 import torch
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ortcore.config import Config, option
 from ortcore.errors import OptionError, UnsupportedModelError
@@ -354,6 +360,10 @@ def _positional(function: type, args: tuple, kwargs: dict) -> tuple:
     return tuple(bound.args)
 
 
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.SymInt)
+
+
 _running = threading.local()
 
 
@@ -422,15 +432,16 @@ class FunctionCall:
         finally:
             _running.depth -= 1
         items = (result,) if isinstance(result, torch.Tensor) else tuple(result)
-        if self.structure is None:
-            self.structure = (
-                None
-                if isinstance(result, torch.Tensor)
-                else tuple(_TENSOR if isinstance(r, torch.Tensor) else r for r in items)
-            )
+        self.structure = (
+            None
+            if isinstance(result, torch.Tensor)
+            else tuple(_TENSOR if isinstance(r, torch.Tensor) else r for r in items)
+        )
         # Fresh outputs: an op's outputs may not alias its inputs or each other.
         outputs = [r.clone(memory_format=torch.contiguous_format) for r in items if isinstance(r, torch.Tensor)]
         if shape_env is not None:
+            from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
             # Values the forward read from its tensors (``.item()``) are symbols of the shape computation only; the
             # ones no output's shape depends on are not outputs of the op (torch.export would ask where they go).
             used = free_unbacked_symbols(outputs)
@@ -441,29 +452,20 @@ class FunctionCall:
     def describe(self, tensors: list[torch.Tensor], sizes: list[torch.SymInt], outputs: list[torch.Tensor]) -> None:
         """The node's attributes, from the traced inputs and outputs."""
         function = self.function
-        bool_inputs = tuple(p for p, t in zip(self.tensor_positions, tensors) if t.dtype == torch.bool)
         inputs = self.node_inputs(tensors, sizes)
+        as_inputs = {*self.tensor_positions, *self.size_positions}
+        bool_inputs = tuple(p for p, t in zip(self.tensor_positions, tensors) if t.dtype == torch.bool)
         self.bool_outputs = tuple(k for k, o in enumerate(outputs) if o.dtype == torch.bool)
         self.attributes = python_op_attributes(
             registry.key(function, bool_inputs, self.size_positions),
-            "".join(
-                "d" if p in self.tensor_positions or p in self.size_positions else "c"
-                for p in range(len(self.arguments))
-            ),
-            [
-                a
-                for p, a in enumerate(self.arguments)
-                if p not in self.tensor_positions and p not in self.size_positions
-            ],
-            [
-                onnx.TensorProto.INT64 if isinstance(v, torch.SymInt) else _onnx_dtype_of(v.dtype, function)
-                for v in inputs
-            ],
-            [0 if isinstance(v, torch.SymInt) else v.dim() for v in inputs],
+            "".join("d" if p in as_inputs else "c" for p in range(len(self.arguments))),
+            [a for p, a in enumerate(self.arguments) if p not in as_inputs],
+            [onnx.TensorProto.INT64 if _is_size(v) else _onnx_dtype_of(v.dtype, function) for v in inputs],
+            [0 if _is_size(v) else v.dim() for v in inputs],
             [_onnx_dtype_of(o.dtype, function) for o in outputs],
             [o.dim() for o in outputs],
             _dim_sources(
-                [[] if isinstance(v, torch.SymInt) else [_symbolic_size(d) for d in v.shape] for v in inputs],
+                [[] if _is_size(v) else [_symbolic_size(d) for d in v.shape] for v in inputs],
                 [[_symbolic_size(d) for d in o.shape] for o in outputs],
             ),
         )

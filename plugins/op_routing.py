@@ -536,6 +536,17 @@ PROGRAM_ROUTES: tuple[ProgramRoute, ...] = (
     ProgramRoute(_BY_OP["flip"], ("flip",)),
     ProgramRoute(_BY_OP["multinomial"], ("multinomial",)),
     ProgramRoute(_BY_OP["diagonal"], ("diagonal",)),
+    # The dynamo exporter writes grouped-query attention (an Unsqueeze and Expand of the key and value heads), but
+    # ORT's gradient of that Unsqueeze fails at run time (a Squeeze given a scalar axes tensor).
+    ProgramRoute(
+        Route(
+            "scaled_dot_product_attention",
+            "Unsqueeze/Expand",
+            "ORT's Unsqueeze gradient fails on the dynamo exporter's grouped-query attention (enable_gqa=True)",
+        ),
+        ("scaled_dot_product_attention",),
+        _flag("enable_gqa"),
+    ),
 )
 
 
@@ -587,15 +598,17 @@ class RoutingExporter(FallbackExporter):
     """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``)."""
 
 
-_REASONS = {r.op: r.reason for r in ROUTES} | {op: r.route.reason for r in PROGRAM_ROUTES for op in r.ops}
+_REASONS = {r.op: r.reason for r in ROUTES}
+_PROGRAM_REASONS = {op: r.route.reason for r in PROGRAM_ROUTES for op in r.ops}
 
 
 _CORE_OPS = {"detach_copy": "a detach() inside a gradient path: a stop-gradient, which ORT has no op for"}
 
 
-def add_reasons(model: onnx.ModelProto, gap: str = EXPORTER_GAP) -> None:
-    """Record ``ortcore.routed::<op>`` = reason for every ATen node of the exported ``model`` (``gap``: the reason of
-    an op routed because the exporter cannot write it)."""
+def add_reasons(model: onnx.ModelProto, dynamo: bool = False) -> None:
+    """Record ``ortcore.routed::<op>`` = reason for every ATen node of the exported ``model`` (exported by the
+    TorchScript exporter, or by the dynamo exporter: the ops and reasons differ)."""
+    routes, gap = (_PROGRAM_REASONS, EXPORTER_GAP_DYNAMO) if dynamo else (_REASONS, EXPORTER_GAP)
     reasons: dict[str, str] = {}
     for node in model.graph.node:
         if node.op_type != "ATen" or node.domain != ATEN_DOMAIN:
@@ -604,7 +617,7 @@ def add_reasons(model: onnx.ModelProto, gap: str = EXPORTER_GAP) -> None:
         # native_layer_norm, linear for addmm).
         op = aten_kind(operator_of(node))
         speed = FASTER_IN_TORCH if op in ROUTABLE_OPS else None
-        reasons.setdefault(op, _REASONS.get(op) or _CORE_OPS.get(op) or speed or gap)
+        reasons.setdefault(op, routes.get(op) or _CORE_OPS.get(op) or speed or gap)
     known = {p.key for p in model.metadata_props}
     for op, reason in sorted(reasons.items()):
         if METADATA_PREFIX + op not in known:
@@ -614,8 +627,7 @@ def add_reasons(model: onnx.ModelProto, gap: str = EXPORTER_GAP) -> None:
 def _reasons_pass(model: onnx.ModelProto, context: PassContext | None = None) -> int:
     """After the other passes (tanh-GELU adds ATen nodes): every ATen node's op has a recorded reason."""
     before = len(model.metadata_props)
-    dynamo = context is not None and exporter_name(context.config) == DYNAMO
-    add_reasons(model, EXPORTER_GAP_DYNAMO if dynamo else EXPORTER_GAP)
+    add_reasons(model, dynamo=context is not None and exporter_name(context.config) == DYNAMO)
     return len(model.metadata_props) - before
 
 

@@ -27,10 +27,10 @@ import logging
 from typing import Any
 
 from ortcore.config import Config
-from ortcore.exporter import TORCHSCRIPT, TorchScriptExporter, custom_autograd_disabled, exporter_name
+from ortcore.exporter import DYNAMO, TORCHSCRIPT, TorchScriptExporter, custom_autograd_disabled, exporter_name
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
-from ortcore_plugins.services import aten_nodes
+from ortcore_plugins.services import aten_nodes, aten_program
 from ortcore_plugins.services.aten_nodes import ATEN_DOMAIN, HELPER_NAMESPACE
 
 from . import kernel_choice
@@ -49,7 +49,7 @@ from .options import (
     parse_fallback_ops,
     routed_ops,
 )
-from .unexportable_ops import FallbackExporter, fallback_symbolic, fallback_symbolics
+from .unexportable_ops import FallbackExporter, fallback_symbolic, fallback_symbolics, program_pass
 
 # What other code uses: tests, the op_routing plugin (FallbackExporter, prepare_runtime, type_aten_outputs).
 __all__ = [
@@ -106,12 +106,48 @@ def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
     return FallbackExporter(inline_autograd_functions=custom_autograd_disabled(config.env))
 
 
+PROGRAM_PASS = "aten_fallback.unexportable_ops"
+DISTINCT_PASS = "aten_fallback.distinct_inputs"
+_told_torchscript_only = False
+
+
+@hookimpl
+def ortcore_program_passes(config: Config) -> list[GraphPass]:
+    """The dynamo route: ``fallback_ops`` in the exported program. ``torch_kernels`` routes ops by TorchScript
+    symbolics: on this route those ops stay in ORT (said once, at INFO), except the written-out tanh GELU, which the
+    graph pass turns into an ATen gelu on both routes."""
+    global _told_torchscript_only
+    ops = routed_ops(config)
+    if ops and not _told_torchscript_only:
+        _told_torchscript_only = True
+        logger.info(
+            "aten_fallback: torch_kernels (%s) runs ops on PyTorch's kernels on the TorchScript route only; on the "
+            "dynamo route they stay in ORT, except the written-out tanh GELU",
+            ", ".join(sorted(ops)),
+        )
+    listed = fallback_ops(config)
+    if not listed:
+        return []
+    prepare_runtime()
+    return [GraphPass(PROGRAM_PASS, run=program_pass(listed))]
+
+
+@hookimpl
+def ortcore_export_translations(config: Config) -> dict[Any, Any]:
+    """The translations of the wrapper ops the program passes made (one ATen node each)."""
+    if not fallback_ops(config):
+        return {}
+    return aten_program.translations()
+
+
 @hookimpl
 def ortcore_graph_passes(config: Config) -> list[GraphPass]:
     ops = routed_ops(config)
     if not ops and not fallback_ops(config):
         return []
     passes = [GraphPass(TYPE_OUTPUTS_PASS, run=type_aten_outputs)]
+    if fallback_ops(config):
+        passes.append(GraphPass(DISTINCT_PASS, run=_distinct_inputs))
     if is_auto(config):
         passes.append(GraphPass(TANH_GELU_PASS, run=_measured_tanh_gelu, before=(TYPE_OUTPUTS_PASS,)))
         passes.append(GraphPass(KERNEL_CHOICE_PASS, run=_record_choices, after=(TANH_GELU_PASS,)))
@@ -121,6 +157,13 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 
 
 KERNEL_CHOICE_PASS = "aten_fallback.kernel_choice"
+
+
+def _distinct_inputs(model: Any, context: Any) -> int:
+    """On the dynamo route, whose optimizer merges equal values: no value twice among an ATen node's inputs."""
+    if exporter_name(context.config) != DYNAMO:
+        return 0
+    return aten_program.distinct_aten_inputs(model)
 
 
 def _measured_tanh_gelu(model: Any, context: Any) -> int:

@@ -4,6 +4,10 @@ An op without an ONNX symbolic (``torch.cummax``, ``torch.logcumsumexp``, ``torc
 one ATen node running the op itself (:func:`fallback_symbolic`), when option ``fallback_ops`` names it
 (:func:`fallback_symbolics`) or names ``auto`` (:class:`FallbackExporter` finds such ops from the exporter's error).
 Its gradient re-runs the op under ``torch.autograd`` (:func:`ortcore_plugins.services.aten_nodes.register_vjp_gradient`).
+
+On the dynamo route, :func:`program_pass` does the same in ``torch.export``'s program: calls of the listed ops, and
+with ``auto`` every op the exporter has no onnxscript translation (nor decomposition) for, become wrapper ops written
+as ATen nodes (:mod:`ortcore_plugins.services.aten_program`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from ortcore.errors import UnsupportedModelError
 from ortcore.exporter import TorchScriptExporter
+from ortcore_plugins.services import aten_program
 from ortcore_plugins.services.aten_nodes import (
     FLOAT_TYPES,
     aten_node,
@@ -147,3 +152,31 @@ class FallbackExporter(TorchScriptExporter):
         raise UnsupportedModelError(
             f"{type(module).__name__} uses more than {MAX_AUTO_OPS} ops the exporter cannot express"
         )
+
+
+def program_pass(listed: Iterable[str]) -> Callable[[Any, Any], int]:
+    """The dynamo route's fallback (an ``ortcore_program_passes`` pass): calls of the ``aten::<name>`` ops listed
+    become ATen nodes run by PyTorch, and with ``auto`` in ``listed`` every op the exporter cannot translate."""
+    names = frozenset(op for op in listed if op != AUTO)
+    auto = AUTO in listed
+
+    def decide(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
+        name = node.target._schema.name
+        if name in names:
+            return "listed in fallback_ops"
+        if auto and not aten_program.has_translation(node.target):
+            return "it has no onnxscript translation"
+        return None
+
+    def run(program: torch.export.ExportedProgram, context: Any) -> int:
+        routed = aten_program.route_calls(program, context.module, decide, prepare_runtime)
+        for name, why in routed:
+            if (name, why) not in _logged:
+                _logged.add((name, why))
+                logger.info("%s: %s, exporting it as an ATen node run by PyTorch", name, why)
+        return len(routed)
+
+    return run
+
+
+_logged: set[tuple[str, str]] = set()

@@ -1,0 +1,410 @@
+"""op_routing and aten_fallback on the dynamo route: each op ORT cannot differentiate or run, and each op the dynamo
+exporter cannot translate, becomes one ATen node run by PyTorch; the rest stays in ORT.
+
+Every model trains through ``ORTModule(model, exporter="dynamo")`` with ``FALLBACK_DISABLE`` and is compared with
+eager PyTorch on a deep copy (fp32, ``rtol=1e-4``, ``atol=1e-5`` relative to the reference's scale): outputs, a
+weighted loss, every parameter's gradient and the input's; one model also over a 3-step AdamW loss curve. Each
+routed op must be an ATen node of the exported graph (so the test fails if routing silently stops) and ``explain()``
+names it with its reason. With routing off, ORT's (or the exporter's) own error comes back.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ortcore_plugins.aten_fallback as aten_fallback
+import ortcore_plugins.op_routing as plugin
+from ortcore import ORTModule
+from ortcore.config import Config
+from ortcore.errors import GraphBuildError, UnsupportedModelError
+from ortcore.explain import ROUTED_METADATA_PREFIX, aten_kind, operator_of
+from ortcore.plugins import PluginHost
+
+pytest.importorskip("onnxscript")
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+
+def wrap(model: nn.Module, host: PluginHost | None = None) -> ORTModule:
+    return ORTModule(model, host=host, exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+
+
+# -- models ------------------------------------------------------------------------------------------------------------
+
+
+class Apply(nn.Module):
+    """Linear -> f, the Linear's output viewed as ``shape`` (so the op's input needs a gradient)."""
+
+    def __init__(self, f: Callable[[torch.Tensor], torch.Tensor], n_in: int = 16, shape: tuple[int, ...] = (16,)):
+        super().__init__()
+        self.lin = nn.Linear(n_in, int(torch.tensor(shape).prod()))
+        self.shape = shape
+        self.f = f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(self.lin(x).view(x.shape[0], *self.shape))
+
+
+class ConvThen(nn.Module):
+    """A convolution, then the layer under test."""
+
+    def __init__(self, conv: nn.Module, layer: nn.Module):
+        super().__init__()
+        self.conv = conv
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.conv(x))
+
+
+class RNNOut(nn.Module):
+    """An RNN's output sequence and final states, all in the loss."""
+
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out, state = self.rnn(x)
+        return (out, *state) if isinstance(state, tuple) else (out, state)
+
+
+class OutputOnly(nn.Module):
+    """An RNN whose final state nothing reads (ORT gives that output no gradient)."""
+
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+class BufferFirst(nn.Module):
+    """``einsum`` whose first operand is a buffer (no gradient) and whose second is trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mix", torch.randn(8, 16))
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ij,bj->bi", self.mix, self.lin(x))
+
+
+class GroupedQueryAttention(nn.Module):
+    """Four query heads sharing two key/value heads, as Llama, Mistral and Qwen2 attend."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 32)
+        self.kv = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, 16).transpose(1, 2).split(8, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+# A custom op without an onnxscript translation, as Mixtral's transformers::grouped_mm_fallback: each expert's
+# rows (sorted by expert, counted by ``offs``) times that expert's weight; its own autograd formula.
+@torch.library.custom_op("zoo_dynamo_test::grouped_mm", mutates_args=())
+def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    output = input.new_zeros(input.shape[0], weight.shape[2])
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        output[start:end] = input[start:end] @ weight[i]
+        start = end
+    return output
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return input.new_empty(input.shape[0], weight.shape[2])
+
+
+def _grouped_mm_setup(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.offs = inputs[2]
+
+
+def _grouped_mm_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    input, weight = ctx.saved_tensors
+    grad_input, grad_weight = torch.zeros_like(input), torch.zeros_like(weight)
+    start = 0
+    for i, end in enumerate(ctx.offs.tolist()):
+        grad_input[start:end] = grad[start:end] @ weight[i].T
+        grad_weight[i] = input[start:end].T @ grad[start:end]
+        start = end
+    return grad_input, grad_weight, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+class Experts(nn.Module):
+    """A Linear, then three experts' weights over fixed groups of rows (a custom op the exporter cannot translate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+        self.experts = nn.Parameter(torch.randn(3, 8, 5) * 0.3)
+        self.register_buffer("offs", torch.tensor([2, 2, 6]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(self.lin(x), self.experts, self.offs)
+
+
+# name -> (model factory, input factory, the op explain() names)
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]] = {
+    "hardswish": (lambda: Apply(F.hardswish), lambda: torch.randn(6, 16) * 3, "hardswish"),
+    "einsum_same_operand_twice": (
+        lambda: Apply(lambda h: torch.einsum("bij,bkj->bik", h, h), shape=(4, 4)),
+        lambda: torch.randn(6, 16),
+        "einsum",
+    ),
+    "einsum_buffer_first": (BufferFirst, lambda: torch.randn(6, 16), "einsum"),
+    "cumsum": (lambda: Apply(lambda h: torch.cumsum(h, 1)), lambda: torch.randn(6, 16), "cumsum"),
+    "group_norm": (
+        lambda: ConvThen(nn.Conv1d(4, 8, 3), nn.GroupNorm(2, 8)),
+        lambda: torch.randn(3, 4, 12),
+        "group_norm",
+    ),
+    "max_dim": (lambda: Apply(lambda h: torch.max(h, 1).values, shape=(4, 4)), lambda: torch.randn(6, 16), "max"),
+    "bidirectional_gru": (
+        lambda: RNNOut(nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True)),
+        lambda: torch.randn(3, 5, 8),
+        "gru",
+    ),
+    "bidirectional_lstm": (
+        lambda: RNNOut(nn.LSTM(8, 6, batch_first=True, bidirectional=True)),
+        lambda: torch.randn(3, 5, 8),
+        "lstm",
+    ),
+    "bidirectional_gru_output_only": (
+        lambda: OutputOnly(nn.GRU(8, 6, batch_first=True, bidirectional=True)),
+        lambda: torch.randn(3, 5, 8),
+        "gru",
+    ),
+    "conv_transpose2d": (
+        lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1),
+        lambda: torch.randn(2, 3, 6, 6),
+        "conv_transpose2d",
+    ),
+    "upsample_nearest": (
+        lambda: ConvThen(nn.Conv2d(3, 4, 3), nn.Upsample(scale_factor=2)),
+        lambda: torch.randn(2, 3, 7, 7),
+        "upsample_nearest2d",
+    ),
+    "upsample_bilinear": (
+        lambda: ConvThen(nn.Conv2d(3, 4, 3), nn.Upsample(scale_factor=2, mode="bilinear")),
+        lambda: torch.randn(2, 3, 7, 7),
+        "upsample_bilinear2d",
+    ),
+    "flip": (lambda: Apply(lambda h: h * h.flip(1)), lambda: torch.randn(6, 16), "flip"),
+    "grouped_query_attention": (GroupedQueryAttention, lambda: torch.randn(2, 6, 16), "scaled_dot_product_attention"),
+    "custom_op_without_translation": (Experts, lambda: torch.randn(6, 16), "grouped_mm"),
+}
+
+
+def _weighted_loss(outputs: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A loss whose gradient is not zero by symmetry (a normalization's output summed has no gradient)."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    total = torch.zeros(())
+    for k, out in enumerate(outputs):
+        weights = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape) * (k + 1)
+        total = total + (out * weights).sum() + out.square().mean()
+    return total
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = max(expected.abs().max().item(), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{what}: {m}")
+
+
+def _compare(model: nn.Module, x: torch.Tensor, steps: int = 1, host: PluginHost | None = None) -> ORTModule:
+    """``steps`` AdamW steps of ``model`` under ORTModule and of a deep copy in eager PyTorch, compared at each."""
+    ref = copy.deepcopy(model)
+    wrapped = wrap(model, host)
+    opt_o = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(steps):
+        xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_o, out_r = wrapped(xo), ref(xr)
+        pairs = zip(out_o if isinstance(out_o, tuple) else (out_o,), out_r if isinstance(out_r, tuple) else (out_r,))
+        for a, b in pairs:
+            _close(a, b, f"step {step} output")
+        loss_o, loss_r = _weighted_loss(out_o), _weighted_loss(out_r)
+        _close(loss_o, loss_r, f"step {step} loss")
+        loss_o.backward()
+        loss_r.backward()
+        _close(xo.grad, xr.grad, f"step {step} input gradient")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None, name
+            _close(p.grad, q.grad, f"step {step} gradient of {name}")
+        opt_o.step()
+        opt_r.step()
+        opt_o.zero_grad()
+        opt_r.zero_grad()
+    return wrapped
+
+
+def _graph(wrapped: ORTModule):
+    """The exported (forward) graph of the model's last call."""
+    return wrapped.state_machine.current[0].model
+
+
+def _aten_ops(wrapped: ORTModule) -> set[str]:
+    """The op kinds the exported graph's ATen nodes run."""
+    return {aten_kind(operator_of(n)) for n in _graph(wrapped).graph.node if n.op_type == "ATen"}
+
+
+def _reason(op: str) -> str:
+    return next(r.route.reason for r in plugin.PROGRAM_ROUTES if op in r.ops)
+
+
+# -- each route, compared with PyTorch ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_routed_op_trains_with_torch_gradients(case: str):
+    make_model, make_input, op = CASES[case]
+    torch.manual_seed(0)
+    wrapped = _compare(make_model(), make_input())
+    assert wrapped.state_machine.counters.fallbacks == 0
+    assert op in _aten_ops(wrapped), f"{op} is not an ATen node of the exported graph"
+    expected = plugin.EXPORTER_GAP_DYNAMO if case == "custom_op_without_translation" else _reason(op)
+    assert wrapped.explain().routed()[op] == expected
+
+
+def test_loss_curve_follows_torch_over_adamw_steps():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.Hardswish(),
+        nn.ConvTranspose2d(4, 2, 2, stride=2),
+        nn.Upsample(scale_factor=0.5, mode="bilinear"),
+    )
+    wrapped = _compare(model, torch.randn(2, 3, 6, 6), steps=3)
+    assert {"group_norm", "hardswish", "conv_transpose2d", "upsample_bilinear2d"} <= _aten_ops(wrapped)
+
+
+# -- which calls a route applies to --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "x"),
+    [
+        (lambda: RNNOut(nn.GRU(8, 6, batch_first=True)), lambda: torch.randn(3, 5, 8)),
+        (lambda: ConvThen(nn.Conv2d(3, 4, 3), nn.Identity()), lambda: torch.randn(2, 3, 7, 7)),
+        (lambda: Apply(lambda h: torch.maximum(h, torch.zeros_like(h))), lambda: torch.randn(6, 16)),
+        (lambda: Apply(lambda h: h * torch.cumsum((h > 0).long(), 1)), lambda: torch.randn(6, 16)),
+    ],
+    ids=["unidirectional_gru", "conv2d", "binary_maximum", "integer_cumsum"],
+)
+def test_calls_ort_serves_stay_in_ort(model: Callable[[], nn.Module], x: Callable[[], torch.Tensor]):
+    torch.manual_seed(0)
+    wrapped = _compare(model(), x())
+    assert wrapped.explain().routed() == {}
+    assert _aten_ops(wrapped) == set()
+
+
+def test_first_input_without_gradient_is_routed_with_its_weights_trained():
+    # GroupNorm straight on an input that needs no gradient: its weight goes first among the ATen node's inputs.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.GroupNorm(2, 4), nn.Conv1d(4, 3, 1))
+    ref = copy.deepcopy(model)
+    wrapped = wrap(model)
+    x = torch.randn(3, 4, 10)
+    out, out_ref = wrapped(x), ref(x)
+    _close(out, out_ref, "output")
+    _weighted_loss(out).backward()
+    _weighted_loss(out_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        _close(p.grad, q.grad, f"gradient of {name}")
+    assert "group_norm" in _aten_ops(wrapped)
+
+
+# -- options, ORT's own errors, explain ----------------------------------------------------------------------------------
+
+
+def test_disabled_routes_nothing_and_ort_says_why():
+    host = PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING": "0"}))
+    model = wrap(Apply(F.hardswish), host)
+    with pytest.raises(GraphBuildError, match="gradient builder has not been registered: HardSwish"):
+        model(torch.randn(6, 16)).sum().backward()
+
+
+def test_disabled_leaves_an_op_without_translation_to_the_exporter():
+    host = PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING": "0"}))
+    model = wrap(Experts(), host)
+    with pytest.raises(UnsupportedModelError, match="No ONNX function found for .*grouped_mm"):
+        model(torch.randn(6, 16))
+
+
+def test_never_keeps_an_op_in_ort():
+    host = PluginHost(Config.from_table({"plugins": {"op_routing": {"never": ["hardswish"]}}}, env={}))
+    model = wrap(Apply(F.hardswish), host)
+    with pytest.raises(GraphBuildError, match="HardSwish"):
+        model(torch.randn(6, 16)).sum().backward()
+
+
+def test_never_names_the_torchscript_route_op_for_transposed_convolution():
+    host = PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING_NEVER": "_convolution"}))
+    model = wrap(nn.ConvTranspose2d(3, 4, 3, stride=2), host)
+    with pytest.raises(GraphBuildError, match="ConvTransposeGrad"):
+        model(torch.randn(2, 3, 6, 6)).sum().backward()
+
+
+def test_explain_metadata_names_each_routed_op_with_its_reason():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Hardswish())
+    wrapped = wrap(model)
+    wrapped(torch.randn(4, 16)).sum().backward()
+    metadata = {p.key: p.value for p in _graph(wrapped).metadata_props}
+    assert metadata[ROUTED_METADATA_PREFIX + "hardswish"] == _reason("hardswish")
+    rows = {row["op"]: row for row in wrapped.explain()}
+    assert rows["hardswish"]["runs_on"] == "PyTorch"
+    assert rows["hardswish"]["forward"] == 1 and rows["hardswish"]["backward"] >= 1
+
+
+# -- aten_fallback's fallback_ops on the dynamo route ------------------------------------------------------------------
+
+
+def test_fallback_ops_auto_routes_an_op_without_translation_with_op_routing_off():
+    host = PluginHost(
+        Config.from_table({"plugins": {"aten_fallback": {"fallback_ops": ["auto"]}}}, env={"ORTCORE_OP_ROUTING": "0"})
+    )
+    torch.manual_seed(0)
+    wrapped = _compare(Experts(), torch.randn(6, 16), host=host)
+    assert "grouped_mm" in _aten_ops(wrapped)
+
+
+def test_fallback_ops_lists_an_op_the_exporter_can_translate():
+    host = PluginHost(
+        Config.from_table({"plugins": {"aten_fallback": {"fallback_ops": ["cumsum"]}}}, env={"ORTCORE_OP_ROUTING": "0"})
+    )
+    torch.manual_seed(0)
+    wrapped = _compare(Apply(lambda h: torch.cumsum(h, 1)), torch.randn(6, 16), host=host)
+    assert "cumsum" in _aten_ops(wrapped)
+
+
+def test_torch_kernels_says_it_is_torchscript_only(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    monkeypatch.setattr(aten_fallback, "_told_torchscript_only", False)
+    with caplog.at_level(logging.INFO, logger="ortcore.aten_fallback"):
+        wrap(nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4)))(torch.tensor([[1, 2, 3]]))
+    assert any("TorchScript route only" in r.getMessage() and "embedding" in r.getMessage() for r in caplog.records)

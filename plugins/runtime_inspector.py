@@ -174,6 +174,13 @@ def find_sources(
     """``(tensor, kind, consumer, pad_value, weight)`` for each embedding index and loss label tensor in ``model``."""
     graph_inputs = {i.name for i in model.graph.input}
     parameters = graph_inputs - set(user_inputs)
+    # With label sparsity (sparse_optimizer), ORT's InsertGatherBeforeSceLoss feeds the loss only the valid labels
+    # through a ShrunkenGather: the density that matters is that of the labels before it.
+    gathered = {
+        n.output[0]: n.input[0]
+        for n in model.graph.node
+        if n.domain == "com.microsoft" and n.op_type == "ShrunkenGather"
+    }
     found: dict[tuple[str, str], tuple[str, str, str, int | None, str | None]] = {}
     for node in model.graph.node:
         if node.domain in ("", "ai.onnx") and node.op_type == "Gather" and node.input[0] in parameters:
@@ -195,7 +202,8 @@ def find_sources(
             ignore = _attribute(node, "ignore_index")
             if ignore is None and node.op_type.endswith("Internal") and len(node.input) > 3 and node.input[3]:
                 ignore = _constant_int(model, node.input[3])
-            found.setdefault((node.input[1], node.op_type), (node.input[1], "label", node.op_type, ignore, None))
+            labels = gathered.get(node.input[1], node.input[1])
+            found.setdefault((labels, node.op_type), (labels, "label", node.op_type, ignore, None))
     return list(found.values())
 
 

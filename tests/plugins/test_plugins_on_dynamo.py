@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -652,3 +653,111 @@ def test_cuda_options_on_cpu_are_reported_once_and_change_nothing(hosts, caplog)
     step_matches(ours, reference, (torch.randn(3, 4),), lambda out: out.square().sum())
     reports = [r.getMessage() for r in caplog.records if r.name == "ortcore.cuda_execution"]
     assert len(reports) == 1 and "enable_tuning (ORTMODULE_ENABLE_TUNING)" in reports[0], reports
+
+
+# -- efficient_attention: a written-out attention, and what the pass leaves alone -----------------------------------
+
+
+class Attention(nn.Module):
+    """One self-attention written out: projections, scaled scores, an optional additive mask, softmax, dropout."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, dropout: float = 0.0, divide: bool = False):
+        super().__init__()
+        self.heads, self.head_dim, self.divide = heads, dim // heads, divide
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        scores = q @ k.transpose(-1, -2)
+        scores = scores / math.sqrt(self.head_dim) if self.divide else scores * self.head_dim**-0.5
+        if allowed is not None:  # a boolean mask made additive inside the model, as Hugging Face does
+            scores = scores + (1.0 - allowed.to(scores.dtype)) * torch.finfo(scores.dtype).min
+        probs = self.dropout(scores.softmax(-1))
+        return self.out((probs @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+def allowed_keys(batch: int, heads: int, seq: int) -> torch.Tensor:
+    """(batch, heads, seq, seq) booleans: causal, and the last two keys of row 1 padded."""
+    allowed = torch.ones(seq, seq).tril().bool().expand(batch, heads, seq, seq).clone()
+    allowed[1, :, :, -2:] = False
+    allowed[..., 0] = True
+    return allowed
+
+
+@pytest.mark.parametrize("divide", [False, True], ids=["mul-scale", "div-scale"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_written_out_attention_is_fused_and_matches(hosts, divide, masked) -> None:
+    ours, reference = on_dynamo(Attention(divide=divide), _attention_host(hosts))
+    x = torch.randn(3, 7, 16)
+    args = (x, allowed_keys(3, 2, 7)) if masked else (x,)
+    step_matches(ours, reference, args, lambda out: out.square().sum())
+    report = efficient_attention.last_report()
+    assert report.replaced == 1 and report.skipped == [], report
+
+
+def test_active_dropout_is_left_to_ort_and_says_why(hosts) -> None:
+    ours, _ = on_dynamo(Attention(dropout=0.1), _attention_host(hosts))
+    ours(torch.randn(2, 5, 16)).sum().backward()
+    report = efficient_attention.last_report()
+    assert report.replaced == 0 and len(report.skipped) == 1, report
+    assert "dropout 0.1" in report.skipped[0], report
+
+
+# -- real models ----------------------------------------------------------------------------------------------------
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=100, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(config).train()
+
+
+def _t5_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([10, 7, 4])  # right padding: the attention mask broadcasts against the position bias
+    mask = (torch.arange(10)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(2, 100, (3, 10), generator=gen) * mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(2, 100, (3, 7), generator=gen)}
+
+
+def test_t5_position_bias_where_is_fixed_and_gradients_match(hosts, broadcast_rewrites) -> None:
+    """T5's attention mask broadcasts against its position bias in a ``Where``: without gradient_fixes ORT's
+    backward fails on this route too (a ``Squeeze`` of the un-reduced gradient)."""
+    ours, reference = on_dynamo(_t5(), hosts(gradient_fixes))
+    batch = _t5_batch(torch.Generator().manual_seed(1234))
+    loss, expected = ours(**batch).loss, reference(**batch).loss
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+    loss.backward()
+    expected.backward()
+    assert_grads_match(ours, reference, rtol=RTOL, atol=ATOL)
+    assert_dynamo_graph(ours)
+    assert len(broadcast_rewrites) == 1 and broadcast_rewrites[0] > 0, broadcast_rewrites
+
+
+def test_gpt2_label_sparsity_and_the_density_of_the_labels_before_the_gather(hosts, tmp_path, caplog) -> None:
+    """GPT-2 computes its loss from shifted labels; with label sparsity ORT gathers the valid ones before the loss,
+    and the density reported is that of the labels the gather reads (not of the gathered, all-valid ones)."""
+    caplog.set_level(logging.INFO, logger="ortcore.runtime_inspector")
+    env = {"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1", "ORTMODULE_PRINT_INPUT_DENSITY": "1"}
+    host = hosts(sparse_optimizer, compute_optimizer, runtime_inspector, env=env)
+    ours, reference = on_dynamo(tiny_gpt2(), host, debug_options=saving(tmp_path, "gpt2"))
+    batch = gpt2_batch(torch.Generator().manual_seed(0), batch=3, seq=12)
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    loss, expected = ours(**batch).loss, reference(**batch).loss
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+    loss.backward()
+    expected.backward()
+    assert_grads_match(ours, reference, rtol=RTOL, atol=ATOL)
+    assert op_types(tmp_path / "gpt2_training.onnx")["ShrunkenGather"] == 2
+    [table] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("input density at step 0")]
+    [row] = [line.split() for line in table.splitlines()[2:] if "labels of" in line]
+    # Hugging Face pads the labels by one ignored position and shifts them: 3 rows x 12, valid = the shifted mask.
+    valid = int((batch["labels"][:, 1:] != -100).sum())
+    assert row[-1] == f"{valid}/36", table

@@ -97,7 +97,9 @@ def _unpack(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     sizes = [math.prod(q_shape), math.prod(k_shape), math.prod(v_shape)]
     if sum(sizes) != qkv.numel():
-        raise ValueError(f"packed q/k/v has {qkv.numel()} elements, shapes {q_shape}, {k_shape}, {v_shape} need {sum(sizes)}")
+        raise ValueError(
+            f"packed q/k/v has {qkv.numel()} elements, shapes {q_shape}, {k_shape}, {v_shape} need {sum(sizes)}"
+        )
     q, k, v = qkv.split(sizes)
     return q.view(q_shape), k.view(k_shape), v.view(v_shape)
 
@@ -468,12 +470,12 @@ def _untransposed_k(index: _Index, k_t: str, name: str, new_nodes: list[onnx.Nod
 
 
 def _constant(name: str, value: Any, dtype: Any) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(np.array(value, dtype=dtype)))
+    return helper.make_node(
+        "Constant", [], [name], name=name, value=numpy_helper.from_array(np.array(value, dtype=dtype))
+    )
 
 
-def _replacement(
-    index: _Index, m: AttentionMatch, name: str
-) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto]]:
+def _replacement(index: _Index, m: AttentionMatch, name: str) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto]]:
     """The nodes computing ``m.output`` with the fused kernel, and the value types ORT cannot infer for them."""
     new: list[onnx.NodeProto] = []
     k = _untransposed_k(index, m.k_t, name, new)
@@ -570,6 +572,9 @@ def fuse_attention(model: onnx.ModelProto, context: PassContext | None = None) -
         infos += new_infos
         report.replaced += 1
     _last_report = report
+    if not report.replaced and not report.skipped:
+        # Enabled but nothing to do: say so, so that an exporter writing attention in another form is noticed.
+        logger.info("efficient_attention: the graph has no Softmax, so no attention to fuse")
     if report.skipped:
         # One warning per export (a model's layers usually share the reason), every softmax's reason at INFO.
         logger.warning(

@@ -202,6 +202,11 @@ def flag_label_sparsity(model: onnx.ModelProto, context: PassContext) -> None:
                 "label sparsity: cross_entropy runs as an ATen op (PyTorch's kernel, the aten_fallback plugin), "
                 "not as ORT's loss; nothing to mark"
             )
+        else:
+            logger.info(
+                "label sparsity: the graph has no SoftmaxCrossEntropyLoss (the loss is computed outside the model, or "
+                "the exporter wrote it as its parts); nothing to mark"
+            )
         return
     types = _inferred_types(model)
     consumed = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}

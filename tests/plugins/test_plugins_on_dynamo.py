@@ -761,3 +761,19 @@ def test_gpt2_label_sparsity_and_the_density_of_the_labels_before_the_gather(hos
     # Hugging Face pads the labels by one ignored position and shifts them: 3 rows x 12, valid = the shifted mask.
     valid = int((batch["labels"][:, 1:] != -100).sum())
     assert row[-1] == f"{valid}/36", table
+
+
+# -- a pass with nothing to act on says so -------------------------------------------------------------------------
+
+
+def test_enabled_passes_with_nothing_to_act_on_say_so(hosts, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="ortcore.efficient_attention")
+    caplog.set_level(logging.INFO, logger="ortcore.sparse_optimizer")
+    table = {"plugins": {efficient_attention.NAME: {"enable": True}}}
+    env = {"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "1"}
+    host = hosts(efficient_attention, sparse_optimizer, compute_optimizer, env=env, table=table)
+    ours, reference = on_dynamo(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), host)
+    step_matches(ours, reference, (torch.randn(3, 4),), lambda out: out.square().sum())
+    messages = [r.getMessage() for r in caplog.records]
+    assert "efficient_attention: the graph has no Softmax, so no attention to fuse" in messages
+    assert any(m.startswith("label sparsity: the graph has no SoftmaxCrossEntropyLoss") for m in messages), messages

@@ -441,20 +441,71 @@ def test_recompute_plan_is_applied_and_gradients_match(hosts, tmp_path, env, tab
     assert saved.sessions == 2  # once to find the opportunities, once with the plan
 
 
+def test_gpt2_layerwise_recompute_on_the_dynamo_graph(hosts, tmp_path) -> None:
+    """Level 1 finds the transformer layers of the dynamo route's GPT-2 (its LayerNormalization nodes) too."""
+    saved = SaveExecuted(tmp_path)
+    saved.NAME = "save_executed"
+    host = hosts(memory_recompute, saved, table={"plugins": {memory_recompute.NAME: {"level": 1}}})
+    ours, reference = on_dynamo(tiny_gpt2(n_positions=16), host)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss, expected = ours(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+    loss.backward()
+    expected.backward()
+    assert_grads_match(ours, reference, rtol=RTOL, atol=ATOL)
+    recomputed = Counter(n.op_type for n in saved.last().graph.node if n.name.endswith("_recompute"))
+    assert recomputed["LayerNormalization"] >= 2 and recomputed["Gemm"] >= 2, recomputed
+
+
 # -- op_profiler ----------------------------------------------------------------------------------------------------
 
 
-def test_op_profiler_accounts_for_every_kernel_of_the_dynamo_graph(hosts) -> None:
+class SaveTrainingGraph:
+    """Has ORT write the training graph it runs (after its own optimizations): what the trace must account for."""
+
+    NAME = "save_training_graph"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @hookimpl
+    def ortcore_session_plan(self, graph: Any, plan: Any) -> None:
+        if graph.purpose == "train":
+            plan.optimized_model_filepath = str(self.path)
+
+
+def _executed_kinds(path: Path) -> tuple[Counter, Counter]:
+    """Nodes of the graph ORT ran by op type: all of them, and those before its YieldOp (the forward)."""
+    every, forward, side = Counter(), Counter(), "forward"
+    for node in onnx.load(str(path)).graph.node:
+        if node.op_type == "YieldOp":
+            side = "backward"
+            continue
+        every[node.op_type] += 1
+        if side == "forward":
+            forward[node.op_type] += 1
+    return every, forward
+
+
+@pytest.mark.parametrize("name", ["mlp", "bert"])
+def test_op_profiler_accounts_for_every_kernel_of_the_dynamo_graph(hosts, tmp_path, name) -> None:
     from ortcore_plugins.op_profiler import phase, profile_steps
 
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
-    ours, _ = on_dynamo(model, hosts(op_profiler))
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    else:
+        model = tiny_bert()
+    executed = tmp_path / "executed.onnx"
+    ours, _ = on_dynamo(model, hosts(op_profiler, SaveTrainingGraph(executed)))
     gen = torch.Generator().manual_seed(1)
     optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-3)
 
     def step() -> None:
         with phase("forward"):
-            loss = F.mse_loss(ours(torch.randn(6, 8, generator=gen)), torch.randn(6, 4, generator=gen))
+            if name == "mlp":
+                loss = F.mse_loss(ours(torch.randn(6, 8, generator=gen)), torch.randn(6, 4, generator=gen))
+            else:
+                loss = hf_step(ours, bert_batch(gen))[1]
         with phase("backward"):
             loss.backward()
         with phase("optimizer"):
@@ -463,10 +514,12 @@ def test_op_profiler_accounts_for_every_kernel_of_the_dynamo_graph(hosts) -> Non
 
     result = profile_steps(ours, step, steps=2, warmup=1)
     assert_dynamo_graph(ours)
+    every, forward = _executed_kinds(executed)
+    assert {r["op"]: r["count"] for r in result["ops"]} == dict(every)
+    assert {r["op"]: r["fw_count"] for r in result["ops"] if r["fw_count"]} == dict(forward)
     assert result["calls"]["forward"]["calls"] == result["calls"]["backward"]["calls"] == 1
     assert result["kernels_straddling_calls"] == 0
-    categories = result["categories"]
-    assert {"matmul/gemm", "layer_norm", "gelu"} <= set(categories), sorted(categories)
+    assert {"matmul/gemm", "layer_norm", "gelu"} <= set(result["categories"]), sorted(result["categories"])
     assert all(r["runs_on"] == "ORT" for r in result["ops"])
 
 

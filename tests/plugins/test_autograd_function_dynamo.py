@@ -34,7 +34,9 @@ import ortcore_plugins.autograd_function as plugin
 import ortcore_plugins.dynamo_exporter as dynamo
 import ortcore_plugins.services.python_op as python_op
 from ortcore import ORTModule
+from ortcore.config import Config
 from ortcore.errors import UnsupportedModelError
+from ortcore.plugins import PluginHost
 
 pytest.importorskip("onnxscript")
 
@@ -477,6 +479,18 @@ def test_value_dependent_forwards_match_torch(host):
         ref.zero_grad(set_to_none=True)
     assert sorted(func_names(ort)) == [f"{__name__}.Normalize", f"{__name__}.Positive"]
     assert_ran_in_ort(ort, exports=1)
+
+
+def test_with_every_installed_plugin_functions_match_torch(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    host = PluginHost(Config.from_table({}, env=NO_FALLBACK))
+    try:
+        assert host.records[plugin.NAME].enabled and host.records[dynamo.NAME].enabled
+        ort, ref = on_dynamo(FunctionNet(), host)
+        check_step_and_training(ort, ref, make_batches(batch, 4), step, steps=3)
+        assert sorted(func_names(ort)) == FUNCTION_NAMES
+    finally:
+        host.close()
 
 
 # -- traced through -------------------------------------------------------------------------------------------------

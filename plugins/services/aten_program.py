@@ -295,6 +295,47 @@ def device_of(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _is_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and bool(getattr(node.target, "is_view", False))
+
+
+def functional_variant(node: torch.fx.Node, position: dict[torch.fx.Node, int] | None = None) -> Any:
+    """The out-of-place op of an in-place call (``hardswish_`` -> ``hardswish``, as ``nn.Hardswish(inplace=True)``
+    calls it) when the call can be read as it, else None.
+
+    ``torch.export`` keeps in-place calls and makes later reads of the updated tensor read the call's result, so the
+    out-of-place op computes the same values, unless the tensor's memory is read again after the call some other
+    way: under its old name, through another view of the same memory, or as a graph input.
+    """
+    target = node.target
+    schema = target._schema
+    name = schema.name.rpartition("::")[2]
+    first = schema.arguments[0] if schema.arguments else None
+    if target.namespace != "aten" or not name.endswith("_") or first is None or first.alias_info is None:
+        return None
+    if not first.alias_info.is_write:
+        return None
+    functional = getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
+    updated = node.args[0] if node.args else None
+    if functional is None or not isinstance(updated, torch.fx.Node):
+        return None
+    root = updated
+    while _is_view(root) and isinstance(root.args[0], torch.fx.Node):
+        root = root.args[0]
+    if root.op != "call_function":
+        return None  # a graph input (or a constant): its update is part of the program's signature
+    order = position if position is not None else {n: i for i, n in enumerate(node.graph.nodes)}
+    aliases, stack = {root}, [root]
+    while stack:
+        for user in stack.pop().users:
+            if _is_view(user) and user not in aliases:
+                aliases.add(user)
+                stack.append(user)
+    if any(order[user] > order[node] for alias in aliases for user in alias.users if user is not node):
+        return None
+    return functional
+
+
 def route_calls(
     program: torch.export.ExportedProgram,
     module: torch.nn.Module | None,
@@ -305,18 +346,26 @@ def route_calls(
     ``(op, reason)`` of each routed call. A call the executor cannot run stays as it is (logged at WARNING)."""
     reach = GradientReach(program, module)
     routed = []
-    for node in list(program.graph_module.graph.nodes):
+    nodes = list(program.graph_module.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         if node.target.namespace == WRAPPER_NAMESPACE:
             continue
+        original = node.target
+        node.target = (
+            functional_variant(node, position) or original
+        )  # decided (and routed) as the op it updates in place
         reason = decide(node, reach)
         if reason is None:
+            node.target = original
             continue
         name = node.target._schema.name
         try:
             route_call(node, reach, prepare_runtime)
         except Unroutable as e:
+            node.target = original
             logger.warning("%s stays as the exporter writes it: the ATen executor cannot run it (%s)", name, e)
             continue
         routed.append((name, reason))

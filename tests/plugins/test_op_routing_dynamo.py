@@ -26,6 +26,7 @@ from ortcore.config import Config
 from ortcore.errors import GraphBuildError, UnsupportedModelError
 from ortcore.explain import ROUTED_METADATA_PREFIX, aten_kind, operator_of
 from ortcore.plugins import PluginHost
+from ortcore_plugins.services import aten_program
 
 pytest.importorskip("onnxscript")
 
@@ -178,6 +179,17 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]
     ),
     "einsum_buffer_first": (BufferFirst, lambda: torch.randn(6, 16), "einsum"),
     "cumsum": (lambda: Apply(lambda h: torch.cumsum(h, 1)), lambda: torch.randn(6, 16), "cumsum"),
+    # In place, on a view of the Linear's output (torch.export keeps the in-place call: routed as the op it updates).
+    "hardswish_in_place": (
+        lambda: Apply(lambda h: F.hardswish(h, inplace=True)),
+        lambda: torch.randn(6, 16) * 3,
+        "hardswish",
+    ),
+    "cumsum_in_place": (
+        lambda: Apply(lambda h: h.cumsum_(1) * 1.0, shape=(4, 4)),
+        lambda: torch.randn(6, 16),
+        "cumsum",
+    ),
     "group_norm": (
         lambda: ConvThen(nn.Conv1d(4, 8, 3), nn.GroupNorm(2, 8)),
         lambda: torch.randn(3, 4, 12),
@@ -337,6 +349,22 @@ def test_first_input_without_gradient_is_routed_with_its_weights_trained():
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         _close(p.grad, q.grad, f"gradient of {name}")
     assert "group_norm" in _aten_ops(wrapped)
+
+
+class UpdatesASliceThenReadsTheWhole(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        F.hardswish(h[:, :2], inplace=True)
+        return h
+
+
+def test_in_place_call_whose_memory_is_read_again_is_not_read_as_out_of_place():
+    program = torch.export.export(UpdatesASliceThenReadsTheWhole(), (torch.randn(3, 4),))
+    (node,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.hardswish_.default]
+    assert aten_program.functional_variant(node) is None
+    program = torch.export.export(nn.Sequential(nn.Linear(4, 4), nn.Hardswish(inplace=True)), (torch.randn(3, 4),))
+    (node,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.hardswish_.default]
+    assert aten_program.functional_variant(node) is torch.ops.aten.hardswish.default
 
 
 # -- options, ORT's own errors, explain ----------------------------------------------------------------------------------

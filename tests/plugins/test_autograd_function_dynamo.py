@@ -691,5 +691,17 @@ def test_hugging_face_bloom_trains_with_parity(host):
     pytest.importorskip("transformers")
     ort, ref = on_dynamo(tiny_bloom(), host())
     check_step_and_training(ort, ref, make_batches(bloom_batch, 4), bloom_step, steps=3)
+    gen = torch.Generator().manual_seed(0)
+    for n, length in ((2, 7), (5, 9)):  # other batch and sequence lengths: the same graph
+        ids = torch.randint(0, 128, (n, length), generator=gen)
+        data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        (logits, loss), (logits_ref, loss_ref) = bloom_step(ort, data), bloom_step(ref, data)
+        assert_outputs_match(logits, logits_ref)
+        assert_losses_match(loss, loss_ref)
+        loss.backward()
+        loss_ref.backward()
+        assert_grads_match(ort, ref)
+        ort.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
     assert func_names(ort) == ["transformers.models.bloom.modeling_bloom.GeLUFunction"] * 2  # one per layer
     assert_ran_in_ort(ort, exports=1)

@@ -114,10 +114,32 @@ class GradientReach:
 
 
 @functools.cache
-def _onnx_registry() -> Any:
-    from torch.onnx._internal.exporter import _registration
+def _translated() -> frozenset[str]:
+    """Qualified names (``aten::add.Tensor``, ``aten::linear`` for a default overload) of the ops torch.onnx's
+    registry has a real-valued function for: onnxscript's torchlib and torch's own additions. Read from their
+    registries' names (building torch.onnx's ``ONNXRegistry`` itself takes about a second)."""
+    names: set[str] = set()
+    try:
+        from onnxscript.function_libs.torch_lib import ops  # noqa: F401 (registers the functions)
+        from onnxscript.function_libs.torch_lib.registration import default_registry
 
-    return _registration.ONNXRegistry.from_torchlib()
+        names.update(name for name in default_registry if default_registry[name].overloads)
+        from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+
+        for meta in _torchlib_registry.get_torchlib_ops():
+            if isinstance(meta.fx_target, torch._ops.OpOverload) and not meta.is_complex:
+                names.add(_qualified(meta.fx_target))
+    except (ImportError, AttributeError):  # another layout: ask the registry torch.onnx builds
+        from torch.onnx._internal.exporter import _registration
+
+        registry = _registration.ONNXRegistry.from_torchlib()
+        names.update(name for name in registry.functions if isinstance(name, str))
+    return frozenset(names)
+
+
+def _qualified(target: Any) -> str:
+    overload = target._overloadname
+    return target._schema.name if overload == "default" else f"{target._schema.name}.{overload}"
 
 
 @functools.cache
@@ -145,7 +167,7 @@ def has_translation(target: Any) -> bool:
     name = target._schema.name.rpartition("::")[2]
     if namespace.startswith("ortcore") or namespace in _HANDLED_NAMESPACES or name.startswith(_HANDLED_PREFIXES):
         return True
-    if _onnx_registry().is_registered(target) or target in _decomposed():
+    if _qualified(target) in _translated() or target in _decomposed():
         return True
     return torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
 

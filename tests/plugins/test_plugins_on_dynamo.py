@@ -179,6 +179,66 @@ def test_where_and_pow_with_broadcast_data_inputs_match_autograd(hosts, broadcas
     assert broadcast_rewrites[0] >= 3, broadcast_rewrites  # Where's two data inputs and Pow's base
 
 
+class OneOp(nn.Module):
+    """``fn(*inputs, *parameters)``: one op with parameters of the given shapes."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]], positive: bool) -> None:
+        super().__init__()
+        self.fn = fn
+        self.params = nn.ParameterList(nn.Parameter(_values(s, positive)) for s in shapes)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.fn(*inputs, *self.params)
+
+
+def _values(shape: tuple[int, ...], positive: bool) -> torch.Tensor:
+    values = torch.randn(shape)
+    return values.abs() + 0.5 if positive else values
+
+
+EXPONENT = torch.rand(3, 4) + 0.5
+# (id, fn(*inputs, *params), input shapes (user inputs requiring grad), parameter shapes, positive, rewrites at least):
+# test_gradient_fixes.py's cases of the ops whose ORT gradient never reduces a broadcast input, and Expand.
+NO_REDUCTION_CASES = [
+    ("where-tanh-param-1N", lambda w: torch.where(COND, torch.tanh(w), 0.0), [], [(1, 4)], False, 1),
+    ("where-both-data-inputs", lambda x, y: torch.where(COND, x, y), [(1, 4), (3, 1)], [], False, 2),
+    ("where-input-and-param", lambda x, y: torch.where(COND, x, y), [(4,)], [(3, 1)], False, 2),
+    ("where-cond-broadcast", lambda x, y: torch.where(COND[0], x, y), [(3, 4)], [(3, 1)], False, 1),
+    ("where-rank-expanding", lambda x, y: torch.where(COND[:, None, :], x, y), [(2, 1)], [(4,)], False, 2),
+    ("where-scalars", lambda x, y: torch.where(COND, x, y), [()], [()], False, 2),
+    ("where-no-broadcast", lambda x, y: torch.where(COND, x, y), [(3, 4)], [(3, 4)], False, 0),
+    ("pow-base-input-1N", lambda x: torch.pow(x, EXPONENT), [(1, 4)], [], True, 1),
+    ("pow-base-param-N", lambda p: torch.pow(p, EXPONENT), [], [(4,)], True, 1),
+    ("expand-input", lambda x: x.expand(3, 4), [(1, 4)], [], False, 1),
+    ("add-param-1N-input-BN", lambda x, p: x + p, [(3, 4)], [(1, 4)], False, 1),
+    ("max-input-N-param-BN", torch.maximum, [(4,)], [(3, 4)], False, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("fn", "input_shapes", "param_shapes", "positive", "least"),
+    [c[1:] for c in NO_REDUCTION_CASES],
+    ids=[c[0] for c in NO_REDUCTION_CASES],
+)
+def test_broadcast_gradients_match_autograd(hosts, broadcast_rewrites, fn, input_shapes, param_shapes, positive, least):
+    model = OneOp(fn, param_shapes, positive)
+    ours, reference = on_dynamo(model, hosts(gradient_fixes))
+    inputs = [_values(s, positive) for s in input_shapes]
+    mine = [x.clone().requires_grad_() for x in inputs]
+    theirs = [x.clone().requires_grad_() for x in inputs]
+    expected = reference(*theirs)
+    weight = torch.randn(expected.shape)  # every output element weighed differently
+    out = ours(*mine)
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    (out * weight).sum().backward()
+    (expected * weight).sum().backward()
+    for k, (a, e) in enumerate(zip(mine, theirs)):
+        assert a.grad is not None and a.grad.shape == e.shape, f"input {k}: {a.grad}"
+        torch.testing.assert_close(a.grad, e.grad, rtol=RTOL, atol=ATOL, msg=f"input {k}")
+    assert_grads_match(ours, reference, rtol=RTOL, atol=ATOL)
+    assert broadcast_rewrites and broadcast_rewrites[0] >= least, broadcast_rewrites
+
+
 def test_without_the_plugin_the_dynamo_route_has_the_where_bug() -> None:
     """The bug is ORT's, whichever exporter: without the pass the ``[1, N]`` parameter gets a ``[B, N]`` gradient."""
     host = make_host({dynamo_exporter.NAME: dynamo_exporter}, env=NO_FALLBACK)

@@ -431,7 +431,7 @@ class DynamoExporter:
     def _custom_functions(self, refused: list[type]) -> contextlib.AbstractContextManager:
         """While tracing, each custom ``torch.autograd.Function`` call goes where its handler says
         (``ortcore_autograd_function_handler``): traced through (:data:`ortcore.exporter.INLINE`, or the handler's
-        ``traces_through(args)``), or the handler's ``dynamo_apply(apply, args, kwargs)``, which records the call
+        ``traces_through(args)``), or the handler's ``dynamo_apply(cls, apply, args, kwargs)``, which records the call
         in the exported program (a custom op its translation turns into a node). A Function nobody answers for is
         traced through and appended to ``refused`` (the export is refused after tracing, naming them all), unless
         ``inline_autograd_functions``. torch's own Functions are traced through, except reentrant

@@ -25,6 +25,13 @@ signature with ``torch.library``) instead of the op itself: ORT builds an ATen n
 input needs one, so the wrapper takes first an input that does; and the executor passes tensors one by one, so a
 tensor list (``einsum``'s operands, an RNN's weights) becomes separate inputs. The wrapper also copies outputs that
 alias an input (``diagonal``'s view), which ORT must own.
+
+On the dynamo route the same decisions are taken in ``torch.export``'s program, before it is translated
+(``ortcore_program_passes``): :data:`PROGRAM_ROUTES` names the calls each route applies to as the program holds them
+(``torch.export`` keeps CompositeImplicitAutograd ops such as ``gru.input``, ``group_norm`` and
+``conv_transpose2d.input`` whole), ops without an onnxscript translation are found from the exporter's registry, and
+each such call becomes a wrapper op whose translation (``ortcore_export_translations``) writes one ATen node
+(:mod:`ortcore_plugins.services.aten_program`).
 """
 
 from __future__ import annotations

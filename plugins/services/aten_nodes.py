@@ -8,6 +8,9 @@ Used from TorchScript symbolics (``aten_fallback``'s unexportable-op fallback, `
   ``ortcore_aten::fallback_grad__<op>__<overload>__<i>``, that re-runs the op under ``torch.autograd`` on the forward
   inputs and returns the vector-Jacobian product for input i (ORT keeps one output per gradient node). Integer
   outputs take no gradient; integer tensor inputs get none either;
+* :func:`define_wrapper`: the ``ortcore_route::`` wrapper op a routed call is exported as (an input that needs a
+  gradient first, tensor lists spread, views copied), shared by both exporters' routes (the dynamo route's side is
+  :mod:`ortcore_plugins.services.aten_program`);
 * :func:`guard_runs`, from a plugin's ``ortcore_session_plan``: the executor's run guard, and the VJP results shared
   between a node's helpers cleared at every run boundary.
 

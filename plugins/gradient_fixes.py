@@ -53,6 +53,7 @@ logger = logging.getLogger("ortcore.gradient_fixes")
 NAME = "gradient_fixes"
 PASS_NAME = "gradient_fixes.broadcast"
 CONV_PASS_NAME = "gradient_fixes.conv"
+HIDDEN_PASS_NAME = "gradient_fixes.hidden_broadcasts"  # a program pass of the dynamo route: reports, changes nothing
 # Bumped whenever a pass's output changes, so export caches do not serve graphs made by an older pass.
 PASS_VERSION = 1
 CONV_PASS_VERSION = 1
@@ -72,14 +73,39 @@ NAME_TRUSTING: dict[str, tuple[int, ...] | None] = {
 # Ops whose outputs carry no gradient: a value computed only through them needs no fix.
 _NON_DIFFERENTIABLE = frozenset(
     {
-        "Shape", "Size", "Constant", "ConstantOfShape", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
-        "Not", "And", "Or", "Xor", "IsNaN", "IsInf", "ArgMax", "ArgMin", "NonZero", "Range", "EyeLike", "Sign",
-        "Floor", "Ceil", "Round", "BitShift", "Mod", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial",
+        "Shape",
+        "Size",
+        "Constant",
+        "ConstantOfShape",
+        "Equal",
+        "Less",
+        "LessOrEqual",
+        "Greater",
+        "GreaterOrEqual",
+        "Not",
+        "And",
+        "Or",
+        "Xor",
+        "IsNaN",
+        "IsInf",
+        "ArgMax",
+        "ArgMin",
+        "NonZero",
+        "Range",
+        "EyeLike",
+        "Sign",
+        "Floor",
+        "Ceil",
+        "Round",
+        "BitShift",
+        "Mod",
+        "RandomNormalLike",
+        "RandomUniformLike",
+        "Bernoulli",
+        "Multinomial",
     }
 )
-_FLOAT_TYPES = frozenset(
-    {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
-)
+_FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 
 Dim = int | str | None  # a static size, a symbolic name, or unknown
 Shape = list[Dim] | None  # None: rank unknown
@@ -316,8 +342,9 @@ def _fix_name_trusting(
         candidates = tuple(range(len(inputs)))
         # Min/Max compare each input with the output; the binary ops compare their two inputs with each other.
         compared = {
-            i: [shapes.get(node.output[0])] if node.op_type in ("Min", "Max") else
-            [shapes.get(name) for k, name in enumerate(inputs) if k != i]
+            i: [shapes.get(node.output[0])]
+            if node.op_type in ("Min", "Max")
+            else [shapes.get(name) for k, name in enumerate(inputs) if k != i]
             for i in candidates
         }
     fixed = 0
@@ -509,6 +536,52 @@ def fix_conv_gradients(model: onnx.ModelProto, context: PassContext | None = Non
     return len(replaced)
 
 
+# -- the dynamo route: broadcasts the exported shapes hide ------------------------------------------------------------
+
+
+def hidden_broadcasts(program: Any) -> list[str]:
+    """Dimensions of user inputs that ``torch.export`` took to be equal although they differ in this call.
+
+    The dynamo route captures as ``torch.onnx`` does, size-obliviously: a dimension of size 1 is a symbol like any
+    other, and broadcasting it against another input's dimension is taken to mean the two are equal. The exported
+    graph then gives both the same symbolic size, so the broadcast is invisible to :func:`fix_broadcast_gradients`
+    (and to ORT's gradient builders, whose gradient keeps the larger shape). Found by comparing the program's symbolic
+    sizes with the example inputs it was captured from; one sentence per symbol.
+    """
+    examples = getattr(program, "example_inputs", None)
+    if not examples or not examples[0]:
+        return []
+    user = set(program.graph_signature.user_inputs)
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user]
+    uses: dict[str, list[tuple[int, int, int]]] = {}  # symbol -> (input position, dimension, size in this call)
+    for position, (node, example) in enumerate(zip(placeholders, examples[0])):
+        value = node.meta.get("val")
+        if value is None or not hasattr(example, "shape") or not hasattr(value, "shape"):
+            continue
+        for dim, (size, actual) in enumerate(zip(value.shape, example.shape)):
+            if not isinstance(size, int):
+                uses.setdefault(str(size), []).append((position, dim, int(actual)))
+    found = []
+    for symbol, where in uses.items():
+        if len({size for _, _, size in where}) < 2:
+            continue
+        described = ", ".join(f"input {position} dimension {dim} (size {size})" for position, dim, size in where)
+        found.append(f"{described} were all exported as {symbol}")
+    return found
+
+
+def _warn_hidden_broadcasts(program: Any, context: PassContext) -> None:
+    found = hidden_broadcasts(program)
+    if found and context.training:
+        logger.warning(
+            "gradient_fixes: on the dynamo route %s: torch.export assumed these user inputs do not broadcast "
+            "against each other, so no graph pass can see the broadcast, and ORT's gradient for an input among "
+            "them that requires grad keeps the larger shape (ortcore's gradient-shape check then refuses the step). "
+            "Pass inputs of equal shapes, or use exporter='torchscript'",
+            "; ".join(found),
+        )
+
+
 # -- hooks ----------------------------------------------------------------------------------------------------------
 
 
@@ -523,6 +596,11 @@ def _run_conv(model: onnx.ModelProto, context: PassContext) -> None:
 @hookimpl
 def ortcore_graph_passes(config: Config) -> list[GraphPass]:
     return [GraphPass(PASS_NAME, run=_run, plugin=NAME), GraphPass(CONV_PASS_NAME, run=_run_conv, plugin=NAME)]
+
+
+@hookimpl
+def ortcore_program_passes(config: Config) -> list[GraphPass]:
+    return [GraphPass(HIDDEN_PASS_NAME, run=_warn_hidden_broadcasts, plugin=NAME)]
 
 
 @hookimpl

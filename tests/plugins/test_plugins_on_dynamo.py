@@ -249,7 +249,7 @@ def test_without_the_plugin_the_dynamo_route_has_the_where_bug() -> None:
 
 
 @pytest.mark.parametrize("op", [torch.add, torch.mul], ids=["add", "mul"])
-def test_user_inputs_that_broadcast_are_right_or_refused_never_silently_wrong(hosts, op) -> None:
+def test_user_inputs_that_broadcast_are_right_or_refused_never_silently_wrong(hosts, caplog, op) -> None:
     """Two user inputs ``[B, N]`` and ``[1, N]``: torch.export (size-oblivious, as torch.onnx captures) exports the
     ``1`` as the symbol of ``B``, so the graph claims equal shapes and no pass can see the broadcast. ortcore's
     gradient-shape check must then refuse the step by name; once the exporter keeps such dimensions static, the pass
@@ -259,6 +259,7 @@ def test_user_inputs_that_broadcast_are_right_or_refused_never_silently_wrong(ho
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return op(x, y)
 
+    caplog.set_level(logging.WARNING, logger="ortcore.gradient_fixes")
     ours, _ = on_dynamo(Two(), hosts(gradient_fixes))
     x, y = torch.randn(3, 4, requires_grad=True), torch.randn(1, 4, requires_grad=True)
     x_ref, y_ref = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
@@ -267,6 +268,9 @@ def test_user_inputs_that_broadcast_are_right_or_refused_never_silently_wrong(ho
         (ours(x, y) * weight).sum().backward()
     except Exception as e:  # noqa: BLE001 - what matters is that it names the cause
         assert "does not reduce a broadcast back" in str(e) and "gradient_fixes" in str(e), e
+        # ... and gradient_fixes said why at export, naming the dimensions
+        [warning] = [r.getMessage() for r in caplog.records if r.name == "ortcore.gradient_fixes"]
+        assert "input 0 dimension 0 (size 3), input 1 dimension 0 (size 1) were all exported as" in warning, warning
         return
     (op(x_ref, y_ref) * weight).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=RTOL, atol=ATOL)

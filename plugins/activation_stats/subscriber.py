@@ -38,9 +38,9 @@ def safe_name(name: str) -> str:
 
 
 def _tracing_for_export() -> bool:
-    """Whether torch.export (the dynamo route's capture) or torch.compile is tracing the model right now."""
-    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(is_compiling is not None and is_compiling())
+    """Whether torch.export (the dynamo route's capture) is tracing the model right now."""
+    is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", None)
+    return bool(is_exporting is not None and is_exporting())
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -288,19 +288,23 @@ class StatisticsSubscriber(SubscriberBase):
         if lines:
             atomic_write(os.path.join(self._step_dir(step), RECORDS_FILE), "\n".join(lines) + "\n")
 
-    def on_step_start(self, step: int) -> None:
+    def is_active(self, step: int) -> bool:
         if _tracing_for_export():
-            # The dynamo route exports by running the forward under torch.export, whose tracing the subscription
+            # The dynamo route exports by running the forward under torch.export, whose tracing run ortcore.hooks
             # counts as a step (it looks for TorchScript tracing only). That step delivers nothing: it is not
-            # written, and the steps after it keep torch's numbering.
+            # recorded, and the steps after it keep torch's numbers (and the start_step/end_step window).
             if not self._traced_steps:
                 logger.info(
                     "activation_stats: step %d began inside torch.export's tracing (the dynamo exporter); it is not "
                     "a training step, so it is not recorded and later steps are numbered as torch numbers them",
                     step,
                 )
-            self._traced_steps.append(step)
-            return
+            if step not in self._traced_steps:
+                self._traced_steps.append(step)
+            return False
+        return super().is_active(self._training_step(step))
+
+    def on_step_start(self, step: int) -> None:
         if self.engine != self._meta_source:  # the model was wrapped in ORTModule (or unwrapped) after subscribing
             self._write_meta()
         os.makedirs(self._step_dir(step), exist_ok=True)

@@ -43,6 +43,7 @@ from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber, Subscri
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import PluginHost, set_host
 from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, make_host
+from ortcore_plugins.activation_stats import find_divergence
 
 pytest.importorskip("onnxscript")
 
@@ -669,8 +670,6 @@ def test_the_exporting_call_is_not_counted_as_a_step(subscriber_host) -> None:
 
 
 def test_statistics_files_of_the_dynamo_route_do_not_diverge_from_torch(subscriber_host, tmp_path) -> None:
-    from ortcore_plugins.activation_stats import find_divergence
-
     torch.manual_seed(0)
     plain = ActivationNet()
     ours, _ = on_dynamo(copy.deepcopy(plain), subscriber_host)
@@ -894,3 +893,18 @@ def test_enabled_passes_with_nothing_to_act_on_say_so(hosts, caplog) -> None:
     messages = [r.getMessage() for r in caplog.records]
     assert "efficient_attention: the graph has no Softmax, so no attention to fuse" in messages
     assert any(m.startswith("label sparsity: the graph has no SoftmaxCrossEntropyLoss") for m in messages), messages
+
+
+def test_statistics_window_counts_training_steps_only(subscriber_host, tmp_path) -> None:
+    """``start_step``/``end_step`` select the same steps as on torch: the export's tracing run is not one of them."""
+    torch.manual_seed(0)
+    plain = ActivationNet()
+    ours, _ = on_dynamo(copy.deepcopy(plain), subscriber_host)
+    for model, out in ((plain, "pt"), (ours, "ort")):
+        GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / out, start_step=1, end_step=3)])
+        _train(model, steps=4)
+        GlobalSubscriberManager.unsubscribe(model)
+    written = {out: sorted(p.name for p in (tmp_path / out).glob("step_*")) for out in ("pt", "ort")}
+    assert written["ort"] == written["pt"] == ["step_1", "step_2"], written
+    report = find_divergence(tmp_path / "pt", tmp_path / "ort")
+    assert not report.diverged and report.steps == [1, 2], report.summary()

@@ -59,6 +59,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fp16_optimizer",
     "load_balancing_sampler",
     "dynamo_exporter",
+    "control_flow",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"

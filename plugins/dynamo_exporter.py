@@ -287,6 +287,11 @@ def separate_read_outputs(model: onnx.ModelProto) -> int:
         if output.name not in read or output.name not in produced:  # an input passed through stays as it is
             continue
         inner = f"ortcore.dynamo::{output.name}_inner"
+        # The inner value keeps the output's type: ORT cannot infer the types of some producers (an ATen node's).
+        typed = onnx.ValueInfoProto()
+        typed.CopyFrom(output)
+        typed.name = inner
+        model.graph.value_info.append(typed)
         for node in model.graph.node:
             for k, name in enumerate(node.output):
                 if name == output.name:

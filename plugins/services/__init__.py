@@ -16,6 +16,13 @@ plugins, built-in or third-party: names without a leading underscore are support
     ``torch.autograd`` (:func:`~ortcore_plugins.services.aten_nodes.register_vjp_gradient`). Used by
     ``aten_fallback`` and ``op_routing``.
 
+``aten_program``
+    The dynamo route's counterpart of ``aten_nodes``: a program pass hands calls of ``torch.export``'s program to
+    :func:`~ortcore_plugins.services.aten_program.route_calls`, which makes each call a wrapper op written as one ATen
+    node with a VJP gradient; :func:`~ortcore_plugins.services.aten_program.translations` gives the onnxscript
+    translations of those wrappers to ``ortcore_export_translations``. Used by ``op_routing``, ``aten_fallback`` and
+    ``control_flow``.
+
 ``python_op``
     Runs ``com.microsoft::PythonOp`` / ``PythonOpGrad`` nodes through PyTorch: the node's op type and domain
     (``PYTHON_OP``, ``PYTHON_OP_DOMAIN``), the registry of autograd Functions the nodes name, and

@@ -63,10 +63,9 @@ def hosts() -> Iterator[Callable[..., PluginHost]]:
     made: list[PluginHost] = []
 
     def factory(*plugins: Any, env: dict[str, str] | None = None, table: dict | None = None) -> PluginHost:
-        registered = {
-            dynamo_exporter.NAME: dynamo_exporter,
-            **{getattr(p, "NAME", None) or p.__name__.rsplit(".", 1)[-1]: p for p in plugins},
-        }
+        # A plugin is registered under its NAME (activation_stats, a package with lazy attributes, has none).
+        named = {getattr(p, "NAME", None) or p.__name__.rsplit(".", 1)[-1]: p for p in plugins}
+        registered = {dynamo_exporter.NAME: dynamo_exporter, **named}
         host = make_host(registered, env={**NO_FALLBACK, **(env or {})}, table=table)
         made.append(host)
         return host
@@ -478,6 +477,8 @@ class GeluStack(nn.Module):
 class SaveExecuted:
     """Has ORT write each training graph it runs (after its optimizations, recompute nodes included)."""
 
+    NAME = "save_executed"
+
     def __init__(self, directory: Path) -> None:
         self.directory, self.sessions = directory, 0
 
@@ -497,7 +498,6 @@ class SaveExecuted:
 )
 def test_recompute_plan_is_applied_and_gradients_match(hosts, tmp_path, env, table) -> None:
     saved = SaveExecuted(tmp_path)
-    saved.NAME = "save_executed"
     host = hosts(memory_recompute, saved, env=env, table={"plugins": {memory_recompute.NAME: table}})
     ours, reference = on_dynamo(GeluStack(), host)
     step_matches(ours, reference, (torch.randn(4, 8, 16),), lambda out: out.square().mean())
@@ -509,7 +509,6 @@ def test_recompute_plan_is_applied_and_gradients_match(hosts, tmp_path, env, tab
 def test_gpt2_layerwise_recompute_on_the_dynamo_graph(hosts, tmp_path) -> None:
     """Level 1 finds the transformer layers of the dynamo route's GPT-2 (its LayerNormalization nodes) too."""
     saved = SaveExecuted(tmp_path)
-    saved.NAME = "save_executed"
     host = hosts(memory_recompute, saved, table={"plugins": {memory_recompute.NAME: {"level": 1}}})
     ours, reference = on_dynamo(tiny_gpt2(n_positions=16), host)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -163,6 +163,10 @@ def has_translation(target: Any) -> bool:
     """
     if not isinstance(target, torch._ops.OpOverload):
         return True
+    if target._schema.is_mutable:
+        # torch.onnx translates an in-place or out= call as its functional form (``copy_`` as ``copy``)
+        functional = _functional_op(target)
+        return functional is None or has_translation(functional)
     namespace = target.namespace
     name = target._schema.name.rpartition("::")[2]
     if namespace.startswith("ortcore") or namespace in _HANDLED_NAMESPACES or name.startswith(_HANDLED_PREFIXES):
@@ -242,6 +246,8 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
     operator name. Raises :class:`Unroutable` (naming the argument or result) when the executor cannot run it."""
     target = node.target
     schema = target._schema
+    if schema.is_mutable:
+        raise Unroutable("it updates its inputs in place")
     if any(r.type.kind() != "TensorType" for r in schema.returns):
         raise Unroutable("it returns non-tensors")
     values = bind(node)
@@ -317,6 +323,19 @@ def device_of(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _functional_op(target: Any) -> Any:
+    """The out-of-place overload of an aten op that updates its first argument in place (``hardswish_.default`` ->
+    ``hardswish.default``), else None."""
+    schema = target._schema
+    name = schema.name.rpartition("::")[2]
+    first = schema.arguments[0] if schema.arguments else None
+    if target.namespace != "aten" or not name.endswith("_") or first is None or first.alias_info is None:
+        return None
+    if not first.alias_info.is_write:
+        return None
+    return getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
+
+
 def _is_view(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and bool(getattr(node.target, "is_view", False))
 
@@ -329,15 +348,7 @@ def functional_variant(node: torch.fx.Node, position: dict[torch.fx.Node, int] |
     out-of-place op computes the same values, unless the tensor's memory is read again after the call some other
     way: under its old name, through another view of the same memory, or as a graph input.
     """
-    target = node.target
-    schema = target._schema
-    name = schema.name.rpartition("::")[2]
-    first = schema.arguments[0] if schema.arguments else None
-    if target.namespace != "aten" or not name.endswith("_") or first is None or first.alias_info is None:
-        return None
-    if not first.alias_info.is_write:
-        return None
-    functional = getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
+    functional = _functional_op(node.target)
     updated = node.args[0] if node.args else None
     if functional is None or not isinstance(updated, torch.fx.Node):
         return None

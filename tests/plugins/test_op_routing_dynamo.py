@@ -318,6 +318,14 @@ def test_loss_curve_follows_torch_over_adamw_steps():
 # -- which calls a route applies to --------------------------------------------------------------------------------------
 
 
+def _shift_right(h: torch.Tensor) -> torch.Tensor:
+    """BART's and T5's shift_tokens_right: an in-place copy into a slice of a new tensor (``copy_``), which torch.onnx
+    translates as ``copy``: it has a translation and stays with the exporter."""
+    shifted = h.new_zeros(h.shape)
+    shifted[:, 1:] = h[:, :-1]
+    return shifted * h
+
+
 @pytest.mark.parametrize(
     ("model", "x"),
     [
@@ -325,8 +333,9 @@ def test_loss_curve_follows_torch_over_adamw_steps():
         (lambda: ConvThen(nn.Conv2d(3, 4, 3), nn.Identity()), lambda: torch.randn(2, 3, 7, 7)),
         (lambda: Apply(lambda h: torch.maximum(h, torch.zeros_like(h))), lambda: torch.randn(6, 16)),
         (lambda: Apply(lambda h: h * torch.cumsum((h > 0).long(), 1)), lambda: torch.randn(6, 16)),
+        (lambda: Apply(_shift_right), lambda: torch.randn(6, 16)),
     ],
-    ids=["unidirectional_gru", "conv2d", "binary_maximum", "integer_cumsum"],
+    ids=["unidirectional_gru", "conv2d", "binary_maximum", "integer_cumsum", "copy_into_a_slice"],
 )
 def test_calls_ort_serves_stay_in_ort(model: Callable[[], nn.Module], x: Callable[[], torch.Tensor]):
     torch.manual_seed(0)

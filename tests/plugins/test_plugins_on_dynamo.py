@@ -507,7 +507,7 @@ def test_recompute_plan_is_applied_and_gradients_match(hosts, tmp_path, env, tab
 
 
 def test_gpt2_layerwise_recompute_on_the_dynamo_graph(hosts, tmp_path) -> None:
-    """Level 1 finds the transformer layers of the dynamo route's GPT-2 (its LayerNormalization nodes) too."""
+    """Level 1 recomputes in the dynamo route's GPT-2 too: its LayerNormalization and Gemm nodes among others."""
     saved = SaveExecuted(tmp_path)
     host = hosts(memory_recompute, saved, table={"plugins": {memory_recompute.NAME: {"level": 1}}})
     ours, reference = on_dynamo(tiny_gpt2(n_positions=16), host)

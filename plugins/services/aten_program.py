@@ -267,7 +267,7 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
     for k, (a, value) in enumerate(zip(schema.arguments, values, strict=True)):
         if value is None:
             continue  # an optional argument left at None: the wrapper passes None
-        t = a.type.getElementType() if a.type.kind() == "OptionalType" else a.type
+        t = a.real_type.getElementType() if a.real_type.kind() == "OptionalType" else a.real_type
         if _is_tensor_list(t):
             for i, item in enumerate(value):
                 add_tensor(item, (k, i), a.name)

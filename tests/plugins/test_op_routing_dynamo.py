@@ -315,6 +315,37 @@ def test_loss_curve_follows_torch_over_adamw_steps():
     assert {"group_norm", "hardswish", "conv_transpose2d", "upsample_bilinear2d"} <= _aten_ops(wrapped)
 
 
+class UpsampleToSkip(nn.Module):
+    """Upsampling to the size of a skip connection: the size is computed in the graph from the input's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.skip = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.skip(x)
+        return F.interpolate(self.down(x), size=skip.shape[-2:], mode="bilinear") + skip
+
+
+def test_sizes_computed_in_the_graph_follow_the_input_without_reexport():
+    torch.manual_seed(0)
+    model = UpsampleToSkip()
+    ref = copy.deepcopy(model)
+    wrapped = wrap(model)
+    for shape in ((2, 3, 8, 8), (3, 3, 10, 12)):
+        x = torch.randn(shape)
+        out, out_ref = wrapped(x), ref(x)
+        _close(out, out_ref, f"output at {shape}")
+        _weighted_loss(out).backward()
+        _weighted_loss(out_ref).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            _close(p.grad, q.grad, f"gradient of {name} at {shape}")
+            p.grad, q.grad = None, None
+    assert wrapped.state_machine.counters.exports == 1
+    assert "upsample_bilinear2d" in _aten_ops(wrapped)
+
+
 # -- which calls a route applies to --------------------------------------------------------------------------------------
 
 

@@ -102,7 +102,8 @@ def _tensor_leaves(value: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _tracing() -> bool:
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    """An exporter is running the model (TorchScript tracing, or torch.export on the dynamo route): not a step."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
 
 
 class Tapper:

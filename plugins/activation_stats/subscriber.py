@@ -37,12 +37,6 @@ def safe_name(name: str) -> str:
     return _UNSAFE.sub("_", name)[:NAME_LIMIT]
 
 
-def _tracing_for_export() -> bool:
-    """Whether torch.export (the dynamo route's capture) is tracing the model right now."""
-    is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", None)
-    return bool(is_exporting is not None and is_exporting())
-
-
 def _rank_and_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -243,7 +237,6 @@ class StatisticsSubscriber(SubscriberBase):
         self.rank, self.world_size = _rank_and_world()
         self._model: torch.nn.Module | None = None
         self._last: tuple[tuple, torch.Tensor, dict[str, Any]] | None = None
-        self._traced_steps: list[int] = []  # steps that were torch.export's tracing run, not training steps
         if os.path.isdir(self.output_dir) and os.listdir(self.output_dir):
             if not override_output_dir:
                 raise FileExistsError(
@@ -288,22 +281,6 @@ class StatisticsSubscriber(SubscriberBase):
         if lines:
             atomic_write(os.path.join(self._step_dir(step), RECORDS_FILE), "\n".join(lines) + "\n")
 
-    def is_active(self, step: int) -> bool:
-        if _tracing_for_export():
-            # The dynamo route exports by running the forward under torch.export, whose tracing run ortcore.hooks
-            # counts as a step (it looks for TorchScript tracing only). That step delivers nothing: it is not
-            # recorded, and the steps after it keep torch's numbers (and the start_step/end_step window).
-            if not self._traced_steps:
-                logger.info(
-                    "activation_stats: step %d began inside torch.export's tracing (the dynamo exporter); it is not "
-                    "a training step, so it is not recorded and later steps are numbered as torch numbers them",
-                    step,
-                )
-            if step not in self._traced_steps:
-                self._traced_steps.append(step)
-            return False
-        return super().is_active(self._training_step(step))
-
     def on_step_start(self, step: int) -> None:
         if self.engine != self._meta_source:  # the model was wrapped in ORTModule (or unwrapped) after subscribing
             self._write_meta()
@@ -315,16 +292,11 @@ class StatisticsSubscriber(SubscriberBase):
     def on_backward(self, step: int, order: int, name: str, grad: torch.Tensor) -> None:
         self._write(step, order, "backward", name, grad)
 
-    def _training_step(self, step: int) -> int:
-        """``step`` without the tracing runs counted before it (see :meth:`on_step_start`)."""
-        return step - sum(1 for traced in self._traced_steps if traced < step)
-
     def _step_dir(self, step: int) -> str:
-        return os.path.join(self.output_dir, f"{STEP_DIR_PREFIX}{self._training_step(step)}")
+        return os.path.join(self.output_dir, f"{STEP_DIR_PREFIX}{step}")
 
     def _write(self, step: int, order: int, kind: str, name: str, tensor: torch.Tensor) -> None:
-        record = {"format": FORMAT, "name": name, "kind": kind, "step": self._training_step(step), "order": order}
-        record["rank"] = self.rank
+        record = {"format": FORMAT, "name": name, "kind": kind, "step": step, "order": order, "rank": self.rank}
         # Several modules often return one tensor, one after the other (a zero-rate dropout's input, a block's
         # output as its parent's): its statistics are computed once. The last tensor is held, so its memory cannot
         # be reused by another tensor of the same layout; the version counter tells an in-place change apart.

@@ -651,11 +651,6 @@ def test_subscribers_receive_ort_activations_equal_to_torch(subscriber_host) -> 
                 torch.testing.assert_close(a[name], tensor, rtol=RTOL, atol=ATOL, msg=f"{what} step {step} {name}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ortcore.hooks counts torch.export's tracing run as a step (_subscribers._tracing() checks TorchScript "
-    "tracing only, not torch.compiler.is_compiling()), so a generic subscriber's steps start at 1 on the dynamo route",
-)
 def test_the_exporting_call_is_not_counted_as_a_step(subscriber_host) -> None:
     torch.manual_seed(0)
     plain = ActivationNet()

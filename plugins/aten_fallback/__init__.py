@@ -38,7 +38,14 @@ from ortcore_plugins.services.aten_nodes import ATEN_DOMAIN, HELPER_NAMESPACE
 from . import kernel_choice
 from .graph_passes import TANH_GELU_PASS, TYPE_OUTPUTS_PASS, replace_tanh_gelu, type_aten_outputs
 from .kernel_choice import explain_kernel_choices, kernel_choices
-from .kernel_routing import auto_symbolics, prepare_runtime, symbolics_for, take_tanh_sizes
+from .kernel_routing import (
+    DYNAMO_OPS,
+    auto_symbolics,
+    prepare_runtime,
+    symbolics_for,
+    take_tanh_sizes,
+    translations_for,
+)
 from .options import (
     ALL,
     AUTO,
@@ -120,26 +127,29 @@ def ortcore_program_passes(config: Config) -> list[GraphPass]:
     graph pass turns into an ATen gelu on both routes."""
     global _told_torchscript_only
     ops = routed_ops(config)
-    if ops and not _told_torchscript_only:
+    torchscript_only = sorted(ops) if is_auto(config) else sorted(set(ops) - set(DYNAMO_OPS))
+    if torchscript_only and not _told_torchscript_only:
         _told_torchscript_only = True
         logger.info(
-            "aten_fallback: torch_kernels (%s) runs ops on PyTorch's kernels on the TorchScript route only; on the "
-            "dynamo route they stay in ORT, except the written-out tanh GELU",
-            ", ".join(sorted(ops)),
+            "aten_fallback: torch_kernels %s runs on PyTorch's kernels on the TorchScript route only; on the dynamo "
+            "route %s stays in ORT (the written-out tanh GELU is still replaced)",
+            "auto" if is_auto(config) else f"({', '.join(torchscript_only)})",
+            ", ".join(torchscript_only),
         )
     listed = fallback_ops(config)
-    if not listed:
-        return []
-    prepare_runtime()
-    return [GraphPass(PROGRAM_PASS, run=program_pass(listed))]
+    if ops or listed:
+        prepare_runtime()
+    return [GraphPass(PROGRAM_PASS, run=program_pass(listed))] if listed else []
 
 
 @hookimpl
 def ortcore_export_translations(config: Config) -> dict[Any, Any]:
-    """The translations of the wrapper ops the program passes made (one ATen node each)."""
-    if not fallback_ops(config):
-        return {}
-    return aten_program.translations()
+    """Embedding and GELU on PyTorch's kernels (``torch_kernels``, not ``auto``), and the translations of the
+    wrapper ops the program passes made (one ATen node each)."""
+    table = {} if is_auto(config) else translations_for(routed_ops(config))
+    if fallback_ops(config):
+        table.update(aten_program.translations())
+    return table
 
 
 @hookimpl

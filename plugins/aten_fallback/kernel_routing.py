@@ -568,3 +568,46 @@ def auto_symbolics(config: Any) -> dict[str, Callable[..., Any]]:
         result[name] = _auto_symbolic(symbol, routed, _DEFAULTS[symbol], config)
     result["::tanh"] = _symbolic_tanh
     return result
+
+
+# -- the dynamo route: onnxscript translations ------------------------------------------------------------------------
+#
+# Embedding and GELU become the same ATen nodes as their symbolics write (their gradient definitions above apply):
+# each has one differentiable input, its first, so every call can be routed and a translation of the aten op itself
+# does (an op in the translation table is not decomposed). LayerNorm, cross-entropy and linear need per-call
+# decisions (which inputs need a gradient) and stay TorchScript-only.
+
+
+def _translate_embedding(
+    weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse: bool = False
+) -> Any:
+    from ortcore_plugins.services.aten_program import aten_op, onnx_input
+
+    return aten_op(1)(
+        weight,
+        indices,
+        onnx_input("int", padding_idx),
+        onnx_input("bool", scale_grad_by_freq),
+        # The gradient inside the ORT graph is dense whatever `sparse` says; the forward result is the same.
+        onnx_input("bool", False),
+        operator="embedding",
+        overload_name="",
+    )
+
+
+def _translate_gelu(self: Any, approximate: str = "none") -> Any:
+    from ortcore_plugins.services.aten_program import aten_op, onnx_input
+
+    return aten_op(1)(self, onnx_input("str", approximate), operator="gelu", overload_name="")
+
+
+DYNAMO_OPS: tuple[str, ...] = ("embedding", "gelu")
+
+
+def translations_for(ops: Iterable[str]) -> dict[Any, Callable[..., Any]]:
+    """The dynamo route's translations that route ``ops`` (those of :data:`DYNAMO_OPS` among them)."""
+    table = {
+        "embedding": (torch.ops.aten.embedding.default, _translate_embedding),
+        "gelu": (torch.ops.aten.gelu.default, _translate_gelu),
+    }
+    return dict(table[op] for op in ops if op in table)

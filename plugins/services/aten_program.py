@@ -495,7 +495,7 @@ def aten_op(n_outputs: int) -> Any:
     )
 
 
-def _onnx_input(kind: str, value: Any) -> Any:
+def onnx_input(kind: str, value: Any) -> Any:
     """One input of the ATen node: a tensor (or a value the graph computes, such as a size) as it is, a constant
     argument as the small tensor the executor converts back (strings as UTF-8 bytes, floats in double)."""
     import numpy as np
@@ -529,7 +529,7 @@ def _translation(operator_name: str, kinds: list[str], n_outputs: int) -> Callab
     aten = aten_op(n_outputs)
 
     def translate(*args: Any) -> Any:
-        inputs = [_onnx_input(kind, value) for kind, value in zip(kinds, args, strict=True)]
+        inputs = [onnx_input(kind, value) for kind, value in zip(kinds, args, strict=True)]
         return aten(*inputs, operator=operator_name, overload_name="")
 
     translate.__name__ = f"aten_{operator_name.rpartition('::')[2]}"

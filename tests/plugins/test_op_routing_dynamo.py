@@ -471,8 +471,50 @@ def test_fallback_ops_lists_an_op_the_exporter_can_translate():
     assert "cumsum" in _aten_ops(wrapped)
 
 
-def test_torch_kernels_says_it_is_torchscript_only(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+class EmbedGelu(nn.Module):
+    """An embedding with a padding index, then Linear + exact GELU and Linear + tanh GELU (aten ``gelu`` calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8, padding_idx=0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return F.gelu(self.b(F.gelu(self.a(h))), approximate="tanh") + h
+
+
+def test_torch_kernels_run_embedding_and_gelu_on_torch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
     monkeypatch.setattr(aten_fallback, "_told_torchscript_only", False)
+    torch.manual_seed(0)
+    model = EmbedGelu()
+    ref = copy.deepcopy(model)
+    wrapped = wrap(model)
+    ids = torch.tensor([[1, 2, 0, 4], [5, 5, 7, 0]])
     with caplog.at_level(logging.INFO, logger="ortcore.aten_fallback"):
-        wrap(nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4)))(torch.tensor([[1, 2, 3]]))
-    assert any("TorchScript route only" in r.getMessage() and "embedding" in r.getMessage() for r in caplog.records)
+        out, out_ref = wrapped(ids), ref(ids)
+    _close(out, out_ref, "output")
+    _weighted_loss(out).backward()
+    _weighted_loss(out_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        _close(p.grad, q.grad, f"gradient of {name}")
+    assert {"embedding", "gelu"} <= _aten_ops(wrapped)
+    assert wrapped.explain().routed()["embedding"] == plugin.FASTER_IN_TORCH
+    # LayerNorm and cross-entropy are not routed on this route: said once, by name.
+    told = [r.getMessage() for r in caplog.records if "TorchScript route only" in r.getMessage()]
+    assert told and "layer_norm" in told[0] and "embedding" not in told[0]
+
+
+def test_torch_kernels_none_leaves_embedding_and_gelu_to_ort():
+    host = PluginHost(Config.from_table({}, env={"ORTCORE_TORCH_KERNELS": "none"}))
+    torch.manual_seed(0)
+    model = EmbedGelu()
+    ref = copy.deepcopy(model)
+    wrapped = wrap(model, host)
+    ids = torch.tensor([[1, 2, 0, 4], [5, 5, 7, 0]])
+    out, out_ref = wrapped(ids), ref(ids)
+    _close(out, out_ref, "output")
+    assert _aten_ops(wrapped) == set()

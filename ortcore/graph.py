@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,11 @@ logger = logging.getLogger("ortcore")
 
 BN_INPUT_PREFIX = "ortcore.batch_norm_input::"
 TAP_OUTPUT_PREFIX = "ortcore.tap::"
+# Metadata an exporter may write: the sizes each input dimension may take in the graph, JSON
+# {input name: [[dim, low, high or null], ...]} (a dimension it fixed has low == high). The dynamo route writes it
+# from torch.export's range constraints: a model that branches on a size (``if ids.shape[1] > 8``) gives a graph
+# valid for some sizes only.
+INPUT_RANGES_METADATA = "ortcore.input_ranges"
 GRAPH_FORMAT = 2  # bump when ExportedGraph.to_bytes changes (2: JSON and ONNX bytes; 1 was a pickle)
 
 
@@ -672,3 +678,40 @@ def export_graph(
     if unknown:
         raise UnsupportedModelError(f"exported graph has inputs that are neither arguments nor state: {unknown}")
     return graph
+
+
+_ranges_cache: weakref.WeakKeyDictionary[onnx.ModelProto, dict] = weakref.WeakKeyDictionary()
+
+
+def input_ranges(model: onnx.ModelProto) -> dict[str, list[tuple[int, int, int | None]]]:
+    """The sizes the graph's inputs may take (:data:`INPUT_RANGES_METADATA`), ``{}`` if the exporter wrote none."""
+    try:
+        return _ranges_cache[model]
+    except (KeyError, TypeError):
+        pass
+    text = next((p.value for p in model.metadata_props if p.key == INPUT_RANGES_METADATA), "")
+    ranges = {name: [tuple(r) for r in dims] for name, dims in json.loads(text).items()} if text else {}
+    try:
+        _ranges_cache[model] = ranges
+    except TypeError:  # a model type without weak references: parsed again next time
+        pass
+    return ranges
+
+
+def range_violations(model: onnx.ModelProto, names: list[str], tensors: list[torch.Tensor]) -> tuple:
+    """``(name, dim, "below" | "above", low, high)`` for each input size outside the graph's ranges; ``()`` if the
+    call fits the graph."""
+    ranges = input_ranges(model)
+    if not ranges:
+        return ()
+    found = []
+    for name, tensor in zip(names, tensors):
+        for dim, low, high in ranges.get(name, ()):
+            if dim >= tensor.dim():
+                continue
+            size = tensor.shape[dim]
+            if size < low:
+                found.append((name, dim, "below", low, high))
+            elif high is not None and size > high:
+                found.append((name, dim, "above", low, high))
+    return tuple(found)

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from . import hf as _hf  # noqa: F401  (registers the Hugging Face cache adapter)
@@ -19,7 +20,7 @@ from .audit import AuditRequest, AuditResult, GradientMismatchError, audit
 from .config import Config, CoreOptions
 from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
 from .exporter import Exporter
-from .graph import ExportedGraph, update_batch_norm
+from .graph import ExportedGraph, range_violations, update_batch_norm
 from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of
 from .inspectors import ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
@@ -27,9 +28,12 @@ from .pipeline import Pipeline
 from .plugins import Hooks, PluginHost, get_host
 from .schema import InputSchema, flatten_inputs
 from .session import TrainingSession
-from .state import ExportStateMachine, GraphKey
+from .state import ExportStateMachine, GraphKey, describe_violation
 
 logger = logging.getLogger("ortcore")
+
+# Graphs one key may grow for calls whose sizes fall outside the ranges of the graphs before (Module._resolve).
+MAX_SHAPE_CLASSES = 4
 
 _FALLBACK_FLAG = {
     UnsupportedDataError: FallbackPolicy.FALLBACK_UNSUPPORTED_DATA,
@@ -335,11 +339,7 @@ class ORTModule(torch.nn.Module):
                 rt.state.fallback_reason = known
                 return self._original_module(*args, **kwargs)
             try:
-                graph, session = rt.state.resolve(
-                    key,
-                    export=lambda: rt.pipeline.export(self._original_module, schema, tensors, key, subscription),
-                    build=lambda g: rt.pipeline.build(g, key),
-                )
+                graph, session, key = self._resolve(key, schema, tensors, subscription)
             except tuple(_FALLBACK_FLAG) as e:
                 error, failed = e, key
             else:
@@ -351,6 +351,30 @@ class ORTModule(torch.nn.Module):
         # Out of the except blocks: an exception the model raises in PyTorch reaches the user as PyTorch raised it,
         # not chained to ortcore's. The model's own forward runs, and its hooks record the step.
         return self._fall_back(error, failed, args, kwargs)
+
+    def _resolve(self, key: GraphKey, schema: InputSchema, tensors: list[torch.Tensor], subscription: Any) -> tuple:
+        """``(graph, session, key)`` for the call. A graph valid for some input sizes only (the exporter's
+        ``ortcore.input_ranges``: the model branches on a size) serves the calls within them; a call outside gets a
+        graph of its own, under a key that records which ranges it fell outside of (at most
+        :data:`MAX_SHAPE_CLASSES` graphs deep), instead of running a graph exported for other sizes."""
+        rt = self._ortcore
+        while True:
+            graph, session = rt.state.resolve(
+                key,
+                export=lambda key=key: rt.pipeline.export(self._original_module, schema, tensors, key, subscription),
+                build=lambda g, key=key: rt.pipeline.build(g, key),
+            )
+            violations = range_violations(graph.model, graph.user_input_names, tensors)
+            if not violations:
+                return graph, session, key
+            if len(key.shape_class) >= MAX_SHAPE_CLASSES:
+                raise UnsupportedDataError(
+                    f"the input sizes of this call fall outside the ranges of {MAX_SHAPE_CLASSES + 1} graphs exported "
+                    f"for {type(self._original_module).__name__} ("
+                    + ", ".join(describe_violation(v) for v in violations)
+                    + "): the model branches on these sizes in more ways than ortcore keeps graphs for"
+                )
+            key = attrs.evolve(key, shape_class=(*key.shape_class, violations))
 
     def _execute(
         self,

@@ -32,6 +32,7 @@ EXPORT_FIELDS = (
     "opset",
     "exporter",
     "taps",
+    "shape_class",
 )
 BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
 
@@ -53,6 +54,9 @@ class GraphKey:
     input_requires_grad: tuple  # names of tensor inputs that require grad
     device: str
     taps: bool = False  # activation subscribers record this step: export with taps (ortcore.hooks)
+    # Sizes outside the ranges a graph for this key was exported for (ortcore.graph.range_violations), one entry
+    # per graph they fell outside of: such a call gets a graph of its own.
+    shape_class: tuple = ()
 
     @property
     def export_key(self) -> tuple:
@@ -61,6 +65,14 @@ class GraphKey:
     @property
     def build_key(self) -> tuple:
         return (self.export_key, *(getattr(self, f) for f in BUILD_FIELDS))
+
+
+def describe_violation(violation: tuple) -> str:
+    """``ids dimension 1 below 9`` for ``("ids", 1, "below", 9, None)``."""
+    name, dim, side, low, high = violation
+    if low == high:
+        return f"{name} dimension {dim} is not {low}"
+    return f"{name} dimension {dim} {side} {low if side == 'below' else high}"
 
 
 def describe_change(old: GraphKey | None, new: GraphKey) -> str:
@@ -104,6 +116,15 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
         reasons.append("train->eval" if old.training else "eval->train")
     elif old.module_modes != new.module_modes:
         reasons.append("train/eval mode of a submodule changed")
+    if old.shape_class != new.shape_class:
+        latest = new.shape_class[-1] if new.shape_class else ()
+        reasons.append(
+            "input sizes outside the ranges the graph was exported for ("
+            + ", ".join(describe_violation(v) for v in latest)
+            + ")"
+            if latest
+            else "input sizes back within the first graph's ranges"
+        )
     if old.taps != new.taps:
         reasons.append("activation subscribers " + ("started recording" if new.taps else "stopped recording"))
     for field in ("opset", "exporter", "device"):

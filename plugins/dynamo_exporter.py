@@ -37,6 +37,7 @@ import contextlib
 import copy
 import importlib.metadata
 import inspect
+import json
 import logging
 import pathlib
 import sys
@@ -62,6 +63,7 @@ from ortcore.exporter import (
     quiet_export,
     raised_in,
 )
+from ortcore.graph import INPUT_RANGES_METADATA
 from ortcore.graph_passes import PassContext
 from ortcore.hookspecs import hookimpl
 from ortcore.options import LogLevel
@@ -271,6 +273,46 @@ def gather_max_pools(model: onnx.ModelProto) -> int:
         for offset, new in enumerate(nodes, start=1):
             model.graph.node.insert(index + offset, new)
     return len(replacements)
+
+
+def _finite(bound: Any) -> int | None:
+    """A range bound as an int; None for an infinite one (sympy's and torch's infinities)."""
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+def input_ranges(program: torch.export.ExportedProgram, names: list[str]) -> dict[str, list[list[Any]]]:
+    """The sizes each of the first ``len(names)`` user inputs may take in ``program``: ``{name: [[dim, low, high or
+    None], ...]}`` for the dimensions narrower than any size, read from torch.export's range constraints. A model
+    that branches on a size (``if ids.shape[1] > 8``) gets a graph valid for those sizes only (``low`` 9 here), and
+    a dimension the model fixes gets ``low == high``. The core gives a call outside these ranges a graph of its own
+    (``ortcore.graph.INPUT_RANGES_METADATA``) instead of running this one on sizes it was not traced for."""
+    import sympy
+
+    specs = [
+        s for s in program.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
+    ]
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    ranges: dict[str, list[list[Any]]] = {}
+    for name, spec in zip(names, specs):
+        node = nodes.get(getattr(spec.arg, "name", None))
+        value = node.meta.get("val") if node is not None else None
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            if isinstance(size, int):
+                low, high = size, size
+            else:
+                expr = size.node.expr
+                bounds = program.range_constraints.get(expr) if isinstance(expr, sympy.Symbol) else None
+                if bounds is None:
+                    continue
+                low, high = _finite(bounds.lower) or 0, _finite(bounds.upper)
+            if low > 0 or high is not None:
+                ranges.setdefault(name, []).append([dim, low, high])
+    return ranges
 
 
 def separate_read_outputs(model: onnx.ModelProto) -> int:
@@ -506,6 +548,7 @@ class DynamoExporter:
             ):
                 program = _capture(wrapper, tuple(args) + values, (dims + (None,) * len(values),))
             captured = time.perf_counter()
+            ranges = input_ranges(program, list(input_names))
             if self.hooks is not None:
                 context = PassContext(module=module, training=training, config=self.hooks.config)
                 for program_pass in self.hooks.program_passes():
@@ -538,6 +581,8 @@ class DynamoExporter:
                 "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 to accept tracing through them"
             )
         model = onnx_program.model_proto
+        if ranges:
+            model.metadata_props.add(key=INPUT_RANGES_METADATA, value=json.dumps(ranges))
         set_batch_norm_modes(model, module)
         gather_max_pools(model)
         separate_read_outputs(model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import onnx
 import pytest
 import torch
 from torch import nn
@@ -369,3 +370,59 @@ def test_data_dependent_size_error_names_the_models_line():
         match=r"test_dynamo_exporter.py\", line \d+, in forward: if kept.size\(0\) > 0.*torch.cond",
     ):
         model(torch.randn(3, 4), torch.tensor([0, 2, 1]))
+
+
+class BranchesOnLength(nn.Module):
+    """A branch on an input's size, which torch.export turns into a range for that size (9 or more here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.fc(self.emb(ids))
+        if ids.shape[1] > 8:
+            return h.mean()
+        return h.sum()
+
+
+def test_a_graph_serves_only_the_sizes_it_was_exported_for():
+    """A call whose sizes fall outside the graph's ranges gets a graph of its own instead of running the branch
+    traced for other sizes; each graph then serves its side. Loss and gradients equal PyTorch's (rtol 1e-5, atol
+    1e-6) on both sides of the branch."""
+    from ortcore.graph import INPUT_RANGES_METADATA, input_ranges
+
+    torch.manual_seed(0)
+    reference = BranchesOnLength()
+    model = ORTModule(
+        copy.deepcopy(reference), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE"
+    )
+    exports = []
+    for step, length in enumerate([12, 5, 16, 3, 9, 8]):
+        ids = torch.randint(0, 10, (3, length), generator=torch.Generator().manual_seed(step))
+        loss, expected = model(ids), reference(ids)
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6, msg=f"length {length}")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"length {length}: {name}")
+            p.grad = q.grad = None
+        exports.append(model.state_machine.counters.exports)
+    assert exports == [1, 2, 2, 2, 2, 2]
+    graphs = [g.model for g in model.state_machine._graphs.values()]
+    assert all(any(p.key == INPUT_RANGES_METADATA for p in g.metadata_props) for g in graphs)
+    assert sorted(input_ranges(g)["ids"] for g in graphs) == [[(1, 0, 8)], [(1, 9, None)]]
+
+
+def test_range_violations_name_the_input_dimension_and_bound():
+    from ortcore.graph import INPUT_RANGES_METADATA, range_violations
+    from ortcore.state import describe_violation
+
+    model = onnx.ModelProto()
+    model.metadata_props.add(key=INPUT_RANGES_METADATA, value='{"ids": [[1, 9, null]], "x": [[1, 4, 4]]}')
+    ids, x = torch.zeros(2, 5), torch.zeros(2, 4)
+    assert range_violations(model, ["ids", "x"], [torch.zeros(2, 9), x]) == ()
+    found = range_violations(model, ["ids", "x"], [ids, torch.zeros(2, 6)])
+    assert found == (("ids", 1, "below", 9, None), ("x", 1, "above", 4, 4))
+    assert [describe_violation(v) for v in found] == ["ids dimension 1 below 9", "x dimension 1 is not 4"]

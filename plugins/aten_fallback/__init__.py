@@ -42,6 +42,7 @@ from .kernel_routing import (
     DYNAMO_OPS,
     auto_symbolics,
     prepare_runtime,
+    program_kernels,
     symbolics_for,
     take_tanh_sizes,
     translations_for,
@@ -116,6 +117,7 @@ def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
 
 
 PROGRAM_PASS = "aten_fallback.unexportable_ops"
+KERNELS_PASS = "aten_fallback.torch_kernels"
 DISTINCT_PASS = "aten_fallback.distinct_inputs"
 _told_torchscript_only = False
 
@@ -139,7 +141,10 @@ def ortcore_program_passes(config: Config) -> list[GraphPass]:
     listed = fallback_ops(config)
     if ops or listed:
         prepare_runtime()
-    return [GraphPass(PROGRAM_PASS, run=program_pass(listed))] if listed else []
+    passes = [GraphPass(PROGRAM_PASS, run=program_pass(listed))] if listed else []
+    if ops & {"layer_norm", "cross_entropy"} and not is_auto(config):
+        passes.append(GraphPass(KERNELS_PASS, run=program_kernels(ops)))
+    return passes
 
 
 @hookimpl

@@ -572,10 +572,12 @@ def auto_symbolics(config: Any) -> dict[str, Callable[..., Any]]:
 
 # -- the dynamo route: onnxscript translations ------------------------------------------------------------------------
 #
-# Embedding and GELU become the same ATen nodes as their symbolics write (their gradient definitions above apply):
-# each has one differentiable input, its first, so every call can be routed and a translation of the aten op itself
-# does (an op in the translation table is not decomposed). LayerNorm, cross-entropy and linear need per-call
-# decisions (which inputs need a gradient) and stay TorchScript-only.
+# Embedding, GELU, LayerNorm and cross-entropy become the same ATen nodes as their symbolics write (their gradient
+# definitions above apply). Embedding and GELU have one differentiable input, their first, so every call can be
+# routed and a translation of the aten op itself does (an op in the translation table is not decomposed). LayerNorm
+# and cross-entropy need a decision per call (does the first input need a gradient where the others do; integer
+# targets), taken by a program pass (program_kernels) that makes the calls it routes call ops of KERNEL_NAMESPACE,
+# which the translations write. linear (and "auto") stay TorchScript-only.
 
 
 def _translate_embedding(
@@ -601,13 +603,166 @@ def _translate_gelu(self: Any, approximate: str = "none") -> Any:
     return aten_op(1)(self, onnx_input("str", approximate), operator="gelu", overload_name="")
 
 
-DYNAMO_OPS: tuple[str, ...] = ("embedding", "gelu")
+KERNEL_NAMESPACE = "ortcore_kernels"
+_kernel_library: torch.library.Library | None = None
+_kernel_lock = threading.Lock()
+
+
+def _kernel_ops() -> Any:
+    """``torch.ops.ortcore_kernels``: the calls :func:`program_kernels` routes (CompositeImplicitAutograd: each
+    decomposes into the aten op it stands for while the program is traced)."""
+    global _kernel_library
+    with _kernel_lock:
+        if _kernel_library is None:
+            lib = torch.library.Library(KERNEL_NAMESPACE, "FRAGMENT")
+            lib.define(
+                "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps) -> Tensor"
+            )
+            lib.impl(
+                "layer_norm",
+                lambda input, shape, weight, bias, eps: torch.ops.aten.layer_norm(input, shape, weight, bias, eps),
+                "CompositeImplicitAutograd",
+            )
+            lib.define(
+                "cross_entropy(Tensor self, Tensor target, Tensor? weight, int reduction, SymInt ignore_index, "
+                "float label_smoothing) -> Tensor"
+            )
+            lib.impl(
+                "cross_entropy",
+                lambda self, target, weight, reduction, ignore_index, smoothing: torch.ops.aten.cross_entropy_loss(
+                    self, target, weight, reduction, ignore_index, smoothing
+                ),
+                "CompositeImplicitAutograd",
+            )
+            _kernel_library = lib
+    return getattr(torch.ops, KERNEL_NAMESPACE)
+
+
+def _typed_like(value: Any, like: Any, rank: int | None) -> Any:
+    """``value`` typed as ``like``'s element type with ``rank`` unknown dimensions (ORT cannot infer an ATen node's
+    output types, and the exporter types only the outputs the program returns)."""
+    from onnxscript import ir
+
+    value.dtype = like.dtype
+    if rank is not None:
+        value.shape = ir.Shape([None] * rank)
+    return value
+
+
+def _rank(value: Any) -> int | None:
+    return len(value.shape) if value.shape is not None else None
+
+
+def _translate_layer_norm(input: Any, normalized_shape: list[int], weight: Any, bias: Any, eps: float) -> Any:
+    import numpy as np
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+
+    from ortcore_plugins.services.aten_program import aten_op, onnx_input
+
+    dtype = input.dtype.numpy()
+    # Without weight or bias, ones and zeros: the gradient definition names a gradient for each, and ORT names every
+    # gradient of a missing input "_grad", which would then be defined twice.
+    if weight is None:
+        weight = op.Constant(value=ir.tensor(np.ones(normalized_shape, dtype=dtype)))
+    if bias is None:
+        bias = op.Constant(value=ir.tensor(np.zeros(normalized_shape, dtype=dtype)))
+    out, mean, rstd = aten_op(3)(
+        input,
+        onnx_input("int[]", normalized_shape),
+        weight,
+        bias,
+        onnx_input("float", eps),
+        operator="native_layer_norm",
+        overload_name="",
+    )
+    _typed_like(mean, input, _rank(input))
+    _typed_like(rstd, input, _rank(input))
+    return out
+
+
+def _translate_cross_entropy(
+    self: Any, target: Any, weight: Any, reduction: int, ignore_index: Any, label_smoothing: float
+) -> Any:
+    from ortcore_plugins.services.aten_program import aten_op, onnx_input
+
+    loss, log_probs, total_weight = aten_op(3)(
+        self,
+        target,
+        weight,
+        onnx_input("int", reduction),
+        onnx_input("SymInt", ignore_index),
+        onnx_input("float", label_smoothing),
+        operator=helper_op("cross_entropy"),
+        overload_name="",
+    )
+    if weight is None:
+        # The recorder turns None into a constant; the executor must see a missing input (no class weights).
+        loss.producer().replace_input_with(2, None)
+    _typed_like(log_probs, self, _rank(self))
+    _typed_like(total_weight, self, 0)
+    return loss
+
+
+DYNAMO_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy")
 
 
 def translations_for(ops: Iterable[str]) -> dict[Any, Callable[..., Any]]:
     """The dynamo route's translations that route ``ops`` (those of :data:`DYNAMO_OPS` among them)."""
-    table = {
-        "embedding": (torch.ops.aten.embedding.default, _translate_embedding),
-        "gelu": (torch.ops.aten.gelu.default, _translate_gelu),
-    }
-    return dict(table[op] for op in ops if op in table)
+    ops = set(ops)
+    table: dict[Any, Callable[..., Any]] = {}
+    if "embedding" in ops:
+        table[torch.ops.aten.embedding.default] = _translate_embedding
+    if "gelu" in ops:
+        table[torch.ops.aten.gelu.default] = _translate_gelu
+    if "layer_norm" in ops:
+        table[_kernel_ops().layer_norm.default] = _translate_layer_norm
+    if "cross_entropy" in ops:
+        table[_kernel_ops().cross_entropy.default] = _translate_cross_entropy
+    return table
+
+
+def program_kernels(ops: Iterable[str]) -> Callable[[Any, Any], int]:
+    """The dynamo route's program pass of ``torch_kernels``: each LayerNorm and cross-entropy call (when ``ops``
+    names them) that can be routed calls the ``ortcore_kernels`` op its translation writes as an ATen node.
+
+    A LayerNorm is routed when its input certainly needs a gradient (it is computed from a trained parameter) or
+    neither its weight nor its bias needs one: ORT builds an ATen node's gradient only when its first input needs
+    one. A cross-entropy is routed when its target holds class indices (integers).
+    """
+    from ortcore_plugins.services import aten_program
+
+    ops = set(ops)
+
+    def run(program: Any, context: Any) -> int:
+        reach = aten_program.GradientReach(program, context.module)
+        kernels = _kernel_ops()
+        routed = 0
+        for node in program.graph_module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.aten.layer_norm.default and "layer_norm" in ops:
+                input, shape, weight, bias, eps, _ = aten_program.bind(node)
+                if not all(isinstance(d, int) for d in shape):
+                    continue  # a size computed in the graph: ORT's kernel
+                if reach.of(input) != aten_program.CERTAIN and (reach.of(weight) or reach.of(bias)):
+                    continue
+                node.target, node.args, node.kwargs = (
+                    kernels.layer_norm.default,
+                    (input, list(shape), weight, bias, eps),
+                    {},
+                )
+                routed += 1
+            elif node.target is torch.ops.aten.cross_entropy_loss.default and "cross_entropy" in ops:
+                self, target, weight, reduction, ignore_index, smoothing = aten_program.bind(node)
+                value = target.meta.get("val") if isinstance(target, torch.fx.Node) else None
+                if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
+                    continue  # class probabilities as targets: not this op's formula
+                args = (self, target, weight, reduction, ignore_index, float(smoothing))
+                node.target, node.args, node.kwargs = kernels.cross_entropy.default, args, {}
+                routed += 1
+        if routed:
+            program.graph_module.recompile()
+        return routed
+
+    return run

@@ -471,50 +471,72 @@ def test_fallback_ops_lists_an_op_the_exporter_can_translate():
     assert "cumsum" in _aten_ops(wrapped)
 
 
-class EmbedGelu(nn.Module):
-    """An embedding with a padding index, then Linear + exact GELU and Linear + tanh GELU (aten ``gelu`` calls)."""
+class TorchKernels(nn.Module):
+    """Embedding (padding index) -> LayerNorm -> Linear + GELU -> LayerNorm without affine -> Linear + tanh GELU ->
+    logits, and the cross-entropy loss (class weights, ignored targets, label smoothing) computed in the model."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(20, 8, padding_idx=0)
+        self.norm = nn.LayerNorm(8)
         self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
+        self.plain_norm = nn.LayerNorm(8, elementwise_affine=False)
+        self.head = nn.Linear(8, 5)
+        self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5, 1.0, 1.5]))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        return F.gelu(self.b(F.gelu(self.a(h))), approximate="tanh") + h
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(self.embed(ids))
+        h = self.plain_norm(F.gelu(self.a(h)) + h)
+        logits = F.gelu(self.head(h), approximate="tanh")
+        flat = logits.view(-1, 5)
+        loss = F.cross_entropy(flat, labels.view(-1), weight=self.class_weight, label_smoothing=0.1)
+        return loss + F.cross_entropy(flat, labels.view(-1)), logits
 
 
-def test_torch_kernels_run_embedding_and_gelu_on_torch(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-):
-    monkeypatch.setattr(aten_fallback, "_told_torchscript_only", False)
+def test_torch_kernels_run_on_torch_on_the_dynamo_route():
     torch.manual_seed(0)
-    model = EmbedGelu()
+    model = TorchKernels()
     ref = copy.deepcopy(model)
     wrapped = wrap(model)
-    ids = torch.tensor([[1, 2, 0, 4], [5, 5, 7, 0]])
+    for shape in ((2, 4), (3, 6)):  # the second on the same graph
+        ids, labels = torch.randint(1, 20, shape), torch.randint(0, 5, shape)
+        ids[0, 0], labels[0, 1] = 0, -100
+        (loss, logits), (loss_ref, logits_ref) = wrapped(ids, labels), ref(ids, labels)
+        _close(loss, loss_ref, f"loss at {shape}")
+        _close(logits, logits_ref, f"logits at {shape}")
+        (loss + _weighted_loss(logits)).backward()
+        (loss_ref + _weighted_loss(logits_ref)).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            _close(p.grad, q.grad, f"gradient of {name} at {shape}")
+            p.grad, q.grad = None, None
+    assert wrapped.state_machine.counters.exports == 1
+    assert {"embedding", "gelu", "layer_norm", "cross_entropy"} <= _aten_ops(wrapped)
+    assert wrapped.explain().routed()["layer_norm"] == plugin.FASTER_IN_TORCH
+
+
+def test_layer_norm_whose_input_may_need_no_gradient_stays_in_ort():
+    # The model's input straight into a LayerNorm with a trained weight: whether the input requires grad is not in
+    # the program, and ORT would build no gradient for the weight if it does not.
+    torch.manual_seed(0)
+    wrapped = _compare(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 3)), torch.randn(4, 8))
+    assert "layer_norm" not in _aten_ops(wrapped)
+
+
+def test_torch_kernels_left_in_ort_are_named_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    monkeypatch.setattr(aten_fallback, "_told_torchscript_only", False)
+    host = PluginHost(Config.from_table({}, env={"ORTCORE_TORCH_KERNELS": "embedding,linear"}))
     with caplog.at_level(logging.INFO, logger="ortcore.aten_fallback"):
-        out, out_ref = wrapped(ids), ref(ids)
-    _close(out, out_ref, "output")
-    _weighted_loss(out).backward()
-    _weighted_loss(out_ref).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        _close(p.grad, q.grad, f"gradient of {name}")
-    assert {"embedding", "gelu"} <= _aten_ops(wrapped)
-    assert wrapped.explain().routed()["embedding"] == plugin.FASTER_IN_TORCH
-    # LayerNorm and cross-entropy are not routed on this route: said once, by name.
+        wrap(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)), host)(torch.tensor([[1, 2, 3]]))
     told = [r.getMessage() for r in caplog.records if "TorchScript route only" in r.getMessage()]
-    assert told and "layer_norm" in told[0] and "embedding" not in told[0]
+    assert len(told) == 1 and "linear" in told[0] and "embedding" not in told[0]
 
 
-def test_torch_kernels_none_leaves_embedding_and_gelu_to_ort():
+def test_torch_kernels_none_leaves_them_to_ort():
     host = PluginHost(Config.from_table({}, env={"ORTCORE_TORCH_KERNELS": "none"}))
     torch.manual_seed(0)
-    model = EmbedGelu()
+    model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3))
     ref = copy.deepcopy(model)
     wrapped = wrap(model, host)
-    ids = torch.tensor([[1, 2, 0, 4], [5, 5, 7, 0]])
-    out, out_ref = wrapped(ids), ref(ids)
-    _close(out, out_ref, "output")
+    ids = torch.randint(0, 20, (2, 4))
+    _close(wrapped(ids), ref(ids), "output")
     assert _aten_ops(wrapped) == set()

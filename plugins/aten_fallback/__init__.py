@@ -15,7 +15,9 @@ Three features, one module each; this module holds the plugin's hooks and re-exp
   running the op, whose gradient re-runs it under ``torch.autograd`` (see :func:`fallback_symbolic`). Off by
   default: without it such a model falls back to PyTorch, as without the plugin. On the dynamo route the listed ops,
   and with ``auto`` the ops the exporter cannot translate, are found in ``torch.export``'s program instead
-  (:func:`.unexportable_ops.program_pass`); kernel routing is TorchScript-only (said once at INFO).
+  (:func:`.unexportable_ops.program_pass`); kernel routing covers embedding, GELU, LayerNorm and cross-entropy
+  there (:func:`.kernel_routing.translations_for`, :func:`.kernel_routing.program_kernels`), not ``linear`` or
+  ``auto`` (said once at INFO).
 * **graph passes** (:mod:`.graph_passes`): the written-out tanh-GELU becomes one ATen gelu node, and ATen outputs get
   types ORT can use.
 
@@ -124,9 +126,9 @@ _told_torchscript_only = False
 
 @hookimpl
 def ortcore_program_passes(config: Config) -> list[GraphPass]:
-    """The dynamo route: ``fallback_ops`` in the exported program. ``torch_kernels`` routes ops by TorchScript
-    symbolics: on this route those ops stay in ORT (said once, at INFO), except the written-out tanh GELU, which the
-    graph pass turns into an ATen gelu on both routes."""
+    """The dynamo route: ``fallback_ops`` in the exported program, and the LayerNorm and cross-entropy calls of
+    ``torch_kernels`` (embedding and GELU need only translations). ``linear`` and ``auto`` are TorchScript-only: on
+    this route those ops stay in ORT (said once, at INFO)."""
     global _told_torchscript_only
     ops = routed_ops(config)
     torchscript_only = sorted(ops) if is_auto(config) else sorted(set(ops) - set(DYNAMO_OPS))

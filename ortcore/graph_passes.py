@@ -20,11 +20,13 @@ from .errors import OptionError
 
 @attrs.frozen
 class PassContext:
-    """What a pass may read besides the graph: the module, whether it was exported for training, the config."""
+    """What a pass may read besides the graph: the module, whether it was exported for training, the config, and
+    (passes over the dynamo route's exported program) the ops plugins' onnxscript translations cover."""
 
     module: Any
     training: bool
     config: Any
+    translated: frozenset = frozenset()
 
 
 @attrs.frozen

@@ -107,7 +107,7 @@ class _Runtime:
         if symbolics and hasattr(self.exporter, "symbolics"):
             self.exporter.symbolics.update(symbolics)
         if hasattr(self.exporter, "use_hooks"):  # an exporter that takes its own contributions (the dynamo route)
-            self.exporter.use_hooks(hooks)
+            self.exporter.use_hooks(hooks, config)
         self.state = ExportStateMachine(config.core.max_cached_graphs)
         self.pipeline = Pipeline(config, hooks, self.exporter, self.state)
         self.step = 0

@@ -451,14 +451,16 @@ class DynamoExporter:
         # program before it is translated, and who runs each custom autograd Function.
         self.translations: dict[Any, Callable[..., Any]] = {}
         self.hooks: Any = None
+        self.config: Any = None
 
-    def use_hooks(self, hooks: Any) -> None:
+    def use_hooks(self, hooks: Any, config: Any = None) -> None:
         """Take the plugins' contributions to this route, asked for at each export: ``ortcore_program_passes``
         (edits of the exported program's FX graph before translation), then ``ortcore_export_translations``
         (onnxscript translations of ops, torch.onnx's ``custom_translation_table``; asked after the passes, which
         may define the ops they translate) and ``ortcore_autograd_function_handler`` (who runs each custom autograd
         Function: its handler's ``dynamo_apply``)."""
         self.hooks = hooks
+        self.config = config  # the ORTModule's (its own options, such as exporter=), which passes read
 
     def _translations(self) -> dict[Any, Callable[..., Any]]:
         return {**(self.hooks.export_translations() if self.hooks is not None else {}), **self.translations}
@@ -550,7 +552,12 @@ class DynamoExporter:
             captured = time.perf_counter()
             ranges = input_ranges(program, list(input_names))
             if self.hooks is not None:
-                context = PassContext(module=module, training=training, config=self.hooks.config)
+                context = PassContext(
+                    module=module,
+                    training=training,
+                    config=self.config or self.hooks.config,
+                    translated=frozenset(self._translations()),  # what plugins translate before the passes run
+                )
                 for program_pass in self.hooks.program_passes():
                     program_pass.run(program, context)
             with quiet_export(log_level, loggers=_LOGGERS):

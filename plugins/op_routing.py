@@ -558,7 +558,11 @@ PROGRAM_ROUTES: tuple[ProgramRoute, ...] = (
 
 
 def _program_reason(
-    node: torch.fx.Node, routes: dict[str, ProgramRoute], reach: aten_program.GradientReach, gaps: bool
+    node: torch.fx.Node,
+    routes: dict[str, ProgramRoute],
+    reach: aten_program.GradientReach,
+    gaps: bool,
+    translated: frozenset = frozenset(),
 ) -> str | None:
     """Why ``node`` runs on PyTorch's kernel (None: it stays in ORT)."""
     target = node.target
@@ -578,7 +582,7 @@ def _program_reason(
         if route.gradient_only and not aten_program.may_need_gradient(node, reach):
             return None
         return route.reason
-    if gaps and not aten_program.has_translation(target):
+    if gaps and not aten_program.has_translation(target, translated):
         return EXPORTER_GAP_DYNAMO
     return None
 
@@ -590,7 +594,7 @@ def _route_program(program: torch.export.ExportedProgram, context: PassContext) 
     by_op = {op: r for r in PROGRAM_ROUTES if r.route.op not in options.never for op in r.ops}
 
     def decide(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
-        return _program_reason(node, by_op, reach, gaps=True)
+        return _program_reason(node, by_op, reach, gaps=True, translated=context.translated)
 
     routed = aten_program.route_calls(program, context.module, decide, prepare_runtime)
     for name, reason in routed:

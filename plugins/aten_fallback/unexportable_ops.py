@@ -160,15 +160,15 @@ def program_pass(listed: Iterable[str]) -> Callable[[Any, Any], int]:
     names = frozenset(op for op in listed if op != AUTO)
     auto = AUTO in listed
 
-    def decide(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
-        name = node.target._schema.name
-        if name in names:
-            return "listed in fallback_ops"
-        if auto and not aten_program.has_translation(node.target):
-            return "it has no onnxscript translation"
-        return None
-
     def run(program: torch.export.ExportedProgram, context: Any) -> int:
+        def decide(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
+            name = node.target._schema.name
+            if name in names:
+                return "listed in fallback_ops"
+            if auto and not aten_program.has_translation(node.target, context.translated):
+                return "it has no onnxscript translation"
+            return None
+
         routed = aten_program.route_calls(program, context.module, decide, prepare_runtime)
         for name, why in routed:
             if (name, why) not in _logged:

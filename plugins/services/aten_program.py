@@ -154,14 +154,15 @@ _HANDLED_NAMESPACES = ("onnx",)
 _HANDLED_PREFIXES = ("_assert", "sym_constrain_range")
 
 
-def has_translation(target: Any) -> bool:
+def has_translation(target: Any, translated: frozenset = frozenset()) -> bool:
     """Can the dynamo exporter write ``target`` (an ``OpOverload``) in ONNX: has it a torchlib function, or a
-    decomposition (torch.export's default ones, PyTorch's table, a CompositeImplicitAutograd kernel)?
+    decomposition (torch.export's default ones, PyTorch's table, a CompositeImplicitAutograd kernel), or a plugin's
+    translation (``translated``: a pass's ``PassContext.translated``)?
 
     Ops of ortcore's own ``ortcore*`` namespaces count as written: the plugin that puts them in the program
     translates them.
     """
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, torch._ops.OpOverload) or target in translated:
         return True
     if target._schema.is_mutable:
         # torch.onnx translates an in-place or out= call as its functional form (``copy_`` as ``copy``)

@@ -5,6 +5,7 @@ route's contract: PyTorch's loss and gradients, parameters as named inputs, no r
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 
 import onnx
@@ -426,3 +427,61 @@ def test_range_violations_name_the_input_dimension_and_bound():
     found = range_violations(model, ["ids", "x"], [ids, torch.zeros(2, 6)])
     assert found == (("ids", 1, "below", 9, None), ("x", 1, "above", 4, 4))
     assert [describe_violation(v) for v in found] == ["ids dimension 1 below 9", "x dimension 1 is not 4"]
+
+
+@torch.library.custom_op("thirdparty_seam::halved", mutates_args=())
+def _halved(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5
+
+
+_halved.register_fake(lambda x: torch.empty_like(x))
+_halved.register_autograd(lambda ctx, grad: grad * 0.5)
+
+
+class UsesHalved(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(torch.ops.thirdparty_seam.halved(self.fc(x)), y)
+
+
+class HalvedPlugin:
+    def __init__(self):
+        self.translated = 0
+
+    @hookimpl
+    def ortcore_export_translations(self, config):
+        from onnxscript import opset18 as op
+
+        def halved(x):
+            self.translated += 1
+            return op.Mul(x, op.CastLike(op.Constant(value_float=0.5), x))
+
+        return {torch.ops.thirdparty_seam.halved.default: halved}
+
+
+def test_a_third_party_translation_is_used_with_every_built_in_plugin():
+    """An op with no kernel ONNX knows, translated by a third-party plugin, is written by that plugin's function:
+    op routing (which runs ops without a translation on PyTorch's kernel) sees the plugin's translation and leaves
+    the op alone. Loss and gradients equal PyTorch's (rtol 1e-5, atol 1e-6)."""
+    from ortcore.plugins import BUILTIN_PLUGINS
+
+    torch.manual_seed(0)
+    reference = UsesHalved()
+    halved = HalvedPlugin()
+    plugins = {name: importlib.import_module(f"ortcore_plugins.{name}") for name in BUILTIN_PLUGINS}
+    host = make_host({**plugins, "halved": halved})
+    model = ORTModule(copy.deepcopy(reference), host=host, exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    x, y = batch(5, 0)
+    loss, expected = model(x, y), reference(x, y)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert halved.translated == 1
+    graph = next(iter(model.state_machine._graphs.values())).model.graph
+    operators = [a.s.decode() for n in graph.node if n.op_type == "ATen" for a in n.attribute if a.name == "operator"]
+    assert not [o for o in operators if "halved" in o], f"the plugin's op was routed to PyTorch instead: {operators}"

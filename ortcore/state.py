@@ -31,8 +31,8 @@ EXPORT_FIELDS = (
     "module_modes",
     "opset",
     "exporter",
-    "taps",
     "shape_class",
+    "taps",
 )
 BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
 

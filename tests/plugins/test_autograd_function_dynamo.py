@@ -36,7 +36,19 @@ import ortcore_plugins.services.python_op as python_op
 from ortcore import ORTModule
 from ortcore.config import Config
 from ortcore.errors import UnsupportedModelError
+from ortcore.exporter import function_name
 from ortcore.plugins import PluginHost
+
+from .test_autograd_function import (  # the TorchScript route's test models
+    BlockNet,
+    InplaceScale,
+    KeepWhere,
+    SignMask,
+    bloom_batch,
+    bloom_step,
+    checkpoint_step,
+    step,
+)
 
 pytest.importorskip("onnxscript")
 
@@ -111,38 +123,6 @@ class Mix(Function):
         return grad_x, grad_w, None, None, None, None, None
 
 
-class InplaceScale(Function):
-    """An in-place op on its input (mark_dirty)."""
-
-    @staticmethod
-    def forward(ctx, x, alpha: float):
-        ctx.alpha = alpha
-        x.mul_(alpha)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.alpha, None
-
-
-class SignMask(Function):
-    """Three outputs, two marked non-differentiable (a float mask and int64 indices)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        mask = (x > 0).to(x.dtype)
-        index = x.argmax(-1)
-        ctx.mark_non_differentiable(mask, index)
-        ctx.save_for_backward(mask)
-        return x * mask, mask, index
-
-    @staticmethod
-    def backward(ctx, grad, _grad_mask, _grad_index):
-        (mask,) = ctx.saved_tensors
-        return grad * mask
-
-
 class SetupContextMul(Function):
     """The forward-without-ctx style, called with a keyword argument."""
 
@@ -162,7 +142,7 @@ class SetupContextMul(Function):
         return grad * w, (grad * x).sum(0), None
 
 
-FUNCTION_NAMES = sorted(f"{__name__}.{f.__name__}" for f in (Double, Mix, InplaceScale, SignMask, SetupContextMul))
+FUNCTION_NAMES = sorted(function_name(f) for f in (Double, Mix, InplaceScale, SignMask, SetupContextMul))
 
 
 class FunctionNet(nn.Module):
@@ -185,12 +165,6 @@ class FunctionNet(nn.Module):
 
 def batch(gen: torch.Generator, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 12, generator=gen), torch.randn(n, 4, generator=gen)
-
-
-def step(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, torch.Tensor]:
-    x, y = data
-    out, index = model(x)
-    return (out, index), ((out - y) ** 2).mean()
 
 
 class UsesDouble(nn.Module):
@@ -307,21 +281,6 @@ def test_inference_matches_torch_and_keeps_no_context(host):
         assert_outputs_match(ort(x), ref(x))
     assert python_op.held_contexts() == []
     assert_ran_in_ort(ort)
-
-
-class KeepWhere(Function):
-    """A boolean tensor argument and a boolean output (they cross DLPack as uint8)."""
-
-    @staticmethod
-    def forward(ctx, x, mask):
-        assert mask.dtype == torch.bool
-        ctx.save_for_backward(mask)
-        return x.masked_fill(~mask, 0.0), mask & (x > 0.5)
-
-    @staticmethod
-    def backward(ctx, grad, _grad_mask):
-        (mask,) = ctx.saved_tensors
-        return grad.masked_fill(~mask, 0.0), None
 
 
 class BoolNet(nn.Module):
@@ -511,39 +470,9 @@ def test_traced_through_functions_get_the_forwards_derivative(host, env):
 
 
 def test_skipped_function_is_traced_through_and_the_others_run_as_python_op(host):
-    ort, ref = on_dynamo(FunctionNet(), host({"ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": f"{__name__}.InplaceScale"}))
+    ort, ref = on_dynamo(FunctionNet(), host({"ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": function_name(InplaceScale)}))
     check_step_and_training(ort, ref, make_batches(batch, 3), step, steps=2)
     assert sorted(func_names(ort)) == [n for n in FUNCTION_NAMES if not n.endswith(".InplaceScale")]
-
-
-class RunBlock(Function):
-    """Receives a module and recomputes it in backward, accumulating into its parameters itself."""
-
-    @staticmethod
-    def forward(ctx, x, block):
-        ctx.block = block
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return block(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            x = x.detach().requires_grad_()
-            torch.autograd.backward(ctx.block(x), grad)
-        return x.grad, None
-
-
-class BlockNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(12, 16)
-        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.out(RunBlock.apply(self.inp(x), self.block)), x.sum().detach()
 
 
 def test_function_receiving_a_module_is_traced_through(host, caplog):
@@ -566,11 +495,6 @@ class CheckpointNet(nn.Module):
     def forward(self, x):
         h = torch.utils.checkpoint.checkpoint(self.block, torch.relu(self.inp(x)), use_reentrant=self.reentrant)
         return self.out(h)
-
-
-def checkpoint_step(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, torch.Tensor]:
-    out = model(data[0])
-    return out, ((out - data[1]) ** 2).mean()
 
 
 def test_reentrant_checkpoint_is_refused_naming_the_switch(host):
@@ -675,16 +599,6 @@ def tiny_bloom() -> nn.Module:
     torch.manual_seed(0)
     config = BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=2, hidden_dropout=0.0, attention_dropout=0.0)
     return BloomForCausalLM(config).train()
-
-
-def bloom_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, 128, (3, 12), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-
-
-def bloom_step(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
-    out = model(**data, use_cache=False)
-    return out.logits, out.loss
 
 
 def test_hugging_face_bloom_trains_with_parity(host):

@@ -28,6 +28,17 @@ from ortcore.explain import ROUTED_METADATA_PREFIX, aten_kind, operator_of
 from ortcore.plugins import PluginHost
 from ortcore_plugins.services import aten_program
 
+from .test_op_routing import (  # the TorchScript route's test models
+    Apply,
+    BufferFirst,
+    ConvThen,
+    GroupedQueryAttention,
+    OutputOnly,
+    RNNOut,
+    _close,
+    _weighted_loss,
+)
+
 pytest.importorskip("onnxscript")
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -43,81 +54,6 @@ def wrap(model: nn.Module, host: PluginHost | None = None) -> ORTModule:
 
 
 # -- models ------------------------------------------------------------------------------------------------------------
-
-
-class Apply(nn.Module):
-    """Linear -> f, the Linear's output viewed as ``shape`` (so the op's input needs a gradient)."""
-
-    def __init__(self, f: Callable[[torch.Tensor], torch.Tensor], n_in: int = 16, shape: tuple[int, ...] = (16,)):
-        super().__init__()
-        self.lin = nn.Linear(n_in, int(torch.tensor(shape).prod()))
-        self.shape = shape
-        self.f = f
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.f(self.lin(x).view(x.shape[0], *self.shape))
-
-
-class ConvThen(nn.Module):
-    """A convolution, then the layer under test."""
-
-    def __init__(self, conv: nn.Module, layer: nn.Module):
-        super().__init__()
-        self.conv = conv
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(self.conv(x))
-
-
-class RNNOut(nn.Module):
-    """An RNN's output sequence and final states, all in the loss."""
-
-    def __init__(self, rnn: nn.Module):
-        super().__init__()
-        self.rnn = rnn
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out, state = self.rnn(x)
-        return (out, *state) if isinstance(state, tuple) else (out, state)
-
-
-class OutputOnly(nn.Module):
-    """An RNN whose final state nothing reads (ORT gives that output no gradient)."""
-
-    def __init__(self, rnn: nn.Module):
-        super().__init__()
-        self.rnn = rnn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rnn(x)[0]
-
-
-class BufferFirst(nn.Module):
-    """``einsum`` whose first operand is a buffer (no gradient) and whose second is trained."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("mix", torch.randn(8, 16))
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("ij,bj->bi", self.mix, self.lin(x))
-
-
-class GroupedQueryAttention(nn.Module):
-    """Four query heads sharing two key/value heads, as Llama, Mistral and Qwen2 attend."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Linear(16, 32)
-        self.kv = nn.Linear(16, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
-        k, v = self.kv(x).view(b, t, 2, 16).transpose(1, 2).split(8, dim=-1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 # A custom op without an onnxscript translation, as Mixtral's transformers::grouped_mm_fallback: each expert's
@@ -230,21 +166,6 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]
     "grouped_query_attention": (GroupedQueryAttention, lambda: torch.randn(2, 6, 16), "scaled_dot_product_attention"),
     "custom_op_without_translation": (Experts, lambda: torch.randn(6, 16), "grouped_mm"),
 }
-
-
-def _weighted_loss(outputs: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """A loss whose gradient is not zero by symmetry (a normalization's output summed has no gradient)."""
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    total = torch.zeros(())
-    for k, out in enumerate(outputs):
-        weights = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape) * (k + 1)
-        total = total + (out * weights).sum() + out.square().mean()
-    return total
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    scale = max(expected.abs().max().item(), 1.0)
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{what}: {m}")
 
 
 def _compare(model: nn.Module, x: torch.Tensor, steps: int = 1, host: PluginHost | None = None) -> ORTModule:

@@ -177,6 +177,21 @@ class UsesDouble(nn.Module):
 
 
 # -- PythonOp -------------------------------------------------------------------------------------------------------
+
+
+def steps_match(ort: nn.Module, ref: nn.Module, sizes: tuple[int, ...]) -> None:
+    """One step per batch size on ``randn(n, 4)``: loss and every gradient equal torch's."""
+    for n in sizes:
+        x = torch.randn(n, 4)
+        loss, loss_ref = ort(x), ref(x)
+        assert_losses_match(loss, loss_ref)
+        loss.backward()
+        loss_ref.backward()
+        assert_grads_match(ort, ref)
+        ort.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
 def test_backward_is_the_functions_own_not_the_forwards_derivative(host):
     ort, ref = on_dynamo(UsesDouble(), host())
     x = torch.randn(3, 4)
@@ -427,15 +442,7 @@ def test_value_dependent_forwards_match_torch(host):
             return (Positive.apply(h) ** 2).sum()
 
     ort, ref = on_dynamo(Model(), host())
-    for n in (6, 9):
-        x = torch.randn(n, 4)
-        loss, loss_ref = ort(x), ref(x)
-        assert_losses_match(loss, loss_ref)
-        loss.backward()
-        loss_ref.backward()
-        assert_grads_match(ort, ref)
-        ort.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+    steps_match(ort, ref, (6, 9))
     assert sorted(func_names(ort)) == [f"{__name__}.Normalize", f"{__name__}.Positive"]
     assert_ran_in_ort(ort, exports=1)
 
@@ -545,15 +552,7 @@ def test_size_of_a_dynamic_dimension_as_argument_follows_the_batch(host):
     batch's size as a Python int, without a re-export."""
     Scale.seen.clear()
     ort, ref = on_dynamo(ScaleBySize(), host())
-    for n in (3, 7):
-        x = torch.randn(n, 4)
-        loss, loss_ref = ort(x), ref(x)
-        assert_losses_match(loss, loss_ref)
-        loss.backward()
-        loss_ref.backward()
-        assert_grads_match(ort, ref)
-        ort.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+    steps_match(ort, ref, (3, 7))
     assert_ran_in_ort(ort, exports=1)
     (node,) = python_ops(ort)
     assert next(a.s for a in node.attribute if a.name == "input_convention") == b"dd"

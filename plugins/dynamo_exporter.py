@@ -10,7 +10,9 @@ The seam's contract (``ortcore.exporter.Exporter``) holds as on the TorchScript 
   into initializers; instead the module is called through ``torch.func.functional_call`` with them as arguments, so
   the graph takes them as inputs (tied parameters once, under their first name, as ``named_parameters`` gives them).
 * **Input dimensions are dynamic where the model allows it** (``torch.export.Dim.AUTO``): batch and sequence
-  changes reuse the graph; a dimension the model fixes (a feature size a weight multiplies) stays static.
+  changes reuse the graph; a dimension the model fixes (a feature size a weight multiplies) stays static, and so
+  does one of size 1 in the exporting call (it may broadcast). The graph records the sizes it serves
+  (:func:`input_ranges`); the core gives a call of other sizes a graph of its own.
 * **ORT's gradient builders' expectations**: ``LayerNormalization`` gets its mean and inverse-std outputs and
   ``SoftmaxCrossEntropyLoss`` its log-probability output when the exporter left them out (their gradients read
   them).
@@ -536,8 +538,12 @@ class DynamoExporter:
         wrapper = _ParametersAsInputs(module, len(args), names)
         wrapper.training = training
         values = tuple(state[n].detach() for n in names)
+        # A dimension of size 1 is exported as 1: torch.export's size-oblivious capture would give it the symbol of
+        # a dimension it broadcasts against (x[B, N] + y[1, N]) and the graph would claim equal shapes (ORT's
+        # gradient then keeps y's gradient [B, N]). The graph records it (input_ranges), so a call of another size
+        # there gets a graph of its own, with that dimension dynamic.
         dims = tuple(
-            {d: torch.export.Dim.AUTO for d in range(t.dim())} if name in dynamic_axes else None
+            {d: torch.export.Dim.AUTO for d in range(t.dim()) if t.shape[d] != 1} if name in dynamic_axes else None
             for name, t in zip(input_names, args)
         )
         start = time.perf_counter()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,6 +92,12 @@ class ExportedGraph:
     raw_model: onnx.ModelProto | None = None  # the exporter's graph before processing, kept only to be saved
     export_seconds: float = 0.0
     taps: list[TapPoint] = attrs.Factory(list)  # in execution order; outputs after the batch-norm ones
+
+    @functools.cached_property
+    def input_ranges(self) -> dict[str, list[tuple[int, int, int | None]]]:
+        """The sizes the graph's inputs may take (:func:`input_ranges`), read from the model once: every call checks
+        them."""
+        return input_ranges(self.model)
 
     @property
     def n_user_outputs(self) -> int:
@@ -680,28 +686,17 @@ def export_graph(
     return graph
 
 
-_ranges_cache: weakref.WeakKeyDictionary[onnx.ModelProto, dict] = weakref.WeakKeyDictionary()
-
-
 def input_ranges(model: onnx.ModelProto) -> dict[str, list[tuple[int, int, int | None]]]:
     """The sizes the graph's inputs may take (:data:`INPUT_RANGES_METADATA`), ``{}`` if the exporter wrote none."""
-    try:
-        return _ranges_cache[model]
-    except (KeyError, TypeError):
-        pass
     text = next((p.value for p in model.metadata_props if p.key == INPUT_RANGES_METADATA), "")
-    ranges = {name: [tuple(r) for r in dims] for name, dims in json.loads(text).items()} if text else {}
-    try:
-        _ranges_cache[model] = ranges
-    except TypeError:  # a model type without weak references: parsed again next time
-        pass
-    return ranges
+    return {name: [tuple(r) for r in dims] for name, dims in json.loads(text).items()} if text else {}
 
 
-def range_violations(model: onnx.ModelProto, names: list[str], tensors: list[torch.Tensor]) -> tuple:
-    """``(name, dim, "below" | "above", low, high)`` for each input size outside the graph's ranges; ``()`` if the
-    call fits the graph."""
-    ranges = input_ranges(model)
+def range_violations(
+    ranges: dict[str, list[tuple[int, int, int | None]]], names: list[str], tensors: list[torch.Tensor]
+) -> tuple:
+    """``(name, dim, "below" | "above", low, high)`` for each input size outside ``ranges`` (:func:`input_ranges`);
+    ``()`` if the call fits the graph."""
     if not ranges:
         return ()
     found = []

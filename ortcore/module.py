@@ -364,7 +364,7 @@ class ORTModule(torch.nn.Module):
                 export=lambda key=key: rt.pipeline.export(self._original_module, schema, tensors, key, subscription),
                 build=lambda g, key=key: rt.pipeline.build(g, key),
             )
-            violations = range_violations(graph.model, graph.user_input_names, tensors)
+            violations = range_violations(graph.input_ranges, graph.user_input_names, tensors)
             if not violations:
                 return graph, session, key
             if len(key.shape_class) >= MAX_SHAPE_CLASSES:

@@ -417,14 +417,14 @@ def test_a_graph_serves_only_the_sizes_it_was_exported_for():
 
 
 def test_range_violations_name_the_input_dimension_and_bound():
-    from ortcore.graph import INPUT_RANGES_METADATA, range_violations
+    from ortcore.graph import INPUT_RANGES_METADATA, input_ranges, range_violations
     from ortcore.state import describe_violation
 
     model = onnx.ModelProto()
     model.metadata_props.add(key=INPUT_RANGES_METADATA, value='{"ids": [[1, 9, null]], "x": [[1, 4, 4]]}')
     ids, x = torch.zeros(2, 5), torch.zeros(2, 4)
-    assert range_violations(model, ["ids", "x"], [torch.zeros(2, 9), x]) == ()
-    found = range_violations(model, ["ids", "x"], [ids, torch.zeros(2, 6)])
+    assert range_violations(input_ranges(model), ["ids", "x"], [torch.zeros(2, 9), x]) == ()
+    found = range_violations(input_ranges(model), ["ids", "x"], [ids, torch.zeros(2, 6)])
     assert found == (("ids", 1, "below", 9, None), ("x", 1, "above", 4, 4))
     assert [describe_violation(v) for v in found] == ["ids dimension 1 below 9", "x dimension 1 is not 4"]
 

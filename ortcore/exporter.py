@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import re
 import warnings
@@ -121,6 +122,155 @@ def _max_pool(rank: int):
         )
         flat = g.op("Reshape", input, g.op("Constant", value_t=torch.tensor([-1], dtype=torch.int64)))
         return g.op("Gather", flat, indices, axis_i=0)
+
+    return symbolic
+
+
+class OnnxBuilder(Protocol):
+    """Writes ONNX nodes for one exporter: ``op`` adds a node (attributes by their ONNX names: ints, lists of ints,
+    floats, or a tensor), ``const`` a constant. Rewrites that both exporters share are written against it."""
+
+    def op(self, op_type: str, *inputs: Any, **attributes: Any) -> Any: ...
+
+    def const(self, value: torch.Tensor) -> Any: ...
+
+
+class TorchScriptBuilder:
+    """:class:`OnnxBuilder` over a TorchScript symbolic's graph context ``g``."""
+
+    def __init__(self, g: Any):
+        self.g = g
+
+    def op(self, op_type: str, *inputs: Any, **attributes: Any) -> Any:
+        typed = {}
+        for key, value in attributes.items():
+            suffix = "t" if isinstance(value, torch.Tensor) else "f" if isinstance(value, float) else "i"
+            typed[f"{key}_{suffix}"] = value
+        return self.g.op(op_type, *inputs, **typed)
+
+    def const(self, value: torch.Tensor) -> Any:
+        return self.g.op("Constant", value_t=value)
+
+
+# Bumped whenever the graphs the pooling rewrites write change, so that export caches do not serve older graphs.
+POOLING_VERSION = 1
+
+
+def _ints(b: OnnxBuilder, values: list[int]) -> Any:
+    return b.const(torch.tensor(values, dtype=torch.int64))
+
+
+def _spatial(value: Any, rank: int, name: str) -> list[int]:
+    values = [value] if isinstance(value, int) else list(value)
+    if len(values) == 1:
+        values *= rank
+    if len(values) != rank:
+        raise UnsupportedModelError(f"average pooling over {rank} dimensions with {name}={values}")
+    return values
+
+
+def average_pool(
+    b: OnnxBuilder,
+    x: Any,
+    rank: int,
+    kernel_size: Any,
+    stride: Any,
+    padding: Any,
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> Any:
+    """torch's ``avg_pool{1,2,3}d`` over the last ``rank`` dimensions of a float32 ``x``, written as a sum by
+    ``Conv`` with a kernel of ones divided by torch's divisor.
+
+    ORT's CPU ``AveragePoolGrad`` takes its output shape from the graph's static shapes, which ortcore leaves
+    symbolic: it dies of SIGFPE or returns an empty gradient. ``Conv``'s gradient reads shapes at run time. The
+    channels are folded into the batch (``[-1, 1, *spatial]``), so one single-channel kernel serves every channel
+    without knowing how many there are. ``ceil_mode``, ``count_include_pad`` and ``divisor_override`` follow torch:
+    a window may run past the right edge in ceil mode (but never start in the right padding), and without
+    ``count_include_pad`` (or in ceil mode) each output is divided by the number of positions its window covers
+    (padding included or not), counted by the same convolution over ones.
+    """
+    kernel = _spatial(kernel_size, rank, "kernel_size")
+    strides = _spatial(stride, rank, "stride") if stride else kernel
+    pads = _spatial(padding, rank, "padding")
+    # Ceil mode: s - 1 more zeros on the right give ceil((L + 2p - k) / s) + 1 windows; torch then drops a last
+    # window that would start in the right padding (sliced off below).
+    extra = [s - 1 if ceil_mode else 0 for s in strides]
+    shape = b.op("Shape", x)
+    sizes = b.op("Slice", shape, _ints(b, [-rank]), _ints(b, [2**62]))
+    flat = b.op("Reshape", x, b.op("Concat", _ints(b, [-1, 1]), sizes, axis=0))
+    ones = b.const(torch.ones([1, 1, *kernel]))
+
+    def window_sums(value: Any, left: list[int], right: list[int]) -> Any:
+        summed = b.op("Conv", value, ones, kernel_shape=kernel, strides=strides, pads=left + right)
+        if not ceil_mode:
+            return summed
+        # o = ceil((L + 2p - k) / s) + 1, minus one where the last window starts at or past L + p (torch's rule)
+        windows = b.op(
+            "Add",
+            b.op("Div", b.op("Add", sizes, _ints(b, [2 * p - k + s - 1 for p, k, s in zip(pads, kernel, strides)])),
+                 _ints(b, strides)),
+            _ints(b, [1] * rank),
+        )  # fmt: skip
+        last_start = b.op("Mul", b.op("Sub", windows, _ints(b, [1] * rank)), _ints(b, strides))
+        past = b.op("GreaterOrEqual", last_start, b.op("Add", sizes, _ints(b, pads)))
+        windows = b.op("Sub", windows, b.op("Cast", past, to=onnx.TensorProto.INT64))
+        axes = list(range(2, 2 + rank))
+        return b.op("Slice", summed, _ints(b, [0] * rank), windows, _ints(b, axes))
+
+    summed = window_sums(flat, pads, [p + e for p, e in zip(pads, extra)])
+    if divisor_override:
+        divisor = b.const(torch.tensor(float(divisor_override)))
+    elif not ceil_mode and (count_include_pad or not any(pads)):
+        divisor = b.const(torch.tensor(float(math.prod(kernel))))  # every window is whole
+    else:
+        ones_shape = b.op("Concat", _ints(b, [1, 1]), sizes, axis=0)
+        present = b.op("ConstantOfShape", ones_shape, value=torch.ones(1))
+        if count_include_pad:  # padding counts, but not what ceil mode adds past it
+            present = b.op("Pad", present, _ints(b, [0, 0, *pads, 0, 0, *pads]), b.const(torch.tensor(1.0)))
+            divisor = window_sums(present, [0] * rank, extra)
+        else:
+            divisor = window_sums(present, pads, [p + e for p, e in zip(pads, extra)])
+    pooled = b.op("Div", summed, divisor)
+    leading = b.op("Slice", shape, _ints(b, [0]), _ints(b, [-rank]))
+    pooled_sizes = b.op("Slice", b.op("Shape", pooled), _ints(b, [2]), _ints(b, [2**62]))
+    return b.op("Reshape", pooled, b.op("Concat", leading, pooled_sizes, axis=0))
+
+
+def _avg_pool(rank: int):
+    """The ``avg_pool{rank}d`` symbolic: :func:`average_pool` for float32 inputs, ONNX's ``AveragePool`` (as torch
+    exports it) for other types, which ``Conv`` does not take on CPU."""
+
+    def symbolic(g, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
+        from torch.onnx import symbolic_helper as sh
+
+        kernel = sh._get_const(kernel_size, "is", "kernel_size")
+        strides = sh._get_const(stride, "is", "stride")
+        pads = sh._get_const(padding, "is", "padding")
+        ceil = bool(sh._get_const(ceil_mode, "i", "ceil_mode"))
+        include_pad = bool(sh._get_const(count_include_pad, "i", "count_include_pad"))
+        divisor = None
+        if divisor_override is not None and not sh._is_none(divisor_override):
+            divisor = sh._get_const(divisor_override, "i", "divisor_override")
+        b = TorchScriptBuilder(g)
+        if input.type().scalarType() in (None, "Float"):
+            return average_pool(b, input, rank, kernel, strides, pads, ceil, include_pad, divisor)
+        if divisor:
+            raise UnsupportedModelError(
+                f"avg_pool{rank}d with divisor_override on {input.type().scalarType()} inputs: ONNX's AveragePool "
+                "has no divisor (only float32 pooling is rewritten)"
+            )
+        kernel_shape = _spatial(kernel, rank, "kernel_size")
+        return g.op(
+            "AveragePool",
+            input,
+            kernel_shape_i=kernel_shape,
+            strides_i=_spatial(strides, rank, "stride") if strides else kernel_shape,
+            pads_i=_spatial(pads, rank, "padding") * 2,
+            ceil_mode_i=int(ceil),
+            count_include_pad_i=int(include_pad),
+        )
 
     return symbolic
 
@@ -338,6 +488,9 @@ _SYMBOLICS = {
     "::max_pool1d": _max_pool(1),
     "::max_pool2d": _max_pool(2),
     "::max_pool3d": _max_pool(3),
+    "::avg_pool1d": _avg_pool(1),
+    "::avg_pool2d": _avg_pool(2),
+    "::avg_pool3d": _avg_pool(3),
 }
 
 _registered: dict[tuple[str, int], Any] = {}
@@ -475,7 +628,7 @@ class TorchScriptExporter:
         self.symbolics["prim::PythonOp"] = python_op_symbolic(lambda f: ask(f) or self._no_function_handler(f))
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"inline_autograd_functions": self.inline_autograd_functions}
+        return {"inline_autograd_functions": self.inline_autograd_functions, "pooling": POOLING_VERSION}
 
     def export(
         self,

@@ -58,7 +58,9 @@ from ortcore.exporter import (
     AUTOGRAD_FUNCTION_PLUGIN,
     DYNAMO,
     INLINE,
+    POOLING_VERSION,
     TORCH_CHECKPOINT_FUNCTION,
+    average_pool,
     custom_autograd_disabled,
     function_apply_replaced,
     function_name,
@@ -277,6 +279,75 @@ def gather_max_pools(model: onnx.ModelProto) -> int:
     return len(replacements)
 
 
+class OnnxScriptBuilder:
+    """:class:`ortcore.exporter.OnnxBuilder` over onnxscript's opset 18, inside a ``trace_only`` translation."""
+
+    def op(self, op_type: str, *inputs: Any, **attributes: Any) -> Any:
+        from onnxscript import ir, opset18
+
+        values = {k: ir.tensor(v.numpy()) if isinstance(v, torch.Tensor) else v for k, v in attributes.items()}
+        return getattr(opset18, op_type)(*inputs, **values)
+
+    def const(self, value: torch.Tensor) -> Any:
+        from onnxscript import ir, opset18
+
+        return opset18.Constant(value=ir.tensor(value.numpy()))
+
+
+def _is_float32(value: Any) -> bool:
+    from onnxscript import ir
+
+    return value.dtype in (None, ir.DataType.FLOAT)
+
+
+def _translate_avg_pool(rank: int) -> Callable[..., Any]:
+    """The translation of ``aten.avg_pool{rank}d``: :func:`ortcore.exporter.average_pool` for float32 inputs (ORT's
+    ``AveragePoolGrad`` crashes on dynamic axes, and torchlib's translation drops ``divisor_override``)."""
+
+    def translate(
+        self: Any,
+        kernel_size: Any,
+        stride: Any = (),
+        padding: Any = 0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: int | None = None,
+    ) -> Any:
+        if not _is_float32(self):
+            from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
+
+            if divisor_override:
+                raise UnsupportedModelError(
+                    f"avg_pool{rank}d with divisor_override on {self.dtype} inputs: ONNX's AveragePool has no divisor "
+                    "(only float32 pooling is rewritten)"
+                )
+            standard = getattr(torchlib_nn, f"aten_avg_pool{rank}d")
+            return standard(self, kernel_size, stride, padding, ceil_mode, count_include_pad)
+        return average_pool(
+            OnnxScriptBuilder(),
+            self,
+            rank,
+            kernel_size,
+            stride,
+            padding,
+            ceil_mode,
+            count_include_pad,
+            divisor_override,
+        )
+
+    return translate
+
+
+def pooling_translations() -> dict[Any, Callable[..., Any]]:
+    """The dynamo route's own translations of pooling ops whose ORT gradients need static shapes."""
+    aten = torch.ops.aten
+    return {
+        aten.avg_pool1d.default: _translate_avg_pool(1),
+        aten.avg_pool2d.default: _translate_avg_pool(2),
+        aten.avg_pool3d.default: _translate_avg_pool(3),
+    }
+
+
 def _finite(bound: Any) -> int | None:
     """A range bound as an int; None for an infinite one (sympy's and torch's infinities)."""
     try:
@@ -465,7 +536,9 @@ class DynamoExporter:
         self.config = config  # the ORTModule's (its own options, such as exporter=), which passes read
 
     def _translations(self) -> dict[Any, Callable[..., Any]]:
-        return {**(self.hooks.export_translations() if self.hooks is not None else {}), **self.translations}
+        # Plugins' translations come after the route's own (a plugin may route pooling elsewhere), the exporter's last.
+        plugins = self.hooks.export_translations() if self.hooks is not None else {}
+        return {**pooling_translations(), **plugins, **self.translations}
 
     def _function_handler(self, function: type) -> Any:
         return self.hooks.autograd_function_handler(function) if self.hooks is not None else None
@@ -477,7 +550,12 @@ class DynamoExporter:
                 versions[package] = importlib.metadata.version(package)
             except importlib.metadata.PackageNotFoundError:
                 versions[package] = None
-        return {"optimize": self.optimize, "inline_autograd_functions": self.inline_autograd_functions, **versions}
+        return {
+            "optimize": self.optimize,
+            "inline_autograd_functions": self.inline_autograd_functions,
+            "pooling": POOLING_VERSION,
+            **versions,
+        }
 
     def _custom_functions(self, refused: list[type]) -> contextlib.AbstractContextManager:
         """While tracing, each custom ``torch.autograd.Function`` call goes where its handler says

@@ -8,13 +8,15 @@ collected once per model and then called directly.
 
 The build pipeline (docs/architecture.md), in the order data flows, with the hook at each stage:
 
-    export (ortcore_exporter, ortcore_export_symbolics, ortcore_load_export / ortcore_export_done)
+    export (ortcore_exporter, ortcore_export_symbolics, ortcore_export_context, ortcore_load_export /
+            ortcore_export_done)
       → pre-gradient graph passes (ortcore_graph_passes)
       → gradient build (ortcore_graph_transformer_config)
       → gradient-graph passes (ortcore_gradient_graph_passes)
       → session plan (ortcore_session_plan, ortcore_session_options, ortcore_provider_options)
       → session created once (ortcore_session_created: inspect only; the session is immutable)
       → steps (ortcore_runtime_inspectors, ortcore_activation_subscribers; run wrappers from the plan)
+    a stage that fails on a new graph → ortcore_repairs (route the failing op or module, export again)
 
 Only the core creates sessions; what needs another session asks the state machine (``ORTModule.state_machine``),
 which counts and logs every build with its cause.
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from .graph_passes import GraphPass
     from .inspectors import RuntimeInspector
     from .pipeline import BuiltGraph, SessionPlan
+    from .repair import Failure, Repair
     from .session import TrainingSession
 
 hookspec = pluggy.HookspecMarker("ortcore")
@@ -110,6 +113,16 @@ def ortcore_program_passes(config: Config) -> list[GraphPass] | None:
     ``GraphPass``'s ``run(program: torch.export.ExportedProgram, context)`` edits ``program.graph_module`` in place
     (replacing calls ONNX Runtime cannot serve by custom ops that ``ortcore_export_translations`` translate, say).
     Ordered by their ``before``/``after`` names like graph passes. None: nothing to add.
+    """
+
+
+@hookspec
+def ortcore_export_context(config: Config, module: torch.nn.Module) -> Any | None:
+    """A context manager to enter around tracing ``module`` (the user's model, before the exporter's deep copy):
+    region routing replaces chosen submodules' ``forward`` for the trace's duration. Return None for nothing.
+
+    Called once per export (and per export of the gradient audit), on both routes; contexts are entered in the
+    order collected and left in reverse.
     """
 
 
@@ -284,6 +297,21 @@ def ortcore_autograd_function_handler(config: Config, function: type) -> Any | N
     args, kwargs)`` returning the call's outputs while torch.export traces (dynamo route), and optionally ``check()``
     (raise to refuse the Function) and ``traces_through(args) -> bool`` (trace one call through). Called while exporting, for each Function call;
     Functions with their own ``symbolic`` never reach it.
+    """
+
+
+# -- repair ---------------------------------------------------------------------------------------------------------
+@hookspec
+def ortcore_repairs(config: Config, failure: Failure) -> list[Repair] | None:
+    """Ways to repair ``failure`` (a :class:`ortcore.repair.Failure`: the stage that failed, its message, the
+    ``aten::`` ops, ONNX nodes and modules that hold it) by changing this plugin's options: route an op to PyTorch,
+    run a module in PyTorch, switch a graph optimizer off. Each :class:`ortcore.repair.Repair` names the plugin
+    whose options it sets and their new values (what ``[plugins.<name>]`` in ortcore.toml would say).
+
+    Called when export, the gradient build, the first run or the gradient audit of a new graph fails. The core
+    tries the answers smallest change first (``kind``: switch, op, region), applies the first that changes the
+    effective options, exports, builds and audits again (``ortcore.repair.MAX_REPAIRS`` times at most per model).
+    Collected from every plugin; None: no repair to offer.
     """
 
 

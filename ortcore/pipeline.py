@@ -242,7 +242,7 @@ class Pipeline:
         cached = self.hooks.load_export(module, fp)
         if cached is not None:
             return cached
-        with tapping(subscription) if key.taps else contextlib.nullcontext() as tapper:
+        with self._export_contexts(module), tapping(subscription) if key.taps else contextlib.nullcontext() as tapper:
             graph = export_graph(
                 module,
                 schema,
@@ -269,18 +269,27 @@ class Pipeline:
     ) -> ExportedGraph:
         """A graph of this call for the gradient audit: exported anew (no export cache), taps from ``tapper``."""
         opts = self.options
-        return export_graph(
-            module,
-            schema,
-            tensors,
-            exporter=self.exporter,
-            opset=opts.opset,
-            log_level=opts.log_level,
-            deepcopy=opts.deepcopy_before_export,
-            graph_passes=self.hooks.graph_passes(),
-            config=self.config,
-            tapper=tapper,
-        )
+        with self._export_contexts(module):
+            return export_graph(
+                module,
+                schema,
+                tensors,
+                exporter=self.exporter,
+                opset=opts.opset,
+                log_level=opts.log_level,
+                deepcopy=opts.deepcopy_before_export,
+                graph_passes=self.hooks.graph_passes(),
+                config=self.config,
+                tapper=tapper,
+            )
+
+    @contextlib.contextmanager
+    def _export_contexts(self, module: torch.nn.Module):
+        """Plugins' contexts around tracing (``ortcore_export_context``: region routing's submodule replacement)."""
+        with contextlib.ExitStack() as stack:
+            for context in self.hooks.export_contexts(module):
+                stack.enter_context(context)
+            yield
 
     # -- gradient build, gradient-graph passes, session plan, session ----------------------------------------------
     def build(self, graph: ExportedGraph, key: GraphKey, purpose: str = "train") -> TrainingSession:

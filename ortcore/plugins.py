@@ -60,6 +60,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "load_balancing_sampler",
     "dynamo_exporter",
     "control_flow",
+    "region_routing",
 )
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"
@@ -119,6 +120,8 @@ class PluginHost:
         plugins: Mapping[str, Any] | None = None,
     ):
         self.config = config if config is not None else Config.load()
+        self.autoload = autoload
+        self.extra_plugins = dict(plugins or {})
         self.pm = pluggy.PluginManager("ortcore")
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
@@ -142,6 +145,15 @@ class PluginHost:
         except pluggy.PluginValidationError as e:
             raise PluginError(f"{e}; no spec declares this hook (@hookimpl(optionalhook=True) allows that)") from e
         self.hooks = Hooks(self)
+
+    def with_plugin_options(self, changes: Mapping[str, Mapping[str, Any]]) -> PluginHost:
+        """A host like this one whose ``[plugins.<name>]`` tables carry ``changes`` (a repair's new option values)
+        on top of this host's: same plugins, same code options, the environment still applied over the tables."""
+        tables = {name: dict(table) for name, table in self.config.plugin_tables.items()}
+        for name, values in changes.items():
+            tables.setdefault(name, {}).update(values)
+        config = attrs.evolve(self.config, plugin_tables=tables, plugins={})
+        return PluginHost(config, autoload=self.autoload, plugins=self.extra_plugins)
 
     # -- loading ----------------------------------------------------------------------------------------------------
     def _load_entry_points(self) -> None:
@@ -517,6 +529,14 @@ class Hooks:
 
     def optimizers(self) -> dict[str, type]:
         return self._merged("ortcore_optimizers", "offer an optimizer", config=self.config)
+
+    def export_contexts(self, module: Any) -> list[Any]:
+        """The context managers plugins enter around tracing ``module`` (``ortcore_export_context``)."""
+        return [c for _, c in self._collect("ortcore_export_context", config=self.config, module=module) if c]
+
+    def repairs(self, failure: Any) -> list[Any]:
+        """Every plugin's repairs of ``failure`` (``ortcore_repairs``), in the order plugins answered."""
+        return [item for _, item in self._collect_items("ortcore_repairs", config=self.config, failure=failure)]
 
     def data_utilities(self) -> dict[str, Any]:
         return self._merged("ortcore_data_utilities", "offer a data utility", config=self.config)

@@ -1,0 +1,279 @@
+"""Repair by routing: when a stage fails, find where, move that part to PyTorch, and try again.
+
+A model ORT cannot serve whole usually fails in one place: an op the exporter cannot express for these inputs, an
+op ORT has no gradient for, a graph optimizer that throws, a module whose gradients the audit finds wrong. Instead of
+sending the whole model back to PyTorch, the core
+
+1. **locates** the failure (:func:`locate`): the ``aten::`` ops and ONNX nodes its message names, the modules that
+   hold them (from ONNX node names, which carry the module scope, and from one eager run that records which
+   innermost module calls which op and where complex tensors live: :class:`ModuleTrace`), or the module the gradient
+   audit names;
+2. asks plugins how to repair it (``ortcore_repairs``): each answer is a :class:`Repair`, a change of one plugin's
+   options (route this op; run this module in PyTorch; switch this graph optimizer off), tried smallest first
+   (switches, then ops, then regions innermost first);
+3. applies the first repair that changes anything, exports and builds again, and audits again; at most
+   :data:`MAX_REPAIRS` times per model.
+
+A repair is configuration: the repaired model runs with exactly the options it would run with if the user had
+written them in ``ortcore.toml`` (``ORTModule.repairs`` lists them; ``ortcore explain`` shows what runs in PyTorch
+and why). The decision to re-export belongs to the state machine: repairs are part of the graph key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+logger = logging.getLogger("ortcore")
+
+MAX_REPAIRS = 6
+KIND_ORDER = {"switch": 0, "op": 1, "region": 2}
+
+
+@attrs.frozen
+class Failure:
+    """Where and how a stage failed.
+
+    ``stage`` is ``"export"``, ``"build"``, ``"run"`` or ``"audit"``; ``ops`` the ``aten::`` ops implicated,
+    ``onnx_ops`` the ONNX op types, ``nodes`` the ONNX node names; ``modules`` the module paths that hold the
+    failure, innermost first, then their enclosing modules (never ``""``: the whole model is the fallback, not a
+    repair)."""
+
+    stage: str
+    message: str
+    ops: tuple[str, ...] = ()
+    onnx_ops: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        where = []
+        if self.ops:
+            where.append(f"op {', '.join(self.ops)}")
+        if self.nodes:
+            where.append(f"node {', '.join(self.nodes[:3])}")
+        if self.modules:
+            where.append(f"module {self.modules[0]}")
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.stage} failed{' at ' + '; '.join(where) if where else ''}: {first[:300]}"
+
+
+@attrs.frozen(eq=False)
+class Repair:
+    """One way to repair a failure: new values for some of ``plugin``'s options (what ``[plugins.<plugin>]`` in
+    ortcore.toml would say).
+
+    ``kind`` orders the candidates: ``"switch"`` (an optimizer off), ``"op"`` (one op on PyTorch), ``"region"`` (a
+    module on PyTorch). ``reason`` is filled by the core with the failure it repairs."""
+
+    description: str
+    plugin: str
+    options: Mapping[str, Any]
+    kind: str = "region"
+    region: str | None = None
+    op: str | None = None
+    reason: str = ""
+
+    @property
+    def key(self) -> tuple:
+        return (self.plugin, tuple(sorted((k, repr(v)) for k, v in self.options.items())))
+
+
+class RepairFailed(Exception):
+    """No repair made the failing stage pass; ``tried`` lists the repairs attempted."""
+
+
+# -- locating -------------------------------------------------------------------------------------------------------
+
+_ATEN = re.compile(r"aten::([A-Za-z0-9_]+)")
+_OPERATOR = re.compile(r"(?:export of operator|the operator|operator '?)(?:aten::)?([a-z][a-z0-9_]*)", re.IGNORECASE)
+_NODE = re.compile(r"[Nn]ode\s*\(?'?([/\w.:\-]+)'?\)?")
+_OP_TYPE = re.compile(r"(?:Op\s*\(|op(?:_| )type[:= ]*\(?'?|for op(?: type)?:? '?)([A-Z][A-Za-z0-9]+)")
+_GRADIENT_OP = re.compile(r"(?:gradient|Grad)\w*\s+(?:builder\s+)?(?:for|of)\s+(?:op\s+)?'?([A-Z][A-Za-z0-9]+)")
+
+
+def _unique(items: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(i for i in items if i))
+
+
+def ops_named(text: str) -> tuple[str, ...]:
+    """The ``aten::`` ops a message names."""
+    found = [f"aten::{m}" for m in _ATEN.findall(text)]
+    found += [f"aten::{m}" for m in _OPERATOR.findall(text) if m not in ("the", "is")]
+    return _unique(found)
+
+
+def onnx_named(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(node names, ONNX op types)`` a message of ONNX Runtime names."""
+    nodes = [n for n in _NODE.findall(text) if "/" in n or "_" in n]
+    types = _OP_TYPE.findall(text) + _GRADIENT_OP.findall(text)
+    return _unique(nodes), _unique(types)
+
+
+def with_ancestors(paths: Sequence[str]) -> tuple[str, ...]:
+    """Each path, innermost first, followed by its enclosing modules (``a.b.c``, ``a.b``, ``a``), never ``""``."""
+    out: list[str] = []
+    for path in paths:
+        parts = path.split(".") if path else []
+        out.extend(".".join(parts[:n]) for n in range(len(parts), 0, -1))
+    return _unique(out)
+
+
+@attrs.define
+class ModuleTrace:
+    """What one eager forward shows: the ``aten::`` ops each module calls itself (not through a child), and the
+    modules whose own ops produce complex tensors while their inputs and outputs are real."""
+
+    ops: dict[str, set[str]] = attrs.field(factory=dict)  # module path -> aten ops it calls directly
+    complex_inside: set[str] = attrs.field(factory=set)  # modules whose own ops touch complex tensors
+    complex_boundary: set[str] = attrs.field(factory=set)  # modules with a complex input or output
+    order: list[str] = attrs.field(factory=list)  # modules in the order their forward started
+
+    def modules_calling(self, op: str) -> list[str]:
+        return [m for m in self.order if op in self.ops.get(m, ())]
+
+    def complex_regions(self) -> list[str]:
+        """For each module whose own ops touch complex tensors, the innermost enclosing module (itself included)
+        with real inputs and outputs: a region PyTorch can run whole."""
+        found = []
+        for path in self.order:
+            if path not in self.complex_inside:
+                continue
+            for candidate in with_ancestors([path]):
+                if candidate not in self.complex_boundary:
+                    found.append(candidate)
+                    break
+        return list(dict.fromkeys(found))
+
+
+def _is_complex(value: Any) -> bool:
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return any(isinstance(t, torch.Tensor) and t.is_complex() for t in leaves)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: ModuleTrace, stack: list[str]):
+        super().__init__()
+        self.trace, self.stack = trace, stack
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.stack:
+            path = self.stack[-1]
+            self.trace.ops.setdefault(path, set()).add(f"aten::{func._schema.name.split('::')[-1]}")
+            if _is_complex(out) or _is_complex(args):
+                self.trace.complex_inside.add(path)
+        return out
+
+
+def trace_modules(model: torch.nn.Module, args: tuple, kwargs: dict) -> ModuleTrace:
+    """Run ``model(*args, **kwargs)`` once eagerly, without gradients, recording :class:`ModuleTrace`. The model's
+    buffers and the random state are restored afterwards."""
+    trace = ModuleTrace()
+    stack: list[str] = []
+    handles = []
+
+    def pre(path: str):
+        def hook(_module: torch.nn.Module, inputs: Any, kw: Any = None) -> None:
+            stack.append(path)
+            trace.order.append(path)
+            if _is_complex(inputs) or _is_complex(kw):
+                trace.complex_boundary.add(path)
+
+        return hook
+
+    def post(path: str):
+        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            if _is_complex(output):
+                trace.complex_boundary.add(path)
+            if stack and stack[-1] == path:
+                stack.pop()
+
+        return hook
+
+    for path, module in model.named_modules():
+        if path:
+            handles.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
+            handles.append(module.register_forward_hook(post(path), always_call=True))
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    try:
+        with torch.no_grad(), _Recorder(trace, stack):
+            model(*args, **kwargs)
+    except Exception as e:  # the trace is evidence, not a requirement: an empty trace locates less
+        logger.debug("module trace for repair failed: %s: %s", type(e).__name__, e)
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        torch.random.set_rng_state(rng)
+    return trace
+
+
+def _node_modules(nodes: Sequence[Any], module_paths: set[str]) -> list[str]:
+    from .audit import node_module
+
+    return [m for m in (node_module(n, module_paths) for n in nodes) if m]
+
+
+def locate(
+    stage: str,
+    error: BaseException | str,
+    model: torch.nn.Module,
+    *,
+    trace: ModuleTrace | None = None,
+    onnx_model: Any = None,
+    module: str | None = None,
+) -> Failure:
+    """A :class:`Failure` for ``error`` at ``stage``: the ops and nodes its message names and the modules that hold
+    them. ``onnx_model`` (the exported graph, when the failure came after export) maps ONNX op types to node names;
+    ``module`` is a module already named (the gradient audit's); ``trace`` an eager :class:`ModuleTrace`."""
+    text = error if isinstance(error, str) else _chain_text(error)
+    ops = ops_named(text)
+    nodes, onnx_ops = onnx_named(text)
+    paths = {p for p, _ in model.named_modules()}
+    if onnx_model is not None and onnx_ops and not nodes:
+        nodes = _unique([n.name for n in onnx_model.graph.node if n.op_type in onnx_ops])
+    modules: list[str] = [module] if module else []
+    modules += _node_modules(nodes, paths)
+    if trace is not None:
+        for op in ops:
+            modules += trace.modules_calling(op)
+        if "omplex" in text or not modules:
+            modules += trace.complex_regions()
+    return Failure(stage, text, ops, onnx_ops, nodes, with_ancestors([m for m in modules if m in paths]))
+
+
+def _chain_text(error: BaseException) -> str:
+    """The message of an exception and of every exception it was raised from."""
+    parts, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        parts.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    return "\n".join(parts)
+
+
+def order_repairs(repairs: Sequence[Repair]) -> list[Repair]:
+    """Smallest change first: switches, then ops, then regions (innermost first, as plugins listed them)."""
+    return sorted(repairs, key=lambda r: KIND_ORDER.get(r.kind, 3))
+
+
+@contextlib.contextmanager
+def suppressed_logging(level: int = logging.ERROR) -> Iterator[None]:
+    previous = logger.level
+    logger.setLevel(max(previous, level))
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)

@@ -132,6 +132,8 @@ class AuditResult:
     seconds: float = 0.0
     rtol: float = 0.0
     atol: float = 0.0
+    # ONNX Runtime's own failure running the step (status "not audited"): the step would fail the same way.
+    error: BaseException | None = attrs.field(default=None, eq=False, repr=False)
 
     def message(self) -> str:
         if self.status == "not audited":
@@ -628,6 +630,7 @@ def audit(req: AuditRequest) -> AuditResult:
                     label,
                     reason=f"ONNX Runtime failed to run it ({type(e).__name__}: {e}); the step itself fails the same way",
                     seconds=time.perf_counter() - start,
+                    error=e,
                     **common,
                 )
             _set_rng_state(rng)

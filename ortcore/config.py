@@ -116,7 +116,7 @@ class CoreOptions:
         "ORTCORE_EXPORTER",
     )
     verify_gradients: bool = option(
-        False,
+        True,
         parse_bool,
         "gradient audit: on the first step of each new training graph, compare outputs, loss and every gradient "
         "with PyTorch's (docs/gradient_audit.md)",

@@ -41,3 +41,7 @@ class UnsupportedDeviceError(ORTCoreError, RuntimeError):
 
 class GraphBuildError(ORTCoreError, RuntimeError):
     """ONNX Runtime failed to build the gradient graph or the session for an exported model."""
+
+
+class FirstRunError(GraphBuildError):
+    """ONNX Runtime built a new graph but failed to run its first training step (forward or backward)."""

@@ -18,7 +18,13 @@ import torch
 from . import hf as _hf  # noqa: F401  (registers the Hugging Face cache adapter)
 from .audit import AuditRequest, AuditResult, GradientMismatchError, audit
 from .config import Config, CoreOptions
-from .errors import GraphBuildError, UnsupportedDataError, UnsupportedDeviceError, UnsupportedModelError
+from .errors import (
+    FirstRunError,
+    GraphBuildError,
+    UnsupportedDataError,
+    UnsupportedDeviceError,
+    UnsupportedModelError,
+)
 from .exporter import Exporter
 from .graph import ExportedGraph, range_violations, update_batch_norm
 from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of
@@ -26,6 +32,7 @@ from .inspectors import ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .pipeline import Pipeline
 from .plugins import Hooks, PluginHost, get_host
+from .repair import MAX_REPAIRS, Failure, Repair, locate, order_repairs, trace_modules
 from .schema import InputSchema, flatten_inputs
 from .session import TrainingSession
 from .state import ExportStateMachine, GraphKey, describe_violation
@@ -98,20 +105,14 @@ class _Runtime:
     """Per-ORTModule state that is rebuilt, not pickled: config, hooks, state machine, inspectors, fallback."""
 
     def __init__(self, module: torch.nn.Module, config: Config, hooks: Hooks, exporter: Exporter | None):
-        self.config = config
-        self.options = config.core
-        self.hooks = hooks
         self.custom_exporter = exporter  # pickled with the model; the plugins' exporter is asked for again
-        self.exporter = exporter or hooks.exporter(config)
-        symbolics = hooks.export_symbolics()
-        if symbolics and hasattr(self.exporter, "symbolics"):
-            self.exporter.symbolics.update(symbolics)
-        if hasattr(self.exporter, "use_hooks"):  # an exporter that takes its own contributions (the dynamo route)
-            self.exporter.use_hooks(hooks, config)
         self.state = ExportStateMachine(config.core.max_cached_graphs)
-        self.pipeline = Pipeline(config, hooks, self.exporter, self.state)
+        self._use(config, hooks)
         self.step = 0
         self.phases = phase_callbacks(hooks.runtime_inspectors(module))
+        # Repairs in force (ortcore.repair), oldest first, and every repair tried (by key), kept or not.
+        self.repairs: list[Repair] = []
+        self.tried: set[tuple] = set()
         # The gradient audit's result per training session (docs/gradient_audit.md): each is audited once.
         self.audited: weakref.WeakKeyDictionary[TrainingSession, AuditResult] = weakref.WeakKeyDictionary()
         self.audits: list[AuditResult] = []
@@ -119,6 +120,47 @@ class _Runtime:
             self.signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
             self.signature = None
+
+
+    def _use(self, config: Config, hooks: Hooks) -> None:
+        """Export and build with ``config`` and ``hooks`` from now on (at start, and after a repair)."""
+        self.config = config
+        self.options = config.core
+        self.hooks = hooks
+        self.exporter = self.custom_exporter or hooks.exporter(config)
+        symbolics = hooks.export_symbolics()
+        if symbolics and hasattr(self.exporter, "symbolics"):
+            self.exporter.symbolics.update(symbolics)
+        if hasattr(self.exporter, "use_hooks"):  # an exporter that takes its own contributions (the dynamo route)
+            self.exporter.use_hooks(hooks, config)
+        self.pipeline = Pipeline(config, hooks, self.exporter, self.state)
+
+    @property
+    def repairs_key(self) -> tuple:
+        return tuple(r.description for r in self.repairs)
+
+    def repair(self, failure: Failure) -> Repair | None:
+        """Apply the smallest repair of ``failure`` that plugins offer and that changes the effective options
+        (``ortcore_repairs``); None when none is left or :data:`~ortcore.repair.MAX_REPAIRS` were applied."""
+        if len(self.repairs) >= MAX_REPAIRS:
+            return None
+        for candidate in order_repairs(self.hooks.repairs(failure)):
+            if candidate.key in self.tried:
+                continue
+            self.tried.add(candidate.key)
+            host = self.hooks.host.with_plugin_options({candidate.plugin: candidate.options})
+            if host.config.plugin_options(candidate.plugin) == self.config.plugin_options(candidate.plugin):
+                logger.info("repair %r changes nothing (an environment variable sets the option)", candidate.description)
+                continue
+            repair = attrs.evolve(candidate, reason=failure.describe())
+            config = attrs.evolve(
+                self.config, plugins=host.config.plugins, plugin_tables=host.config.plugin_tables
+            )
+            self._use(config, host.hooks)
+            self.repairs.append(repair)
+            self.state.record_repair(repair.description, repair.reason)
+            return repair
+        return None
 
 
 class _ORTFunction(torch.autograd.Function):
@@ -169,6 +211,21 @@ class _ORTFunction(torch.autograd.Function):
 
 _WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "training"})
 _MISSING = object()
+
+
+def _stage_of(error: Exception) -> tuple[str | None, str | None]:
+    """``(stage, module)`` of a failure a repair may serve (``stage`` None: the model's own error, or bad data);
+    ``module`` is the one the gradient audit named."""
+    if isinstance(error, GradientMismatchError):
+        location = error.result.location
+        return "audit", location.module if location is not None else None
+    if isinstance(error, FirstRunError):
+        return "run", None
+    if isinstance(error, GraphBuildError):
+        return "build", None
+    if isinstance(error, UnsupportedModelError) and not _may_be_the_models_error(error):
+        return "export", None
+    return None, None
 
 
 def _may_be_the_models_error(error: Exception) -> bool:
@@ -314,6 +371,12 @@ class ORTModule(torch.nn.Module):
         return list(self._ortcore.audits)
 
     @property
+    def repairs(self) -> list[Repair]:
+        """The repairs in force, oldest first: each names what runs in PyTorch (or which optimizer is off), the
+        plugin options it set and the failure it repaired (``ortcore.repair``)."""
+        return list(self._ortcore.repairs)
+
+    @property
     def fallback_reason(self) -> str | None:
         """Why the model now runs in PyTorch, or None while it runs in ORT."""
         return self._ortcore.state.fallback_reason
@@ -339,18 +402,63 @@ class ORTModule(torch.nn.Module):
                 rt.state.fallback_reason = known
                 return self._original_module(*args, **kwargs)
             try:
-                graph, session, key = self._resolve(key, schema, tensors, subscription)
+                graph, session, key = self._resolve_verified(key, schema, tensors, params, buffers, subscription, args, kwargs)
             except tuple(_FALLBACK_FLAG) as e:
                 error, failed = e, key
             else:
                 rt.state.record_ort_run(key)
-                if rt.options.verify_gradients and session.request.build_gradient:
-                    self._audit(graph, session, key, schema, tensors, params, buffers)
                 step_state = subscription.start_step("ortcore") if subscription is not None else None
                 return self._execute(graph, session, tensors, params, buffers, (args, kwargs), step_state)
         # Out of the except blocks: an exception the model raises in PyTorch reaches the user as PyTorch raised it,
         # not chained to ortcore's. The model's own forward runs, and its hooks record the step.
         return self._fall_back(error, failed, args, kwargs)
+
+    def _resolve_verified(
+        self,
+        key: GraphKey,
+        schema: InputSchema,
+        tensors: list[torch.Tensor],
+        params: dict,
+        buffers: dict,
+        subscription: Any,
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple:
+        """``(graph, session, key)`` for the call, the first step of a new training graph audited against PyTorch
+        (``verify_gradients``). When export, the gradient build, the first run or the audit fails, the failure is
+        located and repaired by routing (:mod:`ortcore.repair`), and the call tried again under the repaired key;
+        when no repair is left the error propagates (the fallback policy then applies), noting what was tried."""
+        rt = self._ortcore
+        trace = None
+        while True:
+            try:
+                graph, session, key = self._resolve(key, schema, tensors, subscription)
+                if rt.options.verify_gradients and session.request.build_gradient:
+                    self._audit(graph, session, key, schema, tensors, params, buffers)
+                return graph, session, key
+            except (UnsupportedModelError, GraphBuildError, GradientMismatchError) as e:
+                stage, module = _stage_of(e)
+                if stage is None:
+                    raise
+                if trace is None:
+                    trace = trace_modules(self._original_module, args, kwargs)
+                graph = rt.state.graph_for(key)
+                failure = locate(
+                    stage,
+                    e,
+                    self._original_module,
+                    trace=trace,
+                    onnx_model=getattr(graph, "model", None),
+                    module=module,
+                )
+                if rt.repair(failure) is None:
+                    tried = ", ".join(r.description for r in rt.repairs)
+                    e.add_note(
+                        f"ortcore could not repair this by routing ({failure.describe()}); "
+                        + (f"repairs in force: {tried}" if tried else "no plugin offered a repair")
+                    )
+                    raise
+                key = attrs.evolve(key, repairs=rt.repairs_key)
 
     def _resolve(self, key: GraphKey, schema: InputSchema, tensors: list[torch.Tensor], subscription: Any) -> tuple:
         """``(graph, session, key)`` for the call. A graph valid for some input sizes only (the exporter's
@@ -456,12 +564,14 @@ class ORTModule(torch.nn.Module):
             rt.audited[session] = result
             rt.audits.append(result)
             rt.state.counters.audits += 1
-            if result.status == "not audited":
+            if result.status == "not audited" and result.error is None:
                 logger.warning("%s", result.message())
             elif result.status == "passed":
                 logger.info("%s", result.message())
         if result.status == "mismatch":
             raise GradientMismatchError(result)
+        if result.error is not None:
+            raise FirstRunError(f"ONNX Runtime failed to run the first step: {result.error}") from result.error
 
     def _audit_build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
         self._ortcore.state.record_probe("gradient audit")
@@ -499,6 +609,7 @@ class ORTModule(torch.nn.Module):
             input_requires_grad=inputs_rg,
             device=str(self._device(tensors, params)),
             taps=taps,
+            repairs=rt.repairs_key,
         )
 
     def _fall_back(self, error: Exception, failed: Any, args: tuple, kwargs: dict) -> Any:

@@ -383,6 +383,11 @@ class Hooks:
     def config(self) -> Config:
         return self._host.config
 
+    @property
+    def host(self) -> PluginHost:
+        """The plugin host these hooks call into."""
+        return self._host
+
     def exporter(self, config: Config | None = None) -> Any:
         """The exporter for an ORTModule with ``config`` (default: the host's): a plugin's ``ortcore_exporter``
         answer, else the one the ``exporter`` option names among ``ortcore_exporters``."""

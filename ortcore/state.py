@@ -32,6 +32,7 @@ EXPORT_FIELDS = (
     "opset",
     "exporter",
     "shape_class",
+    "repairs",
     "taps",
 )
 BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
@@ -57,6 +58,8 @@ class GraphKey:
     # Sizes outside the ranges a graph for this key was exported for (ortcore.graph.range_violations), one entry
     # per graph they fell outside of: such a call gets a graph of its own.
     shape_class: tuple = ()
+    # The repairs (ortcore.repair) in force when the graph was exported: a repair exports the model again.
+    repairs: tuple = ()
 
     @property
     def export_key(self) -> tuple:
@@ -116,6 +119,8 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
         reasons.append("train->eval" if old.training else "eval->train")
     elif old.module_modes != new.module_modes:
         reasons.append("train/eval mode of a submodule changed")
+    if old.repairs != new.repairs:
+        reasons.append(f"repaired: {new.repairs[-1] if new.repairs else 'no repair'}")
     if old.shape_class != new.shape_class:
         latest = new.shape_class[-1] if new.shape_class else ()
         reasons.append(
@@ -151,11 +156,12 @@ class Counters:
     routed_ops: int = 0  # op kinds run on PyTorch's kernels inside ORT's graph, summed over exports
     audits: int = 0  # gradient audits run (verify_gradients), one per newly built training graph
     probes: int = 0  # throw-away sessions created for analysis (a plugin's plan probe, the gradient audit's)
+    repairs: int = 0  # parts moved to PyTorch (or optimizers switched off) after a stage failed (ortcore.repair)
 
 
 @attrs.frozen
 class Transition:
-    action: str  # "export", "build", "reuse", "probe" or "reset"
+    action: str  # "export", "build", "reuse", "probe", "repair" or "reset"
     reason: str
 
 
@@ -248,6 +254,17 @@ class ExportStateMachine:
         (a plugin whose session settings changed: ORT's profiler, say, is a session setting)."""
         self._sessions.clear()
         self._record("reset", f"sessions only: {reason}")
+
+    def graph_for(self, key: GraphKey) -> Any:
+        """The exported graph cached for ``key``, or None (a build that failed still left its graph here)."""
+        return self._graphs.get(key.export_key)
+
+    def record_repair(self, what: str, why: str) -> None:
+        """A failing stage was repaired by ``what`` (an op or a module moved to PyTorch, an optimizer off): the next
+        call exports again under the repaired configuration."""
+        self.counters.repairs += 1
+        self.history.append(Transition("repair", f"{what}, because {why}"))
+        logger.warning("repair: %s, because %s", what, why)
 
     def record_probe(self, cause: str) -> None:
         """A throw-away session is created for analysis (``SessionPlan.probe``, the gradient audit)."""

@@ -1,13 +1,17 @@
 """Input and output schemas: the one place where user arguments and results are flattened and restored.
 
 Everything goes through :mod:`torch.utils._pytree`: a call ``model(*args, **kwargs)`` is bound to the forward
-signature (defaults filled in), flattened to leaves, and split into tensors (graph inputs) and constants (baked
-into the graph, so a changed constant is a changed schema). Outputs are flattened the same way after export and
-restored into the original structure, Hugging Face ``ModelOutput`` types included.
+signature (which names each argument), flattened to leaves, and split into tensors (graph inputs) and constants
+(baked into the graph, so a changed constant is a changed schema). The model's forward is then called the way the
+user called it (:class:`CallForm`): positional arguments positionally, keyword arguments by keyword, omitted
+defaults omitted, so that decorators reading ``kwargs`` (Hugging Face's) see the call they would see in PyTorch.
+Outputs are flattened the same way after export and restored into the original structure, Hugging Face
+``ModelOutput`` types included.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import inspect
@@ -25,6 +29,7 @@ from .errors import UnsupportedDataError
 
 # Non-tensor leaves that can be baked into a graph as constants (and compared by value).
 _CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, enum.Enum)
+
 
 def register_dataclass(cls: type) -> bool:
     """Dataclasses are flattened field by field."""
@@ -69,6 +74,72 @@ class Constant:
     def key(self) -> tuple:
         return (self.name, type(self.value).__name__, repr(self.value))
 
+    def restored(self) -> Any:
+        """The value an output gets back: the constant itself (immutable)."""
+        return self.value
+
+
+@attrs.frozen
+class ObjectConstant(Constant):
+    """An output object of a class pytree does not know, holding no tensor and no module (a result class with
+    flags, an empty cache): its value is the traced one, as for an int or str output. Each call gets a deep copy,
+    since PyTorch returns a new object per call and one call's change to it must not reach the next."""
+
+    def restored(self) -> Any:
+        return copy.deepcopy(self.value)
+
+
+def _tensor_or_module_inside(value: Any) -> str | None:
+    """Where a tensor or an ``nn.Module`` is inside ``value`` (through containers, ``__dict__`` and ``__slots__``),
+    as ``"attribute 'cache.keys' is a Tensor"``; None if there is none."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    seen: set[int] = set()
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, torch.Tensor | torch.nn.Module):
+            return f"attribute {where.lstrip('.')!r} is a {type(item).__name__}" if where else type(item).__name__
+        if id(item) in seen or isinstance(item, (*_CONSTANT_TYPES, type, types.FunctionType, types.ModuleType)):
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            stack.extend((v, f"{where}[{k!r}]") for k, v in item.items())
+            stack.extend((k, f"{where}<key>") for k in item)
+        elif isinstance(item, list | tuple | set | frozenset):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+        else:
+            state = dict(getattr(item, "__dict__", {}))
+            for cls in type(item).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    if isinstance(slot, str) and hasattr(item, slot):
+                        state[slot] = getattr(item, slot)
+            stack.extend((v, f"{where}.{k}") for k, v in state.items())
+    return None
+
+
+def _output_object(path: tuple, value: Any) -> ObjectConstant:
+    """An output leaf of a class pytree does not know, as a constant if nothing in it can change between calls of
+    one graph; otherwise an UnsupportedDataError naming the class and how to register it."""
+    cls = type(value)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    where = "output " + repr("output." + _path_name(path) if path else "output")
+    held = _tensor_or_module_inside(value)
+    if held is None:
+        try:
+            copy.deepcopy(value)
+        except Exception as e:  # any failure means: cannot be handed out per call
+            held = f"it cannot be deep-copied ({type(e).__name__}: {e})"
+    else:
+        held = f"it holds tensors or modules ({held})"
+    if held is not None:
+        raise UnsupportedDataError(
+            f"ORTModule does not support the following model output type {cls} ({where}): {held}, and ortcore cannot "
+            "pass an object of an unknown class through an ONNX graph. Register the class with "
+            f"torch.utils._pytree.register_pytree_node({cls.__qualname__}, flatten_fn, unflatten_fn) (or make it a "
+            f"dataclass), so that its tensors become graph outputs; {name} is returned as PyTorch returns it only when "
+            "it holds no tensor and no module"
+        )
+    return ObjectConstant(value)
+
 
 def _path_name(path: tuple, root: str = "input") -> str:
     text = ".".join(re.sub(r"^[\[.(']+|[\])']+$", "", pytree.keystr((k,))) for k in path)
@@ -79,11 +150,27 @@ def flatten_adapted(tree: Any, what: str = "value") -> tuple[list[tuple[tuple, A
     """Flatten with paths, offering leaf types pytree does not know to LEAF_ADAPTERS (a Hugging Face cache, say)
     and flattening again while one of them registers something. Leaves no adapter takes are returned as they are."""
     for _ in range(8):
-        leaves, spec = pytree.tree_flatten_with_path(tree)
+        leaves, spec = list(_key_paths((), tree)), pytree.tree_structure(tree)
         unknown = {type(v) for _, v in leaves if not isinstance(v, (torch.Tensor, *_CONSTANT_TYPES))}
         if not any(adapt(t) for t in unknown):
             return leaves, spec
     raise UnsupportedDataError(f"{what} has leaf types that could not be adapted")
+
+
+def _key_paths(path: tuple, tree: Any) -> Any:
+    """``(key path, leaf)`` pairs in ``tree_flatten``'s order, as ``tree_flatten_with_path`` gives them, except that a
+    class registered without a ``flatten_with_keys_fn`` (``register_pytree_node(cls, flatten, unflatten)``, which
+    error messages advise) numbers its children instead of failing."""
+    handler = pytree.SUPPORTED_NODES.get(pytree._get_node_type(tree))  # the one lookup pytree's flatten makes
+    if handler is None:
+        yield path, tree
+        return
+    if handler.flatten_with_keys_fn is not None:
+        keyed = handler.flatten_with_keys_fn(tree)[0]
+    else:
+        keyed = [(pytree.SequenceKey(i), c) for i, c in enumerate(handler.flatten_fn(tree)[0])]
+    for key, child in keyed:
+        yield from _key_paths((*path, key), child)
 
 
 def _flatten(tree: Any, what: str) -> tuple[list[tuple[tuple, Any]], pytree.TreeSpec]:
@@ -100,6 +187,42 @@ def _flatten(tree: Any, what: str) -> tuple[list[tuple[tuple, Any]], pytree.Tree
     return leaves, spec
 
 
+@attrs.frozen
+class CallForm:
+    """How a call was spelled: the number of positional arguments and the keyword names, in the caller's order.
+
+    Two calls that bind to the same arguments can still differ for the forward: a decorator reading ``kwargs``
+    (Hugging Face's ``use_cache`` and ``return_dict`` handling) sees a keyword argument but not a positional one, and
+    ``forward(x, use_cache=True)`` called as ``forward(x, True)`` raises "got multiple values" there. So the form is
+    part of the schema: each form of call is traced as it was made.
+    """
+
+    positional: int
+    keywords: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"{self.positional} positional, keywords ({', '.join(self.keywords)})"
+
+    def arguments(self, signature: inspect.Signature, bound: dict[str, Any]) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` as the caller spelled them, from ``bound`` (``BoundArguments.arguments`` of the call,
+        with new values)."""
+        params = signature.parameters
+        args: list[Any] = []
+        for name, p in params.items():
+            if len(args) >= self.positional:
+                break
+            if p.kind is p.VAR_POSITIONAL:
+                args.extend(bound.get(name, ()))
+                break
+            if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                break
+            args.append(bound[name])
+        var_keyword = next((n for n, p in params.items() if p.kind is p.VAR_KEYWORD), None)
+        named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        kwargs = {k: bound[k] if k in named else bound[var_keyword][k] for k in self.keywords}
+        return tuple(args), kwargs
+
+
 @attrs.frozen(eq=False)
 class InputSchema:
     """The structure of one call: tree spec, the template of leaves, and a hashable key for the state machine."""
@@ -108,10 +231,12 @@ class InputSchema:
     template: tuple  # TensorSpec for tensor slots, Constant for constant leaves
     names: tuple[str, ...]  # graph input name of each tensor slot
     signature: inspect.Signature | None
+    form: CallForm | None = None  # how the call was spelled; None without a signature (the tree is (args, kwargs))
 
     @property
     def structure(self) -> str:
-        return repr(self.spec)
+        """The tree spec and the call's form: a call spelled differently is traced on its own."""
+        return repr(self.spec) if self.form is None else f"{self.spec!r} called with {self.form.describe()}"
 
     @property
     def constants(self) -> tuple:
@@ -132,25 +257,29 @@ class InputSchema:
         return tuple(t.requires_grad for t in self.tensor_specs)
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
-        """Put tensors back into their slots and return ``(args, kwargs)`` for the wrapped module."""
+        """Put tensors back into their slots and return ``(args, kwargs)`` for the wrapped module, spelled as the
+        call was (:class:`CallForm`)."""
         it = iter(tensors)
         leaves = [next(it) if isinstance(t, TensorSpec) else t.value for t in self.template]
         tree = pytree.tree_unflatten(leaves, self.spec)
-        if self.signature is None:
+        if self.signature is None or self.form is None:
             return tree
-        bound = inspect.BoundArguments(self.signature, tree)
-        return bound.args, bound.kwargs
+        return self.form.arguments(self.signature, tree)
 
 
 def flatten_inputs(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[InputSchema, list]:
-    """Bind a call to the signature, flatten it, and return its schema and its tensors in slot order."""
+    """Bind a call to the signature, flatten it, and return its schema and its tensors in slot order.
+
+    Only the arguments the caller passed are bound (defaults are the forward's own business, as in PyTorch); each is
+    named after its parameter (``x``, ``args.0``, ``kwargs.attention_mask``) however it was passed."""
+    form = None
     if signature is not None:
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as e:
             raise UnsupportedDataError(f"arguments do not match forward{signature}: {e}") from e
-        bound.apply_defaults()
         tree: Any = dict(bound.arguments)
+        form = CallForm(len(args), tuple(kwargs))
     else:
         tree = (tuple(args), dict(kwargs))
     leaves, spec = _flatten(tree, "input")
@@ -162,7 +291,7 @@ def flatten_inputs(signature: inspect.Signature | None, args: tuple, kwargs: dic
             tensors.append(value)
         else:
             template.append(Constant(value, _path_name(path)))
-    return InputSchema(spec, tuple(template), _unique(names), signature), tensors
+    return InputSchema(spec, tuple(template), _unique(names), signature, form), tensors
 
 
 def _unique(names: list[str]) -> tuple[str, ...]:
@@ -197,7 +326,7 @@ class OutputSchema:
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> Any:
         it = iter(tensors)
-        leaves = [next(it) if t is None else t.value for t in self.template]
+        leaves = [next(it) if t is None else t.restored() for t in self.template]
         return pytree.tree_unflatten(leaves, self.spec)
 
     def to_json(self) -> dict[str, Any]:
@@ -238,16 +367,24 @@ class OutputSchema:
 
 
 def flatten_outputs(outputs: Any) -> tuple[OutputSchema, list[torch.Tensor]]:
-    """Flatten a module's outputs into tensors and a schema that restores them."""
-    leaves, spec = _flatten(outputs, "output")
+    """Flatten a module's outputs into tensors and a schema that restores them.
+
+    A leaf of a class pytree does not know (after the leaf adapters) is returned as the traced run returned it
+    (:class:`ObjectConstant`: a deep copy per call) when it holds no tensor and no module, like an int or str output
+    whose value is the trace's; one holding tensors raises UnsupportedDataError naming the class and how to register
+    it with ``torch.utils._pytree.register_pytree_node``.
+    """
+    leaves, spec = flatten_adapted(outputs, "output")
     template, names, tensors = [], [], []
     for path, value in leaves:
         if isinstance(value, torch.Tensor):
             template.append(None)
             names.append("output." + _path_name(path) if path else "output")
             tensors.append(value)
-        else:
+        elif isinstance(value, _CONSTANT_TYPES):
             template.append(Constant(value))
+        else:
+            template.append(_output_object(path, value))
     return OutputSchema(spec, tuple(template), _unique(names)), tensors
 
 

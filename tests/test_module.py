@@ -8,9 +8,11 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import inspect
 import io
 import pickle
+from typing import ClassVar
 
 import pytest
 import torch
@@ -563,10 +565,115 @@ def test_positional_keyword_and_default_arguments_match_torch():
         ((x, y), {"scale": 0.5}),
         ((x, y), {"bias": b}),
     ]
-    for args, kwargs in calls:
-        assert_close(model(*args, **kwargs), reference(*args, **kwargs), msg=f"{len(args)} args, {sorted(kwargs)}")
-    # the first four calls bind to the same arguments: one graph
-    assert model.state_machine.counters.exports == 3
+    for _ in range(2):
+        for args, kwargs in calls:
+            assert_close(model(*args, **kwargs), reference(*args, **kwargs), msg=f"{len(args)} args, {sorted(kwargs)}")
+    # Each spelling of a call is traced as it was made (a decorator may read kwargs): one graph each, reused when the
+    # same spelling comes again.
+    assert model.state_machine.counters.exports == len(calls)
+
+
+def hf_style_kwargs(forward):
+    """Like Hugging Face's output decorators: reads ``use_cache`` from ``kwargs`` and passes it on as a keyword, so
+    the forward must receive it as the caller passed it (turned positional, it arrives twice)."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        use_cache = kwargs.pop("use_cache", None)
+        kwargs["use_cache"] = bool(use_cache) if use_cache is not None else self.default_use_cache
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class DecoratedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.default_use_cache = False
+
+    @hf_style_kwargs
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, use_cache: bool | None = None):
+        y = self.fc(x)
+        if mask is not None:
+            y = y * mask
+        return {"out": y, "cache": y.detach() * 2} if use_cache else {"out": y}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, x, mask: m(x, use_cache=True),
+        lambda m, x, mask: m(x, mask=mask, use_cache=True),
+        lambda m, x, mask: m(x=x, use_cache=False),
+        lambda m, x, mask: m(x, mask),  # use_cache left to the decorator's default
+    ],
+    ids=["keyword", "positional-by-keyword-and-keyword", "all-keywords", "default-omitted"],
+)
+def test_decorator_reading_kwargs_sees_the_call_as_made(call):
+    model, reference = ort_and_torch(DecoratedForward())
+    x, mask = torch.randn(3, 4), (torch.rand(3, 4) > 0.5).float()
+    out, expected = call(model, x, mask), call(reference, x, mask)
+    assert list(out) == list(expected)
+    assert_close(out, expected)
+    out["out"].sum().backward()
+    expected["out"].sum().backward()
+    assert_grads_match(model, reference)
+
+
+class KeywordOnlyAndVarKeyword(nn.Module):
+    # On the class, not the instance: ORTModule traces a deep copy of the model.
+    seen: ClassVar[list[tuple[int, tuple[str, ...]]]] = []
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor, scale: torch.Tensor, **kwargs: torch.Tensor):
+        type(self).seen.append((len(rest), tuple(kwargs)))  # what the forward received
+        y = self.fc(x) * scale
+        for r in rest:
+            y = y + r
+        for value in kwargs.values():
+            y = y * value
+        return y
+
+
+def test_keyword_only_var_positional_and_var_keyword_arguments_reach_forward_as_passed():
+    model, reference = ort_and_torch(KeywordOnlyAndVarKeyword())
+    x, r, scale = torch.randn(3, 4), torch.randn(3, 4), torch.rand(4) + 0.5
+    attention_mask, weights = (torch.rand(3, 4) > 0.3).float(), torch.rand(3, 4)
+    # keyword order is the caller's: the forward iterates kwargs
+    KeywordOnlyAndVarKeyword.seen.clear()
+    out = model(x, r, weights=weights, scale=scale, attention_mask=attention_mask)
+    expected = reference(x, r, weights=weights, scale=scale, attention_mask=attention_mask)
+    assert_close(out, expected)
+    # every call of the forward (the trace, a gradient audit, PyTorch's own) received the arguments as passed
+    assert len(KeywordOnlyAndVarKeyword.seen) >= 2
+    assert set(KeywordOnlyAndVarKeyword.seen) == {(1, ("weights", "attention_mask"))}
+    graph, _ = model.state_machine.current
+    assert graph.user_input_names == ["x", "rest.0", "scale", "kwargs.weights", "kwargs.attention_mask"]
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_match(model, reference)
+
+
+class OnlyVarKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, **kwargs: torch.Tensor):
+        return self.fc(kwargs["input_ids"]) * kwargs.get("attention_mask", 1.0)
+
+
+def test_var_keyword_forward_gets_its_keywords():
+    model, reference = ort_and_torch(OnlyVarKeyword())
+    x, mask = torch.randn(3, 4), (torch.rand(3, 4) > 0.5).float()
+    assert_close(model(input_ids=x, attention_mask=mask), reference(input_ids=x, attention_mask=mask))
+    assert_close(model(input_ids=x), reference(input_ids=x))
+    graph, _ = model.state_machine.current
+    assert graph.user_input_names == ["kwargs.input_ids"]
 
 
 class Nested(nn.Module):
@@ -709,4 +816,104 @@ def test_outputs_computed_without_trainable_inputs_do_not_require_grad_like_torc
         assert_close(out, ref)
     outputs[0].sum().backward()
     expected[0].sum().backward()
+    assert_grads_match(model, reference)
+
+
+# -- outputs of classes pytree does not know --------------------------------------------------------------------------
+
+
+class RunInfo:
+    """A result class pytree does not know, holding no tensor."""
+
+    def __init__(self, mode: str, layers: list[int]):
+        self.mode = mode
+        self.layers = layers
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunInfo) and (self.mode, self.layers) == (other.mode, other.layers)
+
+
+class ReturnsRunInfo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mode: str = "train"):
+        return self.fc(x), RunInfo(mode, [4, 3])
+
+
+def test_output_object_without_tensors_is_returned_as_torch_returns_it():
+    model, reference = ort_and_torch(ReturnsRunInfo())
+    x = torch.randn(5, 4)
+    (out, info), (expected, expected_info) = model(x, "eval"), reference(x, "eval")
+    assert type(info) is RunInfo and info == expected_info
+    assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_match(model, reference)
+    # a new object per call, as in PyTorch: one call's change does not reach the next
+    info.layers.append(99)
+    _, again = model(x, "eval")
+    assert again == expected_info and again is not info
+    # its value is the trace's for the call's constants: another mode is another graph
+    _, other = model(x, "train")
+    assert other == reference(x, "train")[1]
+    assert model.state_machine.counters.exports == 2
+
+
+class Holder:
+    """A class pytree does not know, holding tensors."""
+
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor):
+        self.logits = logits
+        self.mask = mask
+
+
+class ReturnsHolder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> Holder:
+        y = self.fc(x)
+        return Holder(y, (y > 0).long())
+
+
+def test_output_object_holding_tensors_is_refused_naming_the_class_and_the_registration():
+    model = wrap(ReturnsHolder())
+    with pytest.raises(ortcore.UnsupportedDataError) as raised:
+        model(torch.randn(5, 4))
+    message = str(raised.value)
+    assert "ORTModule does not support the following model output type" in message  # upstream's words
+    assert f"{Holder.__module__}.Holder" in message
+    assert "attribute 'logits' is a Tensor" in message or "attribute 'mask' is a Tensor" in message
+    assert "torch.utils._pytree.register_pytree_node(Holder" in message
+
+
+class RegisteredHolder(Holder):
+    pass
+
+
+def test_output_object_registered_with_pytree_trains_like_torch():
+    import torch.utils._pytree as pytree
+
+    pytree.register_pytree_node(
+        RegisteredHolder,
+        lambda h: ([h.logits, h.mask], None),
+        lambda children, _: RegisteredHolder(*children),
+    )
+
+    class ReturnsRegistered(ReturnsHolder):
+        def forward(self, x: torch.Tensor) -> RegisteredHolder:
+            y = self.fc(x)
+            return RegisteredHolder(y, (y > 0).long())
+
+    model, reference = ort_and_torch(ReturnsRegistered())
+    x = torch.randn(5, 4)
+    out, expected = model(x), reference(x)
+    assert type(out) is RegisteredHolder
+    assert_close(out.logits, expected.logits)
+    assert torch.equal(out.mask, expected.mask)
+    out.logits.sum().backward()
+    expected.logits.sum().backward()
     assert_grads_match(model, reference)

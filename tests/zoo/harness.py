@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .catalog import MODELS
+from .catalogs import DEFAULT_CATALOG, check_catalog, models
 
 REPO = Path(__file__).resolve().parents[2]
 # Per model; the largest (convnext_tiny, 28M parameters) takes under a minute on 2 busy cores.
@@ -65,27 +65,33 @@ def _describe_returncode(code: int) -> str:
 
 
 def run_model(
-    name: str, out_dir: Path, timeout: float = DEFAULT_TIMEOUT_S, exporter: str = EXPORTERS[0]
+    name: str,
+    out_dir: Path,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    exporter: str = EXPORTERS[0],
+    catalog: str = DEFAULT_CATALOG,
 ) -> dict[str, Any]:
-    """Run zoo model ``name`` on ``exporter``'s route in a child process; return its result, or a crash/timeout
-    result made here.
+    """Run the model ``name`` of the zoo ``catalog`` on ``exporter``'s route in a child process; return its result,
+    or a crash/timeout result made here.
 
     The child writes ``out_dir/<name>.json``; a child that dies or hangs is recorded with its return code (or the
     timeout) and the end of its stderr, and that record is written to the same file.
     """
-    if name not in MODELS:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
+    known = models(check_catalog(catalog))
+    if name not in known:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(known)}")
     check_exporter(exporter)
     out = Path(out_dir) / f"{name}.json"
     out.unlink(missing_ok=True)
     # faulthandler: a child killed by a signal leaves its Python stack in stderr, which the crash result keeps.
     cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.zoo.run_model", name, "--json", str(out)]
+    cmd += ["--catalog", catalog]
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=REPO, env=child_env(exporter), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        result = _failure(name, "timeout", f"no result after {timeout:.0f} s (killed)", stderr)
+        result = _failure(name, "timeout", f"no result after {timeout:.0f} s (killed)", stderr, catalog)
         result["exporter"] = exporter
     else:
         if out.is_file():
@@ -93,7 +99,7 @@ def run_model(
             result["returncode"] = done.returncode
             result["stdout"] = done.stdout[-4000:]
         else:
-            result = _failure(name, "crash", _describe_returncode(done.returncode), done.stderr)
+            result = _failure(name, "crash", _describe_returncode(done.returncode), done.stderr, catalog)
             result["returncode"] = done.returncode
             result["exporter"] = exporter
     result["wall_s"] = time.perf_counter() - t0
@@ -104,14 +110,15 @@ def run_model(
     return result
 
 
-def _failure(name: str, status: str, what: str, stderr: str) -> dict[str, Any]:
+def _failure(name: str, status: str, what: str, stderr: str, catalog: str = DEFAULT_CATALOG) -> dict[str, Any]:
     from .run_model import failing_op
 
-    spec = MODELS[name]
+    spec = models(catalog)[name]
     tail = stderr.strip().splitlines()[-30:]
     last = next((line for line in reversed(tail) if line.strip()), "")
     return {
         "model": name,
+        "catalog": catalog,
         "family": spec.family,
         "description": spec.description,
         "status": status,

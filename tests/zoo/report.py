@@ -9,6 +9,9 @@ python -m tests.zoo.report --exporter dynamo        # rerun the dynamo route onl
 python -m tests.zoo.report --exporter dynamo --models bert,gpt2   # rerun these models on that route only
 python -m tests.zoo.report --exporter torchscript --results DIR   # record an earlier run's JSON (the pytest zoo)
 python -m tests.zoo.report --render                 # rewrite the page from the records, running nothing
+python -m tests.zoo.report --catalog wide --exporter torchscript   # the wide zoo (records/wide/), its section
+
+The wide zoo (``catalog_wide``) has its records in ``records/wide/`` and its own section at the end of the page.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `tests.zoo` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.zoo.catalog import MODELS  # noqa: E402
+from tests.zoo.catalogs import CATALOGS, DEFAULT_CATALOG, models  # noqa: E402
 from tests.zoo.deps import ensure_torchvision  # noqa: E402
 from tests.zoo.failures import BY_KEY, categorize, failure_op  # noqa: E402
 from tests.zoo.harness import EXPORTERS, REPO, check_exporter, describe_failure, run_model, source_commit  # noqa: E402
@@ -40,16 +44,20 @@ REGENERATE = "python -m tests.zoo.report"
 
 
 def run_all(
-    names: list[str], out_dir: Path, exporter: str = EXPORTERS[0], log: bool = True
+    names: list[str],
+    out_dir: Path,
+    exporter: str = EXPORTERS[0],
+    log: bool = True,
+    catalog: str = DEFAULT_CATALOG,
 ) -> tuple[list[dict[str, Any]], float]:
-    """Run ``names`` on ``exporter``'s route, one process each, into ``out_dir``; return the results and the total
-    wall time in seconds."""
-    if any(MODELS[n].family == "torchvision" for n in names):
+    """Run ``names`` of ``catalog`` on ``exporter``'s route, one process each, into ``out_dir``; return the results
+    and the total wall time in seconds."""
+    if any(models(catalog)[n].family == "torchvision" for n in names):
         ensure_torchvision()
     results = []
     t0 = time.perf_counter()
     for name in names:
-        result = run_model(name, out_dir, exporter=exporter)
+        result = run_model(name, out_dir, exporter=exporter, catalog=catalog)
         results.append(result)
         if log:
             print(
@@ -61,7 +69,9 @@ def run_all(
     return results, time.perf_counter() - t0
 
 
-def read_results(directory: Path, names: list[str], exporter: str = EXPORTERS[0]) -> list[dict[str, Any]]:
+def read_results(
+    directory: Path, names: list[str], exporter: str = EXPORTERS[0], catalog: str = DEFAULT_CATALOG
+) -> list[dict[str, Any]]:
     """The results found in ``directory`` for ``names``; a model without a result file is listed as not run.
 
     A result another exporter produced is refused (it would land in the wrong column).
@@ -78,7 +88,7 @@ def read_results(directory: Path, names: list[str], exporter: str = EXPORTERS[0]
                 )
             results.append(result)
         else:
-            spec = MODELS[name]
+            spec = models(catalog)[name]
             results.append(
                 {
                     "model": name,
@@ -127,6 +137,18 @@ def _routed(result: dict[str, Any]) -> str:
     return "; ".join(f"{', '.join(ops)} ({reason})" for reason, ops in by_reason.items())
 
 
+def _pytorch_functions(result: dict[str, Any]) -> str:
+    """The autograd Functions and routed regions that run as PythonOps (explain() lists them under ORT)."""
+    nodes = (result.get("ort_op_share") or {}).get("pytorch_nodes") or {}
+    found = [f"{op.split(':', 1)[1].rpartition('.')[2]}×{n}" for op, n in nodes.items() if op.startswith("PythonOp:")]
+    return ", ".join(found)
+
+
+def _share(result: dict[str, Any], key: str) -> float | None:
+    share = (result.get(key) or {}).get("share")
+    return share if isinstance(share, int | float) else None
+
+
 def _step(result: dict[str, Any]) -> str:
     st = result.get("step_s")
     if not st:
@@ -161,6 +183,12 @@ def row(result: dict[str, Any], commit: str) -> dict[str, Any]:
         "reason": describe_failure(result),
         "margin": _margin(result),
         "routed": _routed(result),
+        "python_ops": _pytorch_functions(result),
+        "ort_op_share": _share(result, "ort_op_share"),
+        "ort_time_share": _share(result, "ort_time_share"),
+        "curve_judged_by_perturbed": any(
+            c.get("judged_by") == "perturbed eager" for c in (result.get("checks") or {}).get("curve", [])
+        ),
         "step": _step(result),
         "step_ratio": result.get("step_ratio"),
         "first_step_s": result.get("ortcore_first_step_s"),
@@ -171,13 +199,19 @@ def row(result: dict[str, Any], commit: str) -> dict[str, Any]:
 
 
 def make_record(
-    exporter: str, results: list[dict[str, Any]], wall_s: float, how: str, commit: str, previous: dict | None = None
+    exporter: str,
+    results: list[dict[str, Any]],
+    wall_s: float,
+    how: str,
+    commit: str,
+    previous: dict | None = None,
+    catalog: str = DEFAULT_CATALOG,
 ) -> dict[str, Any]:
     """A route's record: ``previous`` (if any) with the rows of ``results`` replaced, and this run's particulars."""
     rows = dict(previous["models"]) if previous else {}
     rows.update({r["model"]: row(r, commit) for r in results})
     # Catalog order; a model no longer in the catalog is dropped.
-    rows = {name: rows[name] for name in MODELS if name in rows}
+    rows = {name: rows[name] for name in models(catalog) if name in rows}
     return {
         "exporter": exporter,
         "commit": commit,
@@ -191,15 +225,18 @@ def make_record(
     }
 
 
-def record_path(exporter: str, records: Path = RECORDS) -> Path:
-    return records / f"{check_exporter(exporter)}.json"
+def record_path(exporter: str, records: Path = RECORDS, catalog: str = DEFAULT_CATALOG) -> Path:
+    """Where a route's record of ``catalog`` is kept: ``records/<route>.json`` for the main zoo,
+    ``records/<catalog>/<route>.json`` for another."""
+    base = records if catalog == DEFAULT_CATALOG else records / catalog
+    return base / f"{check_exporter(exporter)}.json"
 
 
-def load_records(records: Path = RECORDS) -> dict[str, dict[str, Any]]:
-    """The record of every route that has one, in ``EXPORTERS`` order."""
+def load_records(records: Path = RECORDS, catalog: str = DEFAULT_CATALOG) -> dict[str, dict[str, Any]]:
+    """The record of every route that has one for ``catalog``, in ``EXPORTERS`` order."""
     found = {}
     for exporter in EXPORTERS:
-        path = record_path(exporter, records)
+        path = record_path(exporter, records, catalog)
         if path.is_file():
             found[exporter] = json.loads(path.read_text())
     return found
@@ -401,6 +438,89 @@ def render(records: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+WIDE = "wide"
+#: A model that passes with less than this share of its training graph's nodes on ORT's kernels runs mostly in
+#: PyTorch: the zoo's test fails it (ortcore would then be a slower PyTorch).
+MIN_ORT_OP_SHARE = 0.5
+
+
+def _percent(x: Any) -> str:
+    return f"{x:.0%}" if isinstance(x, int | float) else "-"
+
+
+def _cause(r: dict[str, Any]) -> str:
+    """Why a wide-zoo model did not pass, in a line: its cause's label and first error line, or the mismatch."""
+    if r["status"] == "pass":
+        return ""
+    category = BY_KEY.get(r.get("category") or "other", BY_KEY["other"])
+    text = r["reason"] if r["status"] == "mismatch" else (r["first_error"] or r["reason"])
+    label = "" if category.key in ("other", "mismatch") else f"{category.label}: "
+    return label + text[:300].replace("`", "'")
+
+
+def render_wide(records: dict[str, dict[str, Any]]) -> str:
+    """The wide zoo's section of the page, from its routes' ``records`` (``records/wide/<route>.json``)."""
+    catalog = models(WIDE)
+    lines = [
+        "## Wide zoo",
+        "",
+        f"A second zoo of {len(catalog)} models, none of them in the table above, chosen for variety of ops "
+        "(`tests/zoo/catalog_wide.py`; each entry's description says what it exercises): other Hugging Face "
+        "families of text, vision and speech, more torchvision classifiers, and plain-torch patterns. Run and "
+        "judged as above, plus two numbers per model: *ORT op share*, the share of the training graph's nodes "
+        "(forward and backward, `YieldOp` left out) that run on ORT's kernels, i.e. that are not "
+        "`org.pytorch.aten::ATen` or `com.microsoft::PythonOp`/`PythonOpGrad` nodes; and *ORT time share*, the "
+        "share of a step's kernel time spent in ORT's kernels (op_profiler plugin, 2 profiled steps). A model "
+        "with batch norm in training mode is also run in float32 eager on its batch with the rows reversed (the "
+        "same math, other summation orders); a point of its AdamW curve that fails the tolerance passes if "
+        f"ortcore is within {F64_FACTOR:g}× as far from eager as that run is (marked *curve vs perturbed eager*).",
+        "",
+        "`python -m pytest tests/zoo -m slow -k wide` runs it: each model's status must be the one recorded here "
+        "(as for the dynamo route above), and a model that passes must run at least "
+        f"{MIN_ORT_OP_SHARE:.0%} of its graph's nodes on ORT. Rerun and record: "
+        f"`{REGENERATE} --catalog wide --exporter torchscript`.",
+        "",
+    ]
+    for e, rec in records.items():
+        rows = rec["models"]
+        lines += [
+            f"### Wide zoo, {e} route: {_counts(rows)}",
+            "",
+            "| model | family | exercises | status | on PyTorch inside the graph (why) | ORT op share "
+            "| ORT time share | cause of failure |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name in catalog:
+            r = rows.get(name)
+            if r is None:
+                continue
+            routed = r["routed"]
+            if r.get("python_ops"):
+                routed = ("" if routed in ("none", "-") else routed + "; ") + f"PythonOp {r['python_ops']}"
+            status = _status_cell(r).split(":")[0]
+            if r.get("curve_judged_by_perturbed"):
+                status += " (curve vs perturbed eager)"
+            lines.append(
+                f"| {name} | {r['family']} | {_cell(r['description'])} | {status} | {_cell(routed)} "
+                f"| {_percent(r.get('ort_op_share'))} | {_percent(r.get('ort_time_share'))} | {_cell(_cause(r))} |"
+            )
+        lines.append("")
+        commits = sorted({r["commit"] for r in rows.values()})
+        lines += [
+            f"{rec['how']}; total wall time {rec['wall_s'] / 60:.1f} min for {rec['models_run']} models. ortcore at "
+            f"{', '.join(commits)}; {rec['versions']}; {rec['machine']}; generated {rec['generated']}.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def render_page(records: Path = RECORDS) -> str:
+    """The whole page: the main zoo's routes (``render``), then the wide zoo's section if it has records."""
+    page = render(load_records(records))
+    wide = load_records(records, WIDE)
+    return page + "\n" + render_wide(wide) if wide else page
+
+
 def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -417,7 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--results", type=Path, help="record the results in this directory instead of running")
     parser.add_argument("--keep", type=Path, help="directory for the JSON results of this run (default: temporary)")
-    parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--models", help="comma-separated subset of the catalog's models")
+    parser.add_argument(
+        "--catalog", default=DEFAULT_CATALOG, choices=list(CATALOGS), help="the zoo to run (default: %(default)s)"
+    )
     parser.add_argument("--render", action="store_true", help="only rewrite the page from the records")
     parser.add_argument(
         "--commit",
@@ -430,24 +553,25 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [e for e in exporters if e not in EXPORTERS]
     if unknown or not exporters:
         parser.error(f"--exporter {args.exporter!r}: allowed routes are {', '.join(EXPORTERS)}")
-    names = list(MODELS)
+    known = models(args.catalog)
+    names = list(known)
     if args.models:
         names = [n.strip() for n in args.models.split(",") if n.strip()]
-        unknown = [n for n in names if n not in MODELS]
+        unknown = [n for n in names if n not in known]
         if unknown:
-            parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+            parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(known)}")
     if args.results and len(exporters) != 1:
         parser.error("--results needs exactly one --exporter: the route those results were run on")
     commit = args.commit or source_commit()
     if not args.render:
         for exporter in exporters:
-            path = record_path(exporter, args.records)
+            path = record_path(exporter, args.records, args.catalog)
             previous = json.loads(path.read_text()) if path.is_file() else None
             if args.results:
                 if not args.results.is_dir():
                     parser.error(f"--results {args.results}: not a directory")
                 try:
-                    results = read_results(args.results, names, exporter)
+                    results = read_results(args.results, names, exporter, args.catalog)
                 except ValueError as e:
                     parser.error(str(e))
                 wall = sum(r.get("wall_s", 0.0) for r in results)
@@ -456,17 +580,17 @@ def main(argv: list[str] | None = None) -> int:
                 with tempfile.TemporaryDirectory(prefix=f"ortcore-zoo-{exporter}-") as tmp:
                     out_dir = (args.keep / exporter) if args.keep else Path(tmp)
                     out_dir.mkdir(parents=True, exist_ok=True)
-                    results, wall = run_all(names, out_dir, exporter)
+                    results, wall = run_all(names, out_dir, exporter, catalog=args.catalog)
                 how = "models run one after another, one process each"
             if args.models:
                 how += f" (this run: {len(names)} of the models; the others as recorded before)"
-            record = make_record(exporter, results, wall, how, commit, previous)
+            record = make_record(exporter, results, wall, how, commit, previous, args.catalog)
             write_atomic(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
             print(f"{exporter}: {_counts(record['models'])}, {wall / 60:.1f} min", file=sys.stderr)
     records = load_records(args.records)
     if not records:
         parser.error(f"no records in {args.records}; run {REGENERATE} first")
-    write_atomic(args.out, render(records))
+    write_atomic(args.out, render_page(args.records))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

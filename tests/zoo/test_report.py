@@ -6,11 +6,24 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from .catalog import MODELS
+from .catalogs import models
 from .failures import BY_KEY, CATEGORIES, categorize
 from .harness import EXPORTERS, child_env, run_model
-from .report import DEFAULT_OUT, REGENERATE, documented_statuses, load_records, main, make_record, read_results, render
+from .report import (
+    DEFAULT_OUT,
+    REGENERATE,
+    WIDE,
+    documented_statuses,
+    load_records,
+    main,
+    make_record,
+    read_results,
+    render,
+    render_page,
+)
 
 
 def _error(first_line: str, type_: str = "UnsupportedModelError") -> dict:
@@ -27,7 +40,52 @@ def _error(first_line: str, type_: str = "UnsupportedModelError") -> dict:
 def test_page_is_what_the_records_render_to() -> None:
     records = load_records()
     assert set(records) == set(EXPORTERS), f"missing records; run {REGENERATE}"
-    assert DEFAULT_OUT.read_text() == render(records), f"docs/models.md is stale or edited by hand; run {REGENERATE}"
+    assert DEFAULT_OUT.read_text() == render_page(), f"docs/models.md is stale or edited by hand; run {REGENERATE}"
+
+
+def test_wide_zoo_is_another_40_models_each_described_and_recorded() -> None:
+    wide = models(WIDE)
+    assert len(wide) >= 40
+    assert not set(wide) & set(MODELS), "the wide zoo repeats models of the main zoo"
+    assert all(m.description for m in wide.values())
+    record = load_records(catalog=WIDE).get(EXPORTERS[0])
+    assert record is not None, f"no record of the wide zoo; run {REGENERATE} --catalog wide --exporter {EXPORTERS[0]}"
+    assert list(record["models"]) == list(wide)
+
+
+def test_a_curve_point_within_the_perturbed_eager_spread_passes() -> None:
+    from .run_model import _judge_by_perturbed, compare
+
+    def check(ortcore: float, eager: float, perturbed: float) -> dict:
+        entry = compare(torch.tensor(ortcore), torch.tensor(eager), None)
+        _judge_by_perturbed(entry, ortcore, eager, perturbed)
+        return entry
+
+    assert check(1.003, 1.0, 1.001)["judged_by"] == "perturbed eager"  # 3x the spread float32 itself shows
+    assert not check(1.1, 1.0, 1.001)["ok"]  # 100x: not rounding
+    assert not check(1.003, 1.0, 1.0)["ok"]  # no spread at all
+    assert "judged_by" not in check(1.0, 1.0, 1.1)  # within tolerance: judged as before
+
+
+def test_ort_op_share_counts_aten_and_python_op_nodes_as_pytorch() -> None:
+    import types
+
+    import onnx.helper as h
+
+    from .run_model import ort_op_share
+
+    nodes = [
+        h.make_node("MatMul", ["a", "b"], ["c"]),
+        h.make_node("ATen", ["c"], ["d"], domain="org.pytorch.aten", operator="gelu"),
+        h.make_node("YieldOp", ["d"], ["e"], domain="com.microsoft"),
+        h.make_node("PythonOpGrad", ["e"], ["f"], domain="com.microsoft", func_name="mod.Fn"),
+        h.make_node("Add", ["f", "f"], ["g"]),
+    ]
+    model = h.make_model(h.make_graph(nodes, "g", [], []))
+    ort = types.SimpleNamespace(state_machine=types.SimpleNamespace(current=(None, types.SimpleNamespace(model=model))))
+    share = ort_op_share(ort)
+    assert share["nodes"] == 4 and share["ort_nodes"] == 2 and share["share"] == 0.5
+    assert share["pytorch_nodes"] == {"ATen:gelu": 1, "PythonOpGrad:mod.Fn": 1}
 
 
 def test_page_documents_every_model_on_every_route() -> None:

@@ -1,11 +1,15 @@
 """Every zoo model trains under ortcore (fallback disabled) with PyTorch's loss, gradients and AdamW loss curve.
 
+Parametrized by catalog (``main``, ``wide``; test ids ``main-bert``, ``wide-swin``: ``-k wide`` runs the wide zoo).
 Each model runs in its own process (``tests.zoo.run_model``): a crash or a timeout fails that model only. The route
-is pytest's ``--exporter`` (default torchscript). On the default route every model must pass; on another route each
-model's status must be the one ``docs/models.md`` shows for that route, so a model that breaks or starts to pass
-fails the test until the page is regenerated (``python -m tests.zoo.report --exporter dynamo``). Results are written
-as JSON to ``$ORTCORE_ZOO_RESULTS`` (default: a pytest temporary directory);
-``python -m tests.zoo.report --exporter <route> --results DIR`` records them and rewrites the page.
+is pytest's ``--exporter`` (default torchscript). In the main zoo on the default route every model must pass; on
+another route each model's status must be the one ``docs/models.md`` shows for that route. In the wide zoo each
+model's status must be the one its record (``tests/zoo/records/wide/<route>.json``, rendered in the page's wide
+section) holds. Either way a model that breaks or starts to pass fails the test until the record is regenerated
+(``python -m tests.zoo.report [--catalog wide] --exporter <route>``). A model that passes must also run at least
+half of its training graph's nodes on ORT's kernels (``MIN_ORT_OP_SHARE``): one that runs mostly in PyTorch fails.
+Results are written as JSON to ``$ORTCORE_ZOO_RESULTS/<catalog>`` (default: a pytest temporary directory);
+``python -m tests.zoo.report [--catalog wide] --exporter <route> --results DIR`` records them and rewrites the page.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from .catalog import MODELS
+from .catalogs import CATALOGS, DEFAULT_CATALOG, models
 from .deps import ensure_torchvision
 from .harness import EXPORTERS, check_exporter, describe_failure, run_model
-from .report import DEFAULT_OUT, REGENERATE, documented_statuses
+from .report import DEFAULT_OUT, MIN_ORT_OP_SHARE, REGENERATE, documented_statuses, load_records
 
 pytestmark = pytest.mark.slow
 
@@ -53,21 +57,56 @@ def documented(route: str) -> dict[str, str]:
     return statuses[route]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_model_trains_like_pytorch(name: str, zoo_results: Path, route: str, request: pytest.FixtureRequest) -> None:
-    """Default route: the model passes. Other routes: its status is the one docs/models.md records for it."""
-    if MODELS[name].family == "torchvision":
+def recorded_statuses(catalog: str, route: str) -> dict[str, str] | None:
+    """Per model, the status ``catalog``'s record of ``route`` holds; None when that route has no record."""
+    record = load_records(catalog=catalog).get(route)
+    return {name: row["status"] for name, row in record["models"].items()} if record else None
+
+
+ZOO = [(catalog, name) for catalog in CATALOGS for name in models(catalog)]
+
+
+@pytest.mark.parametrize(("catalog", "name"), ZOO, ids=[f"{c}-{n}" for c, n in ZOO])
+def test_model_trains_like_pytorch(
+    catalog: str, name: str, zoo_results: Path, route: str, request: pytest.FixtureRequest
+) -> None:
+    """Main zoo, default route: the model passes. Otherwise: its status is the one recorded for it. A passing model
+    runs mostly in ORT."""
+    if catalog == DEFAULT_CATALOG and route != EXPORTERS[0]:
+        expected = request.getfixturevalue("documented").get(name, "not run")
+        where = DEFAULT_OUT.name
+    elif catalog != DEFAULT_CATALOG:
+        statuses = recorded_statuses(catalog, route)
+        if statuses is None:
+            pytest.skip(
+                f"the {catalog} zoo has no record of the {route} route: `{REGENERATE} --catalog {catalog} "
+                f"--exporter {route}` makes one"
+            )
+        expected = statuses.get(name, "not run")
+        where = f"the {catalog} zoo's record"
+    else:
+        expected, where = "pass", ""
+    if models(catalog)[name].family == "torchvision":
         request.getfixturevalue("torchvision_ready")
-    result = run_model(name, zoo_results, exporter=route)
-    if route == EXPORTERS[0]:
+    out_dir = zoo_results / catalog
+    out_dir.mkdir(exist_ok=True)
+    result = run_model(name, out_dir, exporter=route, catalog=catalog)
+    if not where:
         assert result["status"] == "pass", f"{name}: {describe_failure(result)}"
-        return
-    expected = request.getfixturevalue("documented").get(name, "not run")
-    change = "improved" if result["status"] == "pass" else "changed"
-    assert result["status"] == expected, (
-        f"{name} on the {route} route {change}: {DEFAULT_OUT.name} says {expected!r}, this run {result['status']!r} "
-        f"({describe_failure(result)}); regenerate the page with `{REGENERATE} --exporter {route}` and commit it"
-    )
+    else:
+        change = "improved" if result["status"] == "pass" else "changed"
+        regenerate = f"{REGENERATE}{'' if catalog == DEFAULT_CATALOG else ' --catalog ' + catalog} --exporter {route}"
+        assert result["status"] == expected, (
+            f"{name} on the {route} route {change}: {where} says {expected!r}, this run {result['status']!r} "
+            f"({describe_failure(result)}); regenerate the page with `{regenerate}` and commit it"
+        )
+    if result["status"] == "pass":
+        share = (result.get("ort_op_share") or {}).get("share")
+        assert share is not None and share >= MIN_ORT_OP_SHARE, (
+            f"{name} passes but runs mostly in PyTorch: {share if share is None else f'{share:.0%}'} of its training "
+            f"graph's nodes on ORT (at least {MIN_ORT_OP_SHARE:.0%} required); on PyTorch: "
+            f"{(result.get('ort_op_share') or {}).get('pytorch_nodes')}"
+        )
 
 
 def test_a_crashing_model_is_reported_with_its_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -572,6 +572,18 @@ def _describe_nodes(nodes: list[onnx.NodeProto], model: torch.nn.Module) -> str:
 
 def audit(req: AuditRequest) -> AuditResult:
     """Audit one training step's graph against PyTorch (see the module docstring). Never changes the user's state."""
+    # Parts of the graph that run in PyTorch (regions) update the model's own buffers in place: restore them.
+    buffers = {name: b.detach().clone() for name, b in req.model.named_buffers()}
+    try:
+        return _audit(req)
+    finally:
+        with torch.no_grad():
+            for name, b in req.model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+
+
+def _audit(req: AuditRequest) -> AuditResult:
     start = time.perf_counter()
     rng = _rng_state()
     graph, session = req.graph, req.session

@@ -3,7 +3,7 @@
 Op routing (:mod:`ortcore_plugins.op_routing`) moves one op to PyTorch; some things are not one op: complex-valued
 code, a Python loop, value-dependent Python, a block whose forward the exporter computes wrongly. A *region* is a
 submodule the exporter does not trace into. Its call becomes one custom ``torch.autograd.Function``
-(:class:`RegionFunction`) whose inputs are the call's tensors followed by the submodule's parameters and buffers, so
+(:class:`RegionFunction`) whose inputs are the call's tensors followed by the submodule's parameters, so
 the ``autograd_function`` plugin exports it as a ``com.microsoft::PythonOp`` node that ORT calls back into. Forward
 runs the submodule with PyTorch (``torch.func.functional_call`` on the tensors ORT feeds, which are the model's own
 parameters, by DLPack); backward is PyTorch's autograd through that forward. Gradients of the region's parameters
@@ -128,7 +128,7 @@ def _own_forward(module: torch.nn.Module) -> Iterator[None]:
 def _state_swapped(
     module: torch.nn.Module, names: list[tuple[str, ...]], tensors: tuple[torch.Tensor, ...]
 ) -> Iterator[None]:
-    """``module``'s parameters and buffers replaced by ``tensors`` (each under every name it has: tied weights)
+    """``module``'s parameters replaced by ``tensors`` (each under every name it has: tied weights)
     for the call. ``torch.func.functional_call`` does the same but refuses to run inside a TorchScript trace."""
     saved = []
     try:
@@ -136,7 +136,7 @@ def _state_swapped(
             for name in aliases:
                 owner_path, _, attr = name.rpartition(".")
                 owner = module.get_submodule(owner_path) if owner_path else module
-                table = owner._parameters if attr in owner._parameters else owner._buffers
+                table = owner._parameters
                 saved.append((table, attr, table[attr]))
                 table[attr] = tensor
         yield
@@ -148,8 +148,8 @@ def _state_swapped(
 class RegionFunction(torch.autograd.Function):
     """A region's call: forward with PyTorch, backward by PyTorch's autograd through that forward.
 
-    ``forward(call, *tensors)``: ``tensors`` are the call's tensor arguments, then the submodule's parameters and
-    buffers (graph inputs, so ORT feeds the model's own and returns their gradients)."""
+    ``forward(call, *tensors)``: ``tensors`` are the call's tensor arguments, then the submodule's parameters (graph
+    inputs, so ORT feeds the model's own and returns their gradients)."""
 
     @staticmethod
     def forward(ctx: Any, call: RegionCall, *tensors: torch.Tensor) -> Any:
@@ -199,10 +199,9 @@ class _RegionForward:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         state: dict[int, tuple[torch.Tensor, list[str]]] = {}  # one input per tensor, with all its names
-        for name, tensor in [
-            *self.traced.named_parameters(remove_duplicate=False),
-            *self.traced.named_buffers(remove_duplicate=False),
-        ]:
+        # Parameters only: buffers stay the user's module's own, so that what the forward updates in place (batch
+        # norm's running statistics) is updated in the model (ORT's PythonOp hands the Function copies of inputs).
+        for name, tensor in self.traced.named_parameters(remove_duplicate=False):
             state.setdefault(id(tensor), (tensor, []))[1].append(name)
         call = RegionCall(
             path=self.path,

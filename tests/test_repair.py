@@ -1,0 +1,275 @@
+"""Repair by routing: a failing stage of a new graph is located, the failing part moved to PyTorch, and the call
+tried again; the result is always compared with PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from ortcore import ORTModule
+from ortcore.audit import GradientMismatchError
+from ortcore.config import option
+from ortcore.errors import GraphBuildError
+from ortcore.graph_passes import GraphPass
+from ortcore.hookspecs import hookimpl
+from ortcore.options import parse_bool
+from ortcore.repair import MAX_REPAIRS, Repair, locate, ops_named, trace_modules, with_ancestors
+from ortcore.testing import assert_matches_torch
+from ortcore_plugins import autograd_function, region_routing
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class FFTFilter(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n // 2 + 1, 2) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.fft.rfft(x, dim=-1) * torch.view_as_complex(self.w)
+        return torch.fft.irfft(f, n=x.shape[-1], dim=-1)
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.filter = FFTFilter(16)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(self.filter(x)))
+
+
+class FNetLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 16)
+        self.mix = Mixer()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(self.embed(x)) + x)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.l(x))
+
+
+class ThreeBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bad, self.c = Block(), Block(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.bad(self.a(x)))
+
+
+class RootRelu(nn.Module):
+    """The wrong op is in the model's own forward: no submodule holds it, so no region can repair it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(torch.relu(x))
+
+
+class Corrupt:
+    """A graph pass that makes ORT compute something else than PyTorch: every Relu of the modules named becomes a
+    LeakyRelu (what a wrong symbolic or kernel looks like to the user: no error, other numbers)."""
+
+    def __init__(self, scope: str):
+        self.scope = scope
+
+    @hookimpl
+    def ortcore_graph_passes(self, config):
+        def run(model: onnx.ModelProto, context) -> None:
+            for node in model.graph.node:
+                if node.op_type == "Relu" and self.scope in node.name:
+                    node.op_type = "LeakyRelu"
+                    node.attribute.append(onnx.helper.make_attribute("alpha", 0.5))
+
+        return [GraphPass("test.corrupt", run=run)]
+
+
+@attrs.frozen
+class CrashingOptimizerOptions:
+    enable: bool = option(True, parse_bool, "a graph optimizer that throws on this model")
+
+
+class CrashingOptimizer:
+    """A gradient-graph pass that throws (as ORT's compute optimizer does on some symbolic dimensions) while
+    enabled, and offers to switch itself off."""
+
+    @hookimpl
+    def ortcore_options_class(self):
+        return CrashingOptimizerOptions
+
+    @hookimpl
+    def ortcore_gradient_graph_passes(self, config):
+        if not config.plugin_options("crashing").enable:
+            return []
+
+        def run(built, context) -> None:
+            raise RuntimeError("upstream_gather_actors.cc:51 CreateNewShapeWithUpdatedDim: dim is not static")
+
+        return [GraphPass("test.crashing_optimizer", run=run)]
+
+    @hookimpl
+    def ortcore_repairs(self, config, failure):
+        if "upstream_gather_actors" not in failure.message:
+            return None
+        return [Repair("crashing optimizer off", plugin="crashing", options={"enable": False}, kind="switch")]
+
+
+def _host(ortcore_host, *extra: tuple[str, object], table: dict | None = None):
+    plugins = {"autograd_function": autograd_function, "region_routing": region_routing, **dict(extra)}
+    return ortcore_host(plugins, table=table or {})
+
+
+def test_complex_valued_code_is_repaired_into_the_innermost_real_region(ortcore_host):
+    torch.manual_seed(0)
+    model = FNetLike()
+    wrapped = assert_matches_torch(model, (torch.randn(4, 16),), host=_host(ortcore_host), rtol=RTOL, atol=ATOL)
+    assert [r.description for r in wrapped.repairs] == ["module mix.filter runs in PyTorch"]
+    assert wrapped.repairs[0].reason.startswith("export failed")
+    counters = wrapped.state_machine.counters
+    assert (counters.repairs, counters.fallbacks, counters.exports) == (1, 0, 1)
+    assert [t.action for t in wrapped.state_machine.history].count("repair") == 1
+
+
+def test_repaired_model_trains_like_eager_and_reuses_its_graph(ortcore_host):
+    torch.manual_seed(0)
+    model = FNetLike()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, host=_host(ortcore_host))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (wrapped, reference))
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(5, 16, generator=generator)
+        losses = []
+        for net, optimizer in ((wrapped, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            loss = net(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
+    counters = wrapped.state_machine.counters
+    assert (counters.exports, counters.builds, counters.repairs, counters.audits) == (1, 1, 1, 1)
+
+
+def test_gradient_audit_mismatch_is_repaired_by_routing_the_module_it_names(ortcore_host):
+    torch.manual_seed(0)
+    model = ThreeBlocks()
+    host = _host(ortcore_host, ("corrupt", Corrupt("/bad/")))
+    wrapped = assert_matches_torch(model, (torch.randn(5, 8),), host=host, rtol=RTOL, atol=ATOL)
+    assert [a.status for a in wrapped.gradient_audits] == ["mismatch", "passed"]
+    assert [r.region for r in wrapped.repairs] == ["bad.act"]
+    assert "audit failed at module bad.act" in wrapped.repairs[0].reason
+
+
+def test_without_the_audit_the_wrong_graph_is_not_repaired(ortcore_host):
+    """The audit is what finds a silently wrong graph: switched off, the numbers are ORT's (this is why it is on)."""
+    torch.manual_seed(0)
+    model = ThreeBlocks()
+    reference = copy.deepcopy(model)
+    host = _host(ortcore_host, ("corrupt", Corrupt("/bad/")), table={"verify_gradients": False})
+    wrapped = ORTModule(model, host=host)
+    x = torch.randn(5, 8)
+    assert not torch.allclose(wrapped(x), reference(x), rtol=RTOL, atol=ATOL)
+    assert wrapped.repairs == [] and wrapped.gradient_audits == []
+
+
+def test_switching_an_optimizer_off_comes_before_any_region(ortcore_host):
+    torch.manual_seed(0)
+    host = _host(ortcore_host, ("crashing", CrashingOptimizer()))
+    wrapped = assert_matches_torch(ThreeBlocks(), (torch.randn(3, 8),), host=host, rtol=RTOL, atol=ATOL)
+    assert [(r.kind, r.description) for r in wrapped.repairs] == [("switch", "crashing optimizer off")]
+    assert wrapped.ortcore_config.plugin_options("crashing").enable is False
+    assert wrapped.repairs[0].reason.startswith("build failed")
+
+
+def test_unrepairable_mismatch_raises_naming_what_was_tried(ortcore_host):
+    torch.manual_seed(0)
+    host = _host(ortcore_host, ("corrupt", Corrupt("Relu")))
+    wrapped = ORTModule(RootRelu(), host=host, fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(GradientMismatchError) as raised:
+        wrapped(torch.randn(4, 8))
+    assert any("could not repair this by routing" in note for note in raised.value.__notes__)
+
+
+def test_repairs_stop_after_the_bound(ortcore_host):
+    offered = []
+
+    class AlwaysFails:
+        @hookimpl
+        def ortcore_gradient_graph_passes(self, config):
+            def run(built, context) -> None:
+                raise RuntimeError("this graph never builds")
+
+            return [GraphPass("test.always_fails", run=run)]
+
+        @hookimpl
+        def ortcore_repairs(self, config, failure):
+            n = len(offered)
+            offered.append(n)
+            return [Repair(f"attempt {n}", plugin="region_routing", options={"modules": [f"m{n}"]}, kind="switch")]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for i in range(MAX_REPAIRS + 3):
+                self.add_module(f"m{i}", nn.Linear(2, 2))
+
+        def forward(self, x):
+            for module in self.children():
+                x = module(x)
+            return x
+
+    host = _host(ortcore_host, ("fails", AlwaysFails()))
+    wrapped = ORTModule(Net(), host=host, fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(GraphBuildError):
+        wrapped(torch.randn(2, 2))
+    assert len(wrapped.repairs) == MAX_REPAIRS
+    assert wrapped.state_machine.counters.repairs == MAX_REPAIRS
+
+
+def test_verify_gradients_is_on_by_default_and_off_by_env(ortcore_host, monkeypatch):
+    torch.manual_seed(0)
+    on = assert_matches_torch(nn.Linear(3, 2), (torch.randn(2, 3),), host=_host(ortcore_host))
+    assert [a.status for a in on.gradient_audits] == ["passed"]
+    monkeypatch.setenv("ORTCORE_VERIFY_GRADIENTS", "0")
+    from ortcore.config import Config
+    from ortcore.plugins import PluginHost
+
+    off = assert_matches_torch(nn.Linear(3, 2), (torch.randn(2, 3),), host=PluginHost(Config.load(), autoload=False))
+    assert off.gradient_audits == []
+
+
+def test_failures_are_located_by_op_node_and_module():
+    torch.manual_seed(0)
+    model = FNetLike()
+    trace = trace_modules(model, (torch.randn(2, 16),), {})
+    assert "aten::_fft_r2c" in trace.ops["mix.filter"]
+    assert trace.complex_regions() == ["mix.filter"]
+    failure = locate("export", "ScalarType ComplexFloat is an unexpected tensor scalar type", model, trace=trace)
+    assert failure.modules == ("mix.filter", "mix")
+    assert ops_named("Exporting the operator 'aten::fft_rfft' to ONNX opset version 17 is not supported") == (
+        "aten::fft_rfft",
+    )
+    by_node = locate("build", "Node (/module/mix/proj/Gemm) failed", model)
+    assert by_node.modules == ("mix.proj", "mix")
+    assert with_ancestors(["a.b.c"]) == ("a.b.c", "a.b", "a")

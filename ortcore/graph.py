@@ -24,7 +24,7 @@ from .errors import UnsupportedDataError, UnsupportedModelError
 from .exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN, Exporter
 from .graph_passes import GraphPass, PassContext
 from .options import LogLevel
-from .schema import InputSchema, OutputSchema, flatten_outputs
+from .schema import Constant, InputSchema, OutputSchema, flatten_outputs
 
 logger = logging.getLogger("ortcore")
 
@@ -603,6 +603,21 @@ def update_batch_norm(stats: BatchNormStats, x: torch.Tensor) -> None:
         bn.running_var.mul_(1 - factor).add_(var, alpha=factor)
 
 
+def _log_constant_inputs(schema: InputSchema) -> None:
+    """One INFO line per non-tensor input the graph bakes in: another value is another graph, so a string that changes
+    every step exports every step. Worded as upstream's ORTModule logs it, which code written for it looks for."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    for constant in schema.template:
+        if isinstance(constant, Constant):
+            logger.info(
+                "Received input of type %s is treated as a constant by ORT by default. (input %r: baked into the "
+                "graph; another value gets a graph of its own)",
+                type(constant.value),
+                constant.name,
+            )
+
+
 def export_graph(
     module: torch.nn.Module,
     schema: InputSchema,
@@ -625,6 +640,7 @@ def export_graph(
     import time
 
     start = time.perf_counter()
+    _log_constant_inputs(schema)
     training = module.training
     state_names = set(module.state_dict(keep_vars=True))
     user_names = [n if n not in state_names else f"input.{n}" for n in schema.names]

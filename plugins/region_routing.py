@@ -145,6 +145,13 @@ def _state_swapped(
             table[attr] = before
 
 
+def _pointer(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.data_ptr() if tensor.numel() else None
+    except RuntimeError:  # a fake tensor while torch.export traces: no storage to alias
+        return None
+
+
 class RegionFunction(torch.autograd.Function):
     """A region's call: forward with PyTorch, backward by PyTorch's autograd through that forward.
 
@@ -159,11 +166,11 @@ class RegionFunction(torch.autograd.Function):
                 for t in tensors
             ]
             outputs = call.run(tuple(leaves))
-            pointers = {t.data_ptr() for t in tensors if t.numel()}
+            pointers = {_pointer(t) for t in tensors} - {None}
             results = []
             for out in outputs:
                 result = out.detach()
-                if result.numel() and result.data_ptr() in pointers:  # ORT must own its outputs: no input aliases
+                if _pointer(result) in pointers:  # ORT must own its outputs: no aliases of inputs
                     result = result.clone()
                 results.append(result)
         ctx.leaves, ctx.outputs = leaves, outputs

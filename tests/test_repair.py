@@ -273,3 +273,13 @@ def test_failures_are_located_by_op_node_and_module():
     by_node = locate("build", "Node (/module/mix/proj/Gemm) failed", model)
     assert by_node.modules == ("mix.proj", "mix")
     assert with_ancestors(["a.b.c"]) == ("a.b.c", "a.b", "a")
+
+
+def test_dynamo_route_repairs_complex_code_into_a_region(ortcore_host):
+    from ortcore_plugins import dynamo_exporter
+
+    torch.manual_seed(0)
+    host = _host(ortcore_host, ("dynamo_exporter", dynamo_exporter), table={"exporter": "dynamo"})
+    wrapped = assert_matches_torch(FNetLike(), (torch.randn(4, 16),), host=host, rtol=RTOL, atol=ATOL)
+    assert [r.region for r in wrapped.repairs] == ["mix.filter"]
+    assert wrapped.state_machine.counters.fallbacks == 0

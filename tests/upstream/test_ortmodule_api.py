@@ -452,12 +452,24 @@ def test_gradient_correctness_argmax_unfold():
         loss.backward()
         return prediction
 
+    def run_exact(model, input):
+        x = input.argmax(-1).double() * input.argmax().double()
+        out = nn.functional.linear(x, model.linear.weight.double(), model.linear.bias.double())
+        return out.unfold(dimension=model.unfold_dim, size=model.unfold_size, step=model.unfold_step)
+
     for _ in range(10):
         input = torch.randint(0, 100, (N, D, H), dtype=torch.uint8, device=DEVICE)
         pt_prediction = run_step(pt_model, input)
         ort_prediction = run_step(ort_model, input)
 
-        assert_values_are_close(ort_prediction, pt_prediction)
+        # Upstream compares at atol=1e-6 on CUDA, where ORT and PyTorch call the same cuBLAS. On CPU they sum the
+        # Linear's 256 products (up to a few hundred each) in different orders, each ~1e-4 away from the exact sum:
+        # ORT's outputs must be as close to a float64 run as PyTorch's are.
+        exact = run_exact(pt_model, input)
+        ort_error = (ort_prediction.double() - exact).abs().max().item()
+        pt_error = (pt_prediction.double() - exact).abs().max().item()
+        assert ort_error <= 2 * pt_error + 1e-6 * exact.abs().max().item(), (ort_error, pt_error)
+        assert_values_are_close(ort_prediction, pt_prediction, atol=10 * pt_error)
         assert_gradients_match_and_reset_gradient(ort_model, pt_model)
 
 

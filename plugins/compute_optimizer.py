@@ -14,6 +14,10 @@ ORT's own default (a default-constructed ``TrainingGraphTransformerConfiguration
 - plugin disabled (``[plugins] disable``) or not installed: off, ORT's default; the label sparsity of
   ``sparse_optimizer`` is then off too, as it needs the compute optimizer.
 
+When the gradient build or the first run of a graph fails inside one of these transformers (ORT 1.19.2's
+``UpStreamGather`` throws on some symbolic dimensions: ``upstream_gather_actors.cc``, ``CreateNewShapeWithUpdatedDim``),
+the plugin offers the repair that switches it off for that model (``ortcore_repairs``, the smallest repair there is).
+
 Options (``[plugins.compute_optimizer]`` in ortcore.toml, or the environment; the environment wins)::
 
     [plugins.compute_optimizer]
@@ -29,6 +33,7 @@ import attrs
 from ortcore.config import Config, option
 from ortcore.hookspecs import hookimpl
 from ortcore.options import parse_bool
+from ortcore.repair import Failure, Repair
 
 NAME = "compute_optimizer"
 
@@ -55,3 +60,27 @@ def ortcore_graph_transformer_config(config: Config, transformer_config: Any) ->
     # Set in both directions: the configuration the core passes is default-constructed, and a later ORT could change
     # its default; an explicit value keeps "enable = false" meaning off whatever ORT's default becomes.
     transformer_config.enable_compute_optimizer = config.plugin_options(NAME).enable
+
+
+# Where ORT's compute-optimizer transformers live and what they throw: a failure naming one of these is theirs.
+_OWN_FAILURES = (
+    "upstream_gather",
+    "upstream_reshape",
+    "upstream_transformer",
+    "compute_optimizer",
+    "CreateNewShapeWithUpdatedDim",
+    "InsertGatherBeforeSceLoss",
+    "UpStreamGather",
+    "UpStreamReshape",
+)
+
+
+@hookimpl
+def ortcore_repairs(config: Config, failure: Failure) -> list[Repair] | None:
+    """A build or first run that failed inside the compute optimizer: switch it off for this model."""
+    options = config.plugin_options(NAME)
+    if options is None or not options.enable or failure.stage not in ("build", "run"):
+        return None
+    if not any(marker in failure.message for marker in _OWN_FAILURES):
+        return None
+    return [Repair("compute optimizer off", plugin=NAME, options={"enable": False}, kind="switch")]

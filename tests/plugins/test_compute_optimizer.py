@@ -130,3 +130,16 @@ def test_upstream_gather_moves_slice_to_input(ortcore_host: HostFactory, tmp_pat
 def test_bert_trains_like_torch(ortcore_host: HostFactory) -> None:
     ort, ref = ort_and_torch(tiny_bert(), host=ortcore_host({"compute_optimizer": plugin}))
     check_step_and_training(ort, ref, make_batches(bert_batch, 4), hf_step, steps=3)
+
+
+def test_a_failure_inside_the_compute_optimizer_is_repaired_by_switching_it_off(ortcore_host):
+    from ortcore.repair import Failure
+
+    host = ortcore_host({"compute_optimizer": plugin})
+    crash = Failure("build", "RuntimeError: upstream_gather_actors.cc:51 CreateNewShapeWithUpdatedDim: not static")
+    (repair,) = host.hooks.repairs(crash)
+    assert (repair.kind, repair.plugin, dict(repair.options)) == ("switch", "compute_optimizer", {"enable": False})
+    switched = host.with_plugin_options({repair.plugin: repair.options})
+    assert switched.config.plugin_options("compute_optimizer").enable is False
+    assert host.hooks.repairs(Failure("build", "GradientBuilder not registered for op Softplus")) == []
+    assert host.hooks.repairs(Failure("export", "upstream_gather_actors.cc")) == []  # not its stage

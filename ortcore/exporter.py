@@ -238,6 +238,60 @@ def average_pool(
     return b.op("Reshape", pooled, b.op("Concat", leading, pooled_sizes, axis=0))
 
 
+def adaptive_average_pool(b: OnnxBuilder, x: Any, output_size: list[int | None], dtype: int) -> Any:
+    """torch's ``adaptive_avg_pool{1,2,3}d`` of ``x`` (ONNX element type ``dtype``) to ``output_size`` over its last
+    ``len(output_size)`` dimensions, for any input size.
+
+    Both exporters fix the windows for the exporting call's size (an ``AveragePool`` whose kernel divides it, or a
+    decomposition into gathers), so another size gets the wrong windows or shape. Here each dimension is a product
+    with a ``[L, o]`` matrix computed from the input's size at run time: window ``i`` covers ``floor(i * L / o)`` to
+    ``ceil((i + 1) * L / o)``, as in torch, each weighted by one over its length. ``MatMul``'s gradient reads
+    shapes at run time (``GlobalAveragePool``'s and ``AveragePool``'s do not).
+    """
+    rank = len(output_size)
+    shape = b.op("Shape", x)
+    for axis in reversed(range(rank)):  # the last dimension first, by a product on the right
+        size = output_size[axis]
+        if size is None:  # torch keeps this dimension as it is
+            continue
+        position = axis - rank  # negative: counted from the end
+        length = b.op("Slice", shape, _ints(b, [position]), _ints(b, [position + 1 or 2**62]))
+        scalar_length = b.op("Squeeze", length, _ints(b, [0]))
+        at = b.op("Range", b.const(torch.tensor(0)), scalar_length, b.const(torch.tensor(1)))  # [L]
+        windows = torch.arange(size)
+        starts = b.op("Div", b.op("Mul", b.const(windows), length), _ints(b, [size]))
+        ends = b.op(
+            "Div", b.op("Add", b.op("Mul", b.const(windows + 1), length), _ints(b, [size - 1])), _ints(b, [size])
+        )
+        column = b.op("Unsqueeze", at, _ints(b, [1]))  # [L, 1] against [o]: [L, o]
+        inside = b.op("And", b.op("GreaterOrEqual", column, starts), b.op("Less", column, ends))
+        lengths = b.op("Cast", b.op("Sub", ends, starts), to=dtype)
+        weights = b.op("Div", b.op("Cast", inside, to=dtype), lengths)
+        if position == -1:
+            x = b.op("MatMul", x, weights)
+        elif position == -2:
+            x = b.op("MatMul", b.op("Transpose", weights, perm=[1, 0]), x)
+        else:  # [..., L, rest] -> [..., o, rest] -> [..., o, *rest]
+            current = b.op("Shape", x)
+            lead = b.op("Slice", current, _ints(b, [0]), _ints(b, [position + 1]))
+            flat = b.op("Reshape", x, b.op("Concat", lead, _ints(b, [-1]), axis=0))
+            pooled = b.op("MatMul", b.op("Transpose", weights, perm=[1, 0]), flat)
+            outer = b.op("Slice", current, _ints(b, [0]), _ints(b, [position]))
+            rest = b.op("Slice", current, _ints(b, [position + 1]), _ints(b, [2**62]))
+            x = b.op("Reshape", pooled, b.op("Concat", outer, _ints(b, [size]), rest, axis=0))
+    return x
+
+
+def _adaptive_avg_pool(g, input, output_size):
+    """The ``adaptive_avg_pool{1,2,3}d`` symbolic: :func:`adaptive_average_pool`."""
+    from torch.onnx import symbolic_helper as sh
+    from torch.onnx._internal.torchscript_exporter import _type_utils
+
+    sizes = sh._get_const(output_size, "is", "output_size")
+    dtype = _type_utils.JitScalarType.from_value(input, _type_utils.JitScalarType.FLOAT).onnx_type()
+    return adaptive_average_pool(TorchScriptBuilder(g), input, list(sizes), int(dtype))
+
+
 def _avg_pool(rank: int):
     """The ``avg_pool{rank}d`` symbolic: :func:`average_pool` for float32 inputs, ONNX's ``AveragePool`` (as torch
     exports it) for other types, which ``Conv`` does not take on CPU."""
@@ -491,6 +545,9 @@ _SYMBOLICS = {
     "::avg_pool1d": _avg_pool(1),
     "::avg_pool2d": _avg_pool(2),
     "::avg_pool3d": _avg_pool(3),
+    "::adaptive_avg_pool1d": _adaptive_avg_pool,
+    "::adaptive_avg_pool2d": _adaptive_avg_pool,
+    "::adaptive_avg_pool3d": _adaptive_avg_pool,
 }
 
 _registered: dict[tuple[str, int], Any] = {}

@@ -315,6 +315,25 @@ def ortcore_repairs(config: Config, failure: Failure) -> list[Repair] | None:
     """
 
 
+@hookspec(firstresult=True)
+def ortcore_load_repairs(config: Config, module: torch.nn.Module, fingerprint: str) -> list[dict] | None:
+    """The repairs an earlier process found for this model and call (an export cache), so that the search is not
+    repeated: a list of :class:`ortcore.repair.Repair` fields as dicts, or None.
+
+    ``fingerprint`` is the graph fingerprint of the call before any repair. Called once per ORTModule, before its
+    first export. Stops at the first non-None result.
+    """
+
+
+@hookspec
+def ortcore_repairs_found(config: Config, module: torch.nn.Module, fingerprint: str, repairs: list[dict]) -> None:
+    """Repairs made a model's first step pass: store them under ``fingerprint`` (the call's graph fingerprint before
+    any repair) for :func:`ortcore_load_repairs`. ``repairs`` are every repair in force, oldest first, as dicts.
+
+    Called after the repaired graph passed (its audit, when the audit is on). Return value ignored.
+    """
+
+
 # -- command line --------------------------------------------------------------------------------------------------
 @hookspec
 def ortcore_commands(subparsers: Any) -> None:

@@ -113,6 +113,7 @@ class _Runtime:
         # Repairs in force (ortcore.repair), oldest first, and every repair tried (by key), kept or not.
         self.repairs: list[Repair] = []
         self.tried: set[tuple] = set()
+        self.unrepaired_fingerprint: str | None = None  # the first call's graph fingerprint before any repair
         # The gradient audit's result per training session (docs/gradient_audit.md): each is audited once.
         self.audited: weakref.WeakKeyDictionary[TrainingSession, AuditResult] = weakref.WeakKeyDictionary()
         self.audits: list[AuditResult] = []
@@ -153,14 +154,33 @@ class _Runtime:
                 logger.info("repair %r changes nothing (an environment variable sets the option)", candidate.description)
                 continue
             repair = attrs.evolve(candidate, reason=failure.describe())
-            config = attrs.evolve(
-                self.config, plugins=host.config.plugins, plugin_tables=host.config.plugin_tables
-            )
-            self._use(config, host.hooks)
-            self.repairs.append(repair)
+            self._apply(repair, host)
             self.state.record_repair(repair.description, repair.reason)
             return repair
         return None
+
+    def _apply(self, repair: Repair, host: PluginHost) -> None:
+        config = attrs.evolve(self.config, plugins=host.config.plugins, plugin_tables=host.config.plugin_tables)
+        self._use(config, host.hooks)
+        self.repairs.append(repair)
+        self.tried.add(repair.key)
+
+    def restore(self, stored: list[dict]) -> bool:
+        """Apply repairs an earlier process found (``ortcore_load_repairs``); False if they do not apply here (an
+        entry this version cannot read, a plugin missing), and then none is applied."""
+        try:
+            repairs = [Repair(**entry) for entry in stored]
+            changes: dict[str, dict] = {}
+            for repair in repairs:
+                changes.setdefault(repair.plugin, {}).update(repair.options)
+            host = self.hooks.host.with_plugin_options(changes)
+        except Exception as e:  # a stale or foreign entry costs a search, never the step
+            logger.info("stored repairs not applied (%s: %s)", type(e).__name__, e)
+            return False
+        for repair in repairs:
+            self._apply(repair, host)
+            self.state.record_repair(repair.description, f"{repair.reason} (found by an earlier process)")
+        return True
 
 
 class _ORTFunction(torch.autograd.Function):
@@ -430,11 +450,20 @@ class ORTModule(torch.nn.Module):
         when no repair is left the error propagates (the fallback policy then applies), noting what was tried."""
         rt = self._ortcore
         trace = None
+        if rt.unrepaired_fingerprint is None:  # the model's first resolve: repairs an earlier process found
+            rt.unrepaired_fingerprint = rt.pipeline.fingerprint(self._original_module, key)
+            stored = rt.hooks.load_repairs(self._original_module, rt.unrepaired_fingerprint)
+            if stored and rt.restore(stored):
+                key = attrs.evolve(key, repairs=rt.repairs_key)
+        in_force = len(rt.repairs)
         while True:
             try:
                 graph, session, key = self._resolve(key, schema, tensors, subscription)
                 if rt.options.verify_gradients and session.request.build_gradient:
                     self._audit(graph, session, key, schema, tensors, params, buffers)
+                if len(rt.repairs) > in_force:
+                    found = [attrs.asdict(r) for r in rt.repairs]
+                    rt.hooks.repairs_found(self._original_module, rt.unrepaired_fingerprint, found)
                 return graph, session, key
             except (UnsupportedModelError, GraphBuildError, GradientMismatchError) as e:
                 stage, module = _stage_of(e)

@@ -238,7 +238,7 @@ class Pipeline:
         """The graph of a call with ``key``: from an export cache (``ortcore_load_export``) or exported anew."""
         opts = self.options
         passes = self.hooks.graph_passes()
-        fp = graph_fingerprint(key, module, passes=passes, exporter=self.exporter, plugin_keys=self.hooks.export_key())
+        fp = self.fingerprint(module, key, passes)
         cached = self.hooks.load_export(module, fp)
         if cached is not None:
             return cached
@@ -263,6 +263,11 @@ class Pipeline:
             save_model(graph.model, opts, f"pre_grad_{mode}")
             # graph.raw_model stays: each build saves it under upstream's name for its mode
         return graph
+
+    def fingerprint(self, module: torch.nn.Module, key: GraphKey, passes: list | None = None) -> str:
+        """What the export cache stores the graph of ``key`` under (:func:`ortcore.identity.graph_fingerprint`)."""
+        passes = self.hooks.graph_passes() if passes is None else passes
+        return graph_fingerprint(key, module, passes=passes, exporter=self.exporter, plugin_keys=self.hooks.export_key())
 
     def export_for_audit(
         self, module: torch.nn.Module, schema: InputSchema, tensors: list[torch.Tensor], tapper: Any

@@ -543,6 +543,12 @@ class Hooks:
         """Every plugin's repairs of ``failure`` (``ortcore_repairs``), in the order plugins answered."""
         return [item for _, item in self._collect_items("ortcore_repairs", config=self.config, failure=failure)]
 
+    def load_repairs(self, module: Any, fingerprint: str) -> list[dict] | None:
+        return self._hook.ortcore_load_repairs(config=self.config, module=module, fingerprint=fingerprint)
+
+    def repairs_found(self, module: Any, fingerprint: str, repairs: list[dict]) -> None:
+        self._hook.ortcore_repairs_found(config=self.config, module=module, fingerprint=fingerprint, repairs=repairs)
+
     def data_utilities(self) -> dict[str, Any]:
         return self._merged("ortcore_data_utilities", "offer a data utility", config=self.config)
 

@@ -63,6 +63,7 @@ MAGIC = b"ORTCORE-EXPORT-CACHE"
 ENTRY_FORMAT = 2  # bump when the header layout or the payload changes (2: data only; 1 held a pickle)
 ENTRY_SUFFIX = ".ortgraph"
 SESSION_SUFFIX = ".ortsession"  # ORT's optimized training graph of a session, keyed by session_key()
+REPAIRS_SUFFIX = ".repairs.json"  # the repairs a model needed (ortcore.repair), keyed by its unrepaired fingerprint
 TMP_SUFFIX = ".tmp"
 MAX_HEADER = 4096  # a header longer than this is garbage, not a header
 STALE_TMP_SECONDS = 3600.0  # a writer's temporary file this old belongs to a process that died mid-write
@@ -485,6 +486,42 @@ def ortcore_export_done(config: Config, module: torch.nn.Module, fingerprint: st
     except ValueError as e:  # a part that is not data (an output type defined in a function): never pickled
         logger.info("export cache: the graph of %s is not cached: %s", type(module).__name__, e)
     except Exception as e:  # a full disk costs the next process an export, no more
+        logger.warning("export cache: cannot write %s (%s: %s); training goes on without it", path, type(e).__name__, e)
+
+
+# -- repairs ----------------------------------------------------------------------------------------------------------
+@hookimpl
+def ortcore_load_repairs(config: Config, module: torch.nn.Module, fingerprint: str) -> list[dict] | None:
+    """The repairs an earlier process found for this fingerprint: the next process applies them without searching."""
+    cache = cache_for(config)
+    if cache is None or not _HEX.match(fingerprint) or not cache.trusted():
+        return None
+    path = cache.entry_path(fingerprint, _rank(), REPAIRS_SUFFIX)
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.info("export cache: ignoring unreadable repairs %s (%s)", path, e)
+        return None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        return None
+    logger.info("export cache: %d repair(s) of %s found by an earlier process", len(entries), type(module).__name__)
+    return entries
+
+
+@hookimpl
+def ortcore_repairs_found(config: Config, module: torch.nn.Module, fingerprint: str, repairs: list[dict]) -> None:
+    cache = cache_for(config)
+    if cache is None or not _HEX.match(fingerprint) or not cache.trusted():
+        return
+    path = cache.entry_path(fingerprint, _rank(), REPAIRS_SUFFIX)
+    try:
+        os.makedirs(cache.directory, mode=0o700, exist_ok=True)
+        with atomic_writer(path, "w") as f:
+            json.dump(repairs, f, indent=1, default=str)
+    except Exception as e:  # the next process searches again, no more
         logger.warning("export cache: cannot write %s (%s: %s); training goes on without it", path, type(e).__name__, e)
 
 

@@ -283,3 +283,47 @@ def test_dynamo_route_repairs_complex_code_into_a_region(ortcore_host):
     wrapped = assert_matches_torch(FNetLike(), (torch.randn(4, 16),), host=host, rtol=RTOL, atol=ATOL)
     assert [r.region for r in wrapped.repairs] == ["mix.filter"]
     assert wrapped.state_machine.counters.fallbacks == 0
+
+
+def test_a_second_process_applies_the_repairs_the_first_found(ortcore_host, tmp_path):
+    from ortcore_plugins import export_cache
+
+    cache = {"plugins": {"export_cache": {"dir": str(tmp_path / "cache")}}}
+    torch.manual_seed(0)
+    model = FNetLike()
+    first = ORTModule(copy.deepcopy(model), host=_host(ortcore_host, ("export_cache", export_cache), table=cache))
+    first(torch.randn(2, 16)).sum().backward()
+    assert "export failed" in first.repairs[0].reason
+    assert list((tmp_path / "cache").glob("*.repairs.json"))
+    # A fresh host and model stand for the next process: the repair is applied before the first export.
+    host = _host(ortcore_host, ("export_cache", export_cache), table=cache)
+    second = assert_matches_torch(model, (torch.randn(3, 16),), host=host, rtol=RTOL, atol=ATOL)
+    assert [r.region for r in second.repairs] == ["mix.filter"]
+    assert second.state_machine.history[0].action == "repair"
+    assert "found by an earlier process" in second.state_machine.history[0].reason
+    assert [a.status for a in second.gradient_audits] == ["passed"]
+
+
+def test_a_third_party_store_of_repairs_gets_them_and_serves_them(ortcore_host):
+    stored: dict[str, list[dict]] = {}
+
+    class MemoryStore:
+        @hookimpl
+        def ortcore_load_repairs(self, config, module, fingerprint):
+            return stored.get(fingerprint)
+
+        @hookimpl
+        def ortcore_repairs_found(self, config, module, fingerprint, repairs):
+            stored[fingerprint] = repairs
+
+    torch.manual_seed(0)
+    model = ThreeBlocks()
+    x = torch.randn(4, 8)
+    first = ORTModule(copy.deepcopy(model), host=_host(ortcore_host, ("store", MemoryStore()), ("c", Corrupt("/bad/"))))
+    first(x).sum().backward()
+    ((fingerprint, repairs),) = stored.items()
+    assert [r["region"] for r in repairs] == ["bad.act"] and "audit failed" in repairs[0]["reason"]
+    host = _host(ortcore_host, ("store", MemoryStore()), ("c", Corrupt("/bad/")))
+    second = assert_matches_torch(model, (x,), host=host, rtol=RTOL, atol=ATOL)
+    assert [a.status for a in second.gradient_audits] == ["passed"]  # no mismatch to find: repaired from the start
+    assert second.state_machine.counters.exports == 1

@@ -26,6 +26,9 @@ ROUTED_METADATA_PREFIX = "ortcore.routed::"
 #: ``aten_fallback`` plugin's measured kernel choice, say.
 KEPT_METADATA_PREFIX = "ortcore.kept::"
 ATEN_DOMAIN = "org.pytorch.aten"
+PYTHON_OP_DOMAIN = "com.microsoft"
+#: Why a PythonOp's Function runs in PyTorch, by Function class name; others are custom autograd Functions.
+FUNCTION_REASONS = {"RegionFunction": "modules run in PyTorch as one node each (region_routing)"}
 
 
 def routed_reasons(model: onnx.ModelProto) -> dict[str, str]:
@@ -55,7 +58,9 @@ def aten_kind(operator: str) -> str:
 
 class Explanation(list):
     """One dict per op kind: ``op``, ``runs_on`` ("ORT" or "PyTorch"), ``count``, ``forward``, ``backward``,
-    ``reason``. Printing it gives a table."""
+    ``reason``. Printing it gives a table, then the repairs in force (``repairs``: one line each)."""
+
+    repairs: tuple[str, ...] = ()
 
     def routed(self) -> dict[str, str]:
         """``{op: reason}`` of the op kinds that run on PyTorch's kernels."""
@@ -65,12 +70,19 @@ class Explanation(list):
         if not self:
             return "no graph yet: call the model once"
         rows = [(r["op"], r["runs_on"], r["forward"], r["backward"], r["reason"]) for r in self]
-        return format_table(("op", "runs on", "forward", "backward", "why"), rows, indent="")
+        table = format_table(("op", "runs on", "forward", "backward", "why"), rows, indent="")
+        return "\n".join([table, *(f"runs in PyTorch: {line}" for line in self.repairs)])
 
 
 def operator_of(node: onnx.NodeProto) -> str:
     """The ``operator`` attribute of an ATen node (the op it runs)."""
     return next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+
+
+def _function_of(node: onnx.NodeProto) -> str:
+    """The autograd Function a PythonOp node calls, by class name (``func_name`` also carries its module)."""
+    name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "PythonOp")
+    return name.split(":")[0].rpartition(".")[2] or "PythonOp"
 
 
 def explain_graph(
@@ -82,19 +94,27 @@ def explain_graph(
     forward: Counter[tuple[str, str]] = Counter()
     backward: Counter[tuple[str, str]] = Counter()
     side = forward
+    python_ops = {
+        (_function_of(n), "PyTorch") for n in model.graph.node if n.op_type in ("PythonOp", "PythonOpGrad")
+    }
     for node in model.graph.node:
         if node.op_type == "YieldOp":
             side = backward
             continue
         if node.op_type == "ATen" and node.domain == ATEN_DOMAIN:
             side[(aten_kind(operator_of(node)), "PyTorch")] += 1
+        elif node.op_type in ("PythonOp", "PythonOpGrad") and node.domain == PYTHON_OP_DOMAIN:
+            side[(_function_of(node), "PyTorch")] += 1
         else:
             prefix = f"{node.domain}::" if node.domain not in ("", "ai.onnx") else ""
             side[(f"{prefix}{node.op_type}", "ORT")] += 1
     rows = Explanation()
     for op, runs_on in sorted(set(forward) | set(backward), key=lambda k: (k[1] != "PyTorch", k[0])):
         f, b = forward[(op, runs_on)], backward[(op, runs_on)]
-        reason = reasons.get(op, "routed by a plugin") if runs_on == "PyTorch" else kept.get(op, "")
+        reason = kept.get(op, "")
+        if runs_on == "PyTorch":
+            default = "a custom autograd Function" if (op, "PyTorch") in python_ops else "routed by a plugin"
+            reason = reasons.get(op, FUNCTION_REASONS.get(op, default))
         rows.append({"op": op, "runs_on": runs_on, "count": f + b, "forward": f, "backward": b, "reason": reason})
     return rows
 
@@ -106,4 +126,6 @@ def explain(module: Any) -> Explanation:
     if current is None:
         return Explanation()
     graph, session = current
-    return explain_graph(session.model, routed_reasons(graph.model), kept_reasons(graph.model))
+    rows = explain_graph(session.model, routed_reasons(graph.model), kept_reasons(graph.model))
+    rows.repairs = tuple(f"{r.description.removesuffix(' runs in PyTorch')}, because {r.reason}" for r in module.repairs)
+    return rows

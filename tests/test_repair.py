@@ -327,3 +327,13 @@ def test_a_third_party_store_of_repairs_gets_them_and_serves_them(ortcore_host):
     second = assert_matches_torch(model, (x,), host=host, rtol=RTOL, atol=ATOL)
     assert [a.status for a in second.gradient_audits] == ["passed"]  # no mismatch to find: repaired from the start
     assert second.state_machine.counters.exports == 1
+
+
+def test_explain_says_what_runs_in_pytorch_and_why(ortcore_host):
+    torch.manual_seed(0)
+    wrapped = ORTModule(FNetLike(), host=_host(ortcore_host))
+    wrapped(torch.randn(2, 16)).sum().backward()
+    explanation = wrapped.explain()
+    assert explanation.routed()["RegionFunction"].endswith("(region_routing)")
+    assert any(r["runs_on"] == "ORT" and r["op"] == "Gemm" for r in explanation)
+    assert "runs in PyTorch: module mix.filter, because export failed" in str(explanation)

@@ -117,6 +117,36 @@ def _is_grouped_query(args: tuple, schema: Any) -> bool:
     return bool(_const(args, schema, "enable_gqa"))
 
 
+def _accumulates(args: tuple, schema: Any) -> bool:
+    """``index_put(..., accumulate=True)``: repeated indices must add up (an unknown flag is taken as set)."""
+    value = _const(args, schema, "accumulate")
+    return value is None or bool(value)
+
+
+def _repeats_tensor(args: tuple, schema: Any) -> bool:
+    """``repeat_interleave`` with a tensor of repeats (a Loop in the export), not an int."""
+    return schema.overload_name in ("Tensor", "self_Tensor")
+
+
+def _on_integers(args: tuple, schema: Any) -> bool:
+    """The call's first tensor is an integer tensor."""
+    for value in args:
+        if value is None or is_none(value) or _is_list(value):
+            continue
+        try:
+            t = value.type()
+            if t.kind() == "TensorType" and t.scalarType() is not None:
+                return t.scalarType() not in FLOAT_TYPES
+        except (AttributeError, RuntimeError):
+            continue
+    return False
+
+
+def _rounds(args: tuple, schema: Any) -> bool:
+    """``div(..., rounding_mode=...)`` (Floor or Sign in the export, which ORT cannot differentiate)."""
+    return schema.overload_name in ("Tensor_mode", "Scalar_mode") and _const(args, schema, "rounding_mode") is not None
+
+
 @attrs.frozen
 class Route:
     """An aten op ORT cannot serve, why, and (if only some calls are affected) which ones."""
@@ -132,6 +162,7 @@ class Route:
 
 _NO_GRAD = "ORT has no gradient builder for {}"
 _NO_GRAD_KERNEL = "ORT has no CPU kernel for {}"
+_SCATTER_GRAD = "ORT's gradient of a scatter with reduction drops the gradient of self at the scattered positions"
 
 ROUTES: tuple[Route, ...] = (
     Route("hardswish", "HardSwish", _NO_GRAD.format("HardSwish")),
@@ -187,6 +218,69 @@ ROUTES: tuple[Route, ...] = (
         "ORT aborts the process on some diagonal graphs (a bounds assertion)",
         gradient_only=False,
     ),
+    # Wrong numbers, nothing raised: the exporter's form differs from torch on some inputs.
+    Route(
+        "index_add",
+        "ScatterElements",
+        "the exporter writes index_add as a scatter that keeps one of repeated indices instead of adding them "
+        "(or refuses alpha, or a source longer than self), and " + _SCATTER_GRAD,
+        gradient_only=False,
+    ),
+    Route(
+        "index_put",
+        "ScatterND",
+        "the exporter writes index_put(accumulate=True) as a scatter that keeps one of repeated indices instead "
+        "of adding them",
+        _accumulates,
+        gradient_only=False,
+    ),
+    Route("scatter_add", "ScatterElements", _SCATTER_GRAD),
+    Route(
+        "scatter_reduce",
+        "ScatterElements",
+        "the exporter refuses mean and include_self=False, writes the others with an If (which ORT cannot train), "
+        "and " + _SCATTER_GRAD,
+        gradient_only=False,
+    ),
+    Route(
+        "topk",
+        "TopK",
+        "ORT's TopK orders tied values by index where torch does not, so values, indices and gradients go to other "
+        "elements",
+        gradient_only=False,
+    ),
+    Route(
+        "repeat_interleave",
+        "Loop",
+        "the exporter writes repeat_interleave with a tensor of repeats as a Loop, which ORT cannot train",
+        _repeats_tensor,
+        gradient_only=False,
+    ),
+    Route(
+        "floor_divide",
+        "Div/Where",
+        "the exporter's integer floor division rounds some negative quotients the wrong way",
+        _on_integers,
+        gradient_only=False,
+    ),
+    Route("div", "Floor/Sign", _NO_GRAD.format("Floor and Sign (div with rounding_mode)"), _rounds),
+    *(
+        Route(
+            op,
+            onnx_op,
+            f"ORT takes {onnx_op} as not differentiable: a value reached only through it is refused, where torch "
+            "gives it a zero gradient",
+        )
+        for op, onnx_op in (
+            ("round", "Round"),
+            ("floor", "Floor"),
+            ("ceil", "Ceil"),
+            ("trunc", "Floor/Ceil"),
+            ("sign", "Sign"),
+        )
+    ),
+    Route("fmod", "Mod", _NO_GRAD.format("Mod (fmod)")),
+    Route("remainder", "Mod/Floor", _NO_GRAD.format("Mod and Floor (remainder)")),
 )
 
 ROUTE_OPS: frozenset[str] = frozenset(r.op for r in ROUTES)
@@ -257,17 +351,44 @@ def _kind_fits(argument: Any, value: Any) -> bool:
     return not _is_list(value) or t.kind() == "ListType"
 
 
-def match_overload(op: str, args: tuple) -> Any:
-    """The schema of the ``aten::<op>`` overload a traced call used: the argument count, tensor lists and strings
-    must fit (``gru.input`` and ``gru.data`` both take nine arguments)."""
+def match_overload(op: str, args: tuple, node: Any = None) -> Any:
+    """The schema of the ``aten::<op>`` overload a traced call used: the one the traced ``node`` names, else the
+    first whose argument count, tensor lists and strings fit (``gru.input`` and ``gru.data`` both take nine
+    arguments; ``repeat_interleave.self_int`` and ``.self_Tensor`` are told apart only by the node)."""
     packet = getattr(torch.ops.aten, op)
+    named = _node_overload(node)
+    if named is not None and named in packet.overloads():
+        schema = getattr(packet, named)._schema
+        # The exporter's copy of the node may name an out= overload of the same arity (max.out for max.dim).
+        if (
+            not schema.is_mutable
+            and len(schema.arguments) == len(args)
+            and all(_kind_fits(a, v) for a, v in zip(schema.arguments, args, strict=True))
+        ):
+            return schema
     for name in sorted(packet.overloads(), key=lambda n: n != "default"):
         schema = getattr(packet, name)._schema
-        if len(schema.arguments) == len(args) and all(
-            _kind_fits(a, v) for a, v in zip(schema.arguments, args, strict=True)
+        if (
+            not schema.is_mutable
+            and len(schema.arguments) == len(args)
+            and all(_kind_fits(a, v) for a, v in zip(schema.arguments, args, strict=True))
         ):
             return schema
     return None
+
+
+def _node_overload(node: Any) -> str | None:
+    """The overload name of a traced ``aten::`` node's schema (None if the node has none)."""
+    if node is None:
+        return None
+    try:
+        text = node.schema()
+    except (AttributeError, RuntimeError):
+        return None
+    name = text.partition("(")[0]
+    if not name.startswith("aten::"):
+        return None
+    return name.partition(".")[2] or "default"
 
 
 def _base_symbolic(op: str, opset: int) -> Callable[..., Any] | None:
@@ -305,12 +426,18 @@ def _flatten_call(op: str, schema: Any, args: tuple) -> list[_Flat]:
     flat = []
     for k, (a, value) in enumerate(zip(schema.arguments, args, strict=True)):
         t = a.type.getElementType() if a.type.kind() == "OptionalType" else a.type
-        if t.kind() == "ListType" and t.getElementType().kind() == "TensorType":
+        element = t.getElementType() if t.kind() == "ListType" else None
+        optional = element is not None and element.kind() == "OptionalType"
+        if element is not None and (element.getElementType() if optional else element).kind() == "TensorType":
             if not _is_list(value):
                 raise UnsupportedModelError(
                     f"the op_routing plugin cannot run aten::{op}: its tensor list {a.name!r} is not built in the graph"
                 )
-            flat.extend(_Flat(k, i, "Tensor", v) for i, v in enumerate(sh._unpack_list(value)))
+            # A None item of a Tensor?[] (index_put's indices, x[:, i]) is no input: the wrapper puts None there.
+            flat.extend(
+                _Flat(k, i, ABSENT if optional and is_none(v) else "Tensor", None if is_none(v) else v)
+                for i, v in enumerate(sh._unpack_list(value))
+            )
         else:
             try:
                 kind = schema_type(a.type, op, a.name)
@@ -338,7 +465,11 @@ def _wrapper(
     )
     kinds = [flat[i].kind for i in order]
     placement = [((flat[i].argument, flat[i].item),) for i in order]
-    return define_wrapper(op, overload, schema, kinds, placement, signature)
+    lengths: dict[int, int] = {}
+    for f in flat:
+        if f.item is not None:
+            lengths[f.argument] = max(lengths.get(f.argument, 0), f.item + 1)
+    return define_wrapper(op, overload, schema, kinds, placement, signature, lengths)
 
 
 def _on(route: Route, args: tuple) -> bool:
@@ -387,7 +518,7 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
     op = route.op
 
     def symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
-        schema = match_overload(op, args)
+        schema = match_overload(op, args, g.original_node)
         if (
             schema is None
             or (route.when is not None and not route.when(args, schema))
@@ -439,9 +570,14 @@ def _may_need_grad(value: Any) -> bool:
     return False
 
 
+_failed_ops: set[str] = set()  # ops routed because the exporter failed on a call (for the reasons in metadata)
+
+
 def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     """Export one call of ``aten::<op>`` as an ATen node run by PyTorch, with its VJP gradient."""
     prepare_runtime()
+    if reason == EXPORTER_FAILED:
+        _failed_ops.add(op)
     node = g.original_node
     outputs_traced = list(node.outputs())
     if any(r.type.kind() != "TensorType" for r in schema.returns):
@@ -486,11 +622,11 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
 _logged: set[tuple[str, str]] = set()
 
 
-def _note_routed(op: str, reason: str) -> None:
+def _note_routed(op: str, reason: str, kind: str = "runs on PyTorch's kernel inside the ORT graph") -> None:
     if (op, reason) not in _logged:
         _logged.add((op, reason))
         name = op if "::" in op else f"aten::{op}"
-        logger.info("%s runs on PyTorch's kernel inside the ORT graph: %s", name, reason)
+        logger.info("%s %s: %s", name, kind, reason)
 
 
 def symbolics(config: Config) -> dict[str, Callable[..., Any]]:
@@ -543,6 +679,42 @@ PROGRAM_ROUTES: tuple[ProgramRoute, ...] = (
     ProgramRoute(_BY_OP["flip"], ("flip",)),
     ProgramRoute(_BY_OP["multinomial"], ("multinomial",)),
     ProgramRoute(_BY_OP["diagonal"], ("diagonal",)),
+    *(
+        ProgramRoute(_BY_OP[op], (op,))
+        for op in (
+            "index_add",
+            "scatter_add",
+            "scatter_reduce",
+            "topk",
+            "fmod",
+            "remainder",
+            "round",
+            "floor",
+            "ceil",
+            "trunc",
+            "sign",
+        )
+    ),
+    ProgramRoute(_BY_OP["index_put"], ("index_put",), _flag("accumulate")),
+    ProgramRoute(
+        _BY_OP["repeat_interleave"],
+        ("repeat_interleave",),
+        lambda arguments, target: target._overloadname in ("Tensor", "self_Tensor"),
+    ),
+    ProgramRoute(
+        _BY_OP["div"],
+        ("div",),
+        lambda arguments, target: arguments.get("rounding_mode") is not None,
+    ),
+    ProgramRoute(
+        Route(
+            "cumprod",
+            "(no translation)",
+            "the dynamo exporter decomposes cumprod into prims.prod, which it cannot translate",
+            gradient_only=False,
+        ),
+        ("cumprod",),
+    ),
     # The dynamo exporter writes grouped-query attention (an Unsqueeze and Expand of the key and value heads), but
     # ORT's gradient of that Unsqueeze fails at run time (a Squeeze given a scalar axes tensor).
     ProgramRoute(
@@ -596,6 +768,7 @@ def _route_program(program: torch.export.ExportedProgram, context: PassContext) 
     def decide(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
         return _program_reason(node, by_op, reach, gaps=True, translated=context.translated)
 
+    as_strided_program(program)
     routed = aten_program.route_calls(program, context.module, decide, prepare_runtime)
     for name, reason in routed:
         _note_routed(name.removeprefix("aten::"), reason)
@@ -605,8 +778,252 @@ def _route_program(program: torch.export.ExportedProgram, context: PassContext) 
 # -- the exporter: exporter gaps, and the reasons of what was routed --------------------------------------------------
 
 
+# -- as_strided: read from the storage, not from the logical tensor ---------------------------------------------------
+#
+# ``t.as_strided(size, stride, offset)`` indexes t's *storage*: element j of the result is storage[offset +
+# sum(j_k * stride_k)], offset defaulting to t.storage_offset(). An exported graph has no storage: t is a logical
+# tensor there, which both exporters gather from as if it were contiguous at offset 0. That is right only when t is
+# contiguous and the default offset is used (or t starts its storage); a transposed, sliced or expanded t gives other
+# numbers, silently. The exact form reads the memory t views from the tensor that owns it (t._base, in the graph as
+# well): that tensor's values put in storage order (its stride-0 and size-1 dimensions dropped, its dimensions sorted
+# by stride) are storage[start:start + n], from which as_strided reads with the offset made relative to ``start``.
+# Every op of that form is a plain view or gather, which ORT differentiates.
+
+AS_STRIDED_REASON = "as_strided indexes its input's storage, which the exported graph does not have"
+
+
+@attrs.frozen
+class StorageOrder:
+    """How to put a tensor's values in storage order: the dimensions to drop (stride 0 or size 1, each taken at
+    index 0, highest first), then the permutation of the others by decreasing stride."""
+
+    drop: tuple[int, ...]
+    permutation: tuple[int, ...]
+    start: int  # the storage position of the first element in storage order
+    numel: int  # how many storage positions the values cover, all of them
+
+
+def storage_order(shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> StorageOrder | None:
+    """The :class:`StorageOrder` of a tensor of ``shape``, ``strides`` and storage ``offset`` whose memory has no
+    gaps (its values, repeats aside, fill storage[offset:offset + n]); None if it has gaps."""
+    drop = tuple(d for d in reversed(range(len(shape))) if strides[d] == 0 or shape[d] == 1)
+    keep = [d for d in range(len(shape)) if d not in drop]
+    order = sorted(keep, key=lambda d: -strides[d])
+    expected = 1
+    for d in reversed(order):
+        if strides[d] != expected:
+            return None
+        expected *= shape[d]
+    permutation = tuple(sorted(range(len(keep)), key=lambda k: -strides[keep[k]]))
+    return StorageOrder(drop, permutation, offset, expected if keep else 1)
+
+
+def _number(value: Any) -> int:
+    """An int, a SymInt (its value for the traced example) or an FX node computing one, as an int."""
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.SymInt):
+        hint = getattr(value.node, "hint", None)
+        return int(hint) if hint is not None else int(value)
+    return int(value)
+
+
+def _reads(size: Any, stride: Any, offset: int) -> tuple[int, int]:
+    """The first and last storage positions ``as_strided(size, stride, offset)`` reads."""
+    pairs = [(_number(n), _number(s)) for n, s in zip(size, stride, strict=True)]
+    return offset, offset + sum((n - 1) * s for n, s in pairs if n > 0)
+
+
+def _gap_error(what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"as_strided reads storage positions {what}: the exported graph holds no such values (as_strided indexes its "
+        "input's storage, which the graph does not have), so ORT cannot compute torch's result"
+    )
+
+
+def as_strided_exact(t: torch.Tensor, size: Any, stride: Any, storage_offset: Any = None) -> torch.Tensor:
+    """``t.as_strided(size, stride, storage_offset)`` written with ops whose export reads what torch reads (see the
+    comment above); called while the TorchScript exporter traces the model."""
+    start = t.storage_offset()
+    if t.is_contiguous() and (storage_offset is None or start == 0):
+        return torch.as_strided(t, size, stride, storage_offset)  # the exporter's gather is torch's
+    offset = start if storage_offset is None else int(storage_offset)
+    owner = t._base if t._base is not None else t
+    order = storage_order(tuple(owner.shape), tuple(owner.stride()), owner.storage_offset())
+    if order is None:
+        raise _gap_error("of a tensor whose memory has gaps (a strided slice)")
+    first, last = _reads(size, stride, offset)
+    if first < order.start or last >= order.start + order.numel:
+        raise _gap_error(f"{first}..{last}, outside the {order.numel} its owner covers from {order.start}")
+    flat = owner
+    for d in order.drop:
+        flat = flat.select(d, 0)
+    flat = flat.permute(order.permutation).reshape(-1)
+    if flat.storage_offset() != 0:
+        flat = flat.clone()  # so that torch, while tracing, reads relative offsets as the graph does
+    _note_routed("as_strided", AS_STRIDED_REASON, kind="written in storage order")
+    return torch.as_strided(flat, size, stride, offset - order.start)
+
+
+class _AsStridedInStorageOrder(torch.overrides.TorchFunctionMode):
+    """While the TorchScript exporter traces: every ``as_strided`` call becomes :func:`as_strided_exact`."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.as_strided, torch.as_strided) and torch.jit.is_tracing():
+            return as_strided_exact(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _view_root(node: torch.fx.Node) -> torch.fx.Node:
+    while (
+        node.op == "call_function"
+        and getattr(node.target, "is_view", False)
+        and node.args
+        and isinstance(node.args[0], torch.fx.Node)
+    ):
+        node = node.args[0]
+    return node
+
+
+def as_strided_program(program: torch.export.ExportedProgram) -> int:
+    """The dynamo route's :func:`as_strided_exact`: each ``aten.as_strided`` call of ``program`` whose input is not
+    contiguous from its storage's start reads from the tensor owning the memory, in storage order (from the fake
+    tensors' strides and offsets)."""
+    graph = program.graph_module.graph
+    aten = torch.ops.aten
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.as_strided.default:
+            continue
+        source = node.args[0]
+        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            continue
+        size, stride = node.args[1], node.args[2]
+        given = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
+        start = _number(value.storage_offset())
+        if value.is_contiguous() and (given is None or start == 0):
+            continue
+        root = _view_root(source)
+        owner = root.meta.get("val")
+        if not isinstance(owner, torch.Tensor):
+            continue
+        order = storage_order(
+            tuple(_number(n) for n in owner.shape),
+            tuple(_number(s) for s in owner.stride()),
+            _number(owner.storage_offset()),
+        )
+        if order is None:
+            raise _gap_error("of a tensor whose memory has gaps (a strided slice)")
+        offset = start if given is None else _number(given)
+        first, last = _reads(size, stride, offset)
+        if first < order.start or last >= order.start + order.numel:
+            raise _gap_error(f"{first}..{last}, outside the {order.numel} its owner covers from {order.start}")
+        with graph.inserting_before(node):
+            flat = root
+            for d in order.drop:
+                flat = graph.call_function(aten.select.int, (flat, d, 0))
+            if order.permutation != tuple(range(len(order.permutation))):
+                flat = graph.call_function(aten.permute.default, (flat, list(order.permutation)))
+            flat = graph.call_function(aten.reshape.default, (flat, [-1]))
+            replacement = graph.call_function(aten.as_strided.default, (flat, size, stride, offset - order.start))
+        replacement.meta.update(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        changed += 1
+    if changed:
+        _note_routed("as_strided", AS_STRIDED_REASON, kind="written in storage order")
+        graph.eliminate_dead_code()
+        program.graph_module.recompile()
+    return changed
+
+
 class RoutingExporter(FallbackExporter):
-    """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``)."""
+    """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``), and
+    ``as_strided`` as reads of its input's storage (:func:`as_strided_exact`)."""
+
+    def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
+        for _ in range(MAX_FAILED_OPS + 1):
+            try:
+                with _AsStridedInStorageOrder():
+                    return super().export(module, args, **kwargs)
+            except UnsupportedModelError as e:
+                op = failed_op(e)
+                # The exporter looks an op ending in "_" up without it (an in-place op, and __and__ as __and_).
+                name = f"::{op[:-1]}" if op is not None and op.endswith("_") else f"::{op}"
+                if op is not None and op.endswith("_") and not op.startswith("__"):
+                    op = op[:-1]  # an in-place call is routed as its functional op
+                if op is None or not hasattr(torch.ops.aten, op) or name in self._failed:
+                    raise
+                logger.info(
+                    "the TorchScript exporter failed on aten::%s (%s): exporting the calls it fails on as ATen nodes "
+                    "run by PyTorch",
+                    op,
+                    str(e.__cause__ or e).strip().splitlines()[0][:200],
+                )
+                self._failed.add(name)
+                previous = self.symbolics.get(name) or _registered_symbolic(name.removeprefix("::"))
+                self.symbolics[name] = routed_on_failure(op, previous)
+        raise UnsupportedModelError(
+            f"{type(module).__name__} uses more than {MAX_FAILED_OPS} ops the exporter fails on"
+        )
+
+    @property
+    def _failed(self) -> set[str]:
+        failed = self.__dict__.get("_failed_ops")
+        if failed is None:
+            failed = self.__dict__["_failed_ops"] = set()
+        return failed
+
+
+MAX_FAILED_OPS = 32
+EXPORTER_FAILED = "the TorchScript exporter fails on this call (its symbolic refuses the arguments)"
+
+
+def failed_op(error: BaseException) -> str | None:
+    """The ``aten::`` op whose symbolic raised ``error`` (or its cause): read from the exporter's own frame that
+    was converting the node (``_run_symbolic_function``), since the messages do not always name the op."""
+    for e in (error, error.__cause__):
+        tb = e.__traceback__ if e is not None else None
+        kind = None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "_run_symbolic_function":
+                node = tb.tb_frame.f_locals.get("node")
+                try:
+                    kind = node.kind() if node is not None else kind
+                except (AttributeError, RuntimeError):
+                    pass
+            tb = tb.tb_next
+        if kind is not None and kind.startswith("aten::"):
+            return kind.removeprefix("aten::")
+    return None
+
+
+def _registered_symbolic(op: str) -> Callable[..., Any] | None:
+    from torch.onnx._internal.torchscript_exporter import registration
+
+    group = registration.registry.get_function_group(f"aten::{op}")
+    return None if group is None else lambda g, *args, **kwargs: group.get(g.opset)(g, *args, **kwargs)
+
+
+def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[..., Any]:
+    """The symbolic of ``aten::<op>`` after the exporter failed on it: ``previous`` (the symbolic that failed) where
+    it succeeds, else one ATen node run by PyTorch (calls the exporter writes stay in ORT)."""
+
+    def symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
+        if previous is not None:
+            try:
+                return previous(g, *args, **kwargs)
+            except Exception:  # noqa: BLE001 (any failure of the exporter's symbolic: the call is routed)
+                pass
+        schema = match_overload(op, args, g.original_node)
+        if schema is None:
+            raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: no overload fits the call")
+        return _emit(g, op, schema, args, EXPORTER_FAILED)
+
+    symbolic.__name__ = f"op_routing_failed_{op}"
+    return symbolic
 
 
 _REASONS = {r.op: r.reason for r in ROUTES}
@@ -628,7 +1045,8 @@ def add_reasons(model: onnx.ModelProto, dynamo: bool = False) -> None:
         # native_layer_norm, linear for addmm).
         op = aten_kind(operator_of(node))
         speed = FASTER_IN_TORCH if op in ROUTABLE_OPS else None
-        reasons.setdefault(op, routes.get(op) or _CORE_OPS.get(op) or speed or gap)
+        failed = None if dynamo or op not in _failed_ops else EXPORTER_FAILED
+        reasons.setdefault(op, routes.get(op) or _CORE_OPS.get(op) or speed or failed or gap)
     known = {p.key for p in model.metadata_props}
     for op, reason in sorted(reasons.items()):
         if METADATA_PREFIX + op not in known:

@@ -402,14 +402,17 @@ def define_wrapper(
     kinds: list[str],
     placement: list[tuple[tuple[int, int | None], ...]],
     signature: str,
+    list_lengths: dict[int, int] | None = None,
 ) -> str:
     """Define (once) and name the wrapper op of one call signature of ``op`` (``gru``, ``aten::gru``,
     ``transformers::grouped_mm_fallback``) at ``overload``, whose ``schema`` is ``schema``.
 
     Wrapper input ``k`` has schema type ``kinds[k]`` and fills ``placement[k]``: ``(argument, item)`` pairs, the index
     of a schema argument and, for a tensor list, the index in the list (None for a plain argument). Arguments no
-    input fills are left at None. ``signature`` (text) tells call signatures apart: the wrapper is named
-    ``<op>__<overload>__<hash of signature>``, so its gradient definition (one per name and process) fits the call.
+    input fills are left at None, and so are the items of a tensor list (argument ``k``, ``list_lengths[k]`` items
+    long) no input fills (None indices of ``index_put``). ``signature`` (text) tells call signatures apart: the
+    wrapper is named ``<op>__<overload>__<hash of signature>``, so its gradient definition (one per name and process)
+    fits the call.
     """
     global _wrapper_library
     short = op.rpartition("::")[2]
@@ -427,6 +430,7 @@ def define_wrapper(
         n_args = len(schema.arguments)
         kwarg_only = [a.kwarg_only for a in schema.arguments]
         targets = [tuple(p) for p in placement]
+        lengths = dict(list_lengths or {})
 
         def call(*values: Any) -> Any:
             args: list[Any] = [None] * n_args
@@ -438,7 +442,7 @@ def define_wrapper(
                     else:
                         lists.setdefault(argument, {})[item] = value
             for argument, items in lists.items():
-                args[argument] = [items[i] for i in sorted(items)]
+                args[argument] = [items.get(i) for i in range(max(lengths.get(argument, 0), max(items) + 1))]
             positional = [v for v, kw in zip(args, kwarg_only, strict=True) if not kw]
             keywords = {a.name: v for a, v, kw in zip(schema.arguments, args, kwarg_only, strict=True) if kw}
             result = packet(*positional, **keywords)

@@ -255,6 +255,7 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
     # The ATen node's inputs: (kind, value, places), places being the (argument, list item) pairs the input fills.
     inputs: list[tuple[str, Any, list[tuple[int, int | None]]]] = []
     tensor_input: dict[torch.fx.Node, int] = {}
+    lengths: dict[int, int] = {}
 
     def add_tensor(value: Any, place: tuple[int, int | None], name: str) -> None:
         if not isinstance(value, torch.fx.Node) or not isinstance(_val(value), torch.Tensor):
@@ -270,8 +271,10 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
             continue  # an optional argument left at None: the wrapper passes None
         t = a.real_type.getElementType() if a.real_type.kind() == "OptionalType" else a.real_type
         if _is_tensor_list(t):
+            lengths[k] = len(value)
             for i, item in enumerate(value):
-                add_tensor(item, (k, i), a.name)
+                if item is not None:  # a None item of a Tensor?[] (index_put's x[:, i]): the wrapper puts None there
+                    add_tensor(item, (k, i), a.name)
         elif t.kind() == "TensorType":
             add_tensor(value, (k, None), a.name)
         else:
@@ -298,7 +301,9 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
     kinds = [kind for kind, _, _ in inputs]
     placement = [tuple(places) for _, _, places in inputs]
     signature = f"{target.name()}|{list(zip(kinds, placement, strict=True))}|{differentiable}|{float_inputs}"
-    name = define_wrapper(schema.name, target._overloadname, schema, kinds, placement, signature)
+    if any(lengths[k] != sum(1 for places in placement for a, _ in places if a == k) for k in lengths):
+        signature += f"|{lengths}"  # None items: the list is longer than its inputs
+    name = define_wrapper(schema.name, target._overloadname, schema, kinds, placement, signature, lengths)
     wrapper = op_packet(name).default
     register_vjp_gradient(name, "", wrapper._schema, differentiable, float_inputs, prepare_runtime)
     with _lock:

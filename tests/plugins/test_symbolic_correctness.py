@@ -1,0 +1,324 @@
+"""Ops whose export is plausibly wrong on adversarial inputs, trained under ORTModule against eager PyTorch.
+
+Each case is a small model whose parameters feed one op on inputs chosen to break a careless export: duplicate
+indices, non-contiguous views, ties, zeros, negative operands, broadcast bounds. ORTModule (default configuration, op
+routing on, ``FALLBACK_DISABLE``) must give torch's outputs (integer outputs exactly; floating point ``rtol=1e-5``,
+``atol=1e-6`` times the reference's scale), loss and every parameter's gradient. A case whose op the exporter writes
+wrongly passes only because op routing runs it on PyTorch's kernel: the test names the op that must be routed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortcore import ORTModule
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class OpModel(nn.Module):
+    """Parameters ``p0, p1, ...`` and ``fn(parameters, *inputs)``: every parameter is trained."""
+
+    def __init__(self, fn: Callable[..., Any], params: tuple[torch.Tensor, ...]):
+        super().__init__()
+        self.fn = fn
+        self.ps = nn.ParameterList([nn.Parameter(p.clone()) for p in params])
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.fn(list(self.ps), *inputs)
+
+
+@attrs.frozen
+class Case:
+    fn: Callable[..., Any]
+    params: Callable[[], tuple[torch.Tensor, ...]]
+    inputs: Callable[[], tuple[torch.Tensor, ...]] = tuple
+    routed: str | None = None  # the op that must run on PyTorch's kernel for this case to be right
+    exporters: tuple[str, ...] = ("torchscript", "dynamo")
+
+
+def _r(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    return torch.randn(*shape, generator=g)
+
+
+DUP = torch.tensor([0, 1, 1, 3, 3, 3, 4])  # repeated indices: a careless scatter overwrites instead of adding
+TIES = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0], [3.0, 3.0, -1.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+
+
+def _outputs(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, tuple | list) else (out,)
+
+
+def _loss(outputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A loss with a distinct weight per element (so a gradient sent to a wrong element shows) over float outputs."""
+    total = torch.zeros(())
+    for k, out in enumerate(outputs):
+        if out.dtype.is_floating_point:
+            weights = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape) * (k + 1)
+            total = total + (out * weights).sum() + out.square().mean()
+    return total
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if not expected.dtype.is_floating_point:
+        assert torch.equal(actual, expected), f"{what}: {actual} != {expected}"
+        return
+    scale = max(expected.abs().max().item(), 1.0) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{what}: {m}")
+
+
+def _as_strided_transposed(p: list, *_: Any) -> torch.Tensor:
+    t = (p[0] * 2).transpose(0, 1)  # [8, 6], strides (1, 8): storage order is p[0]'s, not t's
+    return t.as_strided((3, 4), (2, 3), 1)
+
+
+def _as_strided_no_offset(p: list, *_: Any) -> torch.Tensor:
+    t = (p[0] * 2).t()
+    return t.as_strided((4, 5), (5, 1))
+
+
+def _as_strided_sliced(p: list, *_: Any) -> torch.Tensor:
+    t = (p[0] * 2)[2:]  # contiguous, at storage offset 16: the default offset is the slice's own
+    return t.as_strided((3, 5), (4, 1))
+
+
+def _as_strided_sliced_offset(p: list, *_: Any) -> torch.Tensor:
+    t = (p[0] * 2)[:, 1:7]  # not contiguous: a storage offset, and gaps it does not cover
+    return t.as_strided((2, 3), (8, 2), 2)
+
+
+def _as_strided_expanded(p: list, *_: Any) -> torch.Tensor:
+    t = (p[0] * 2).expand(4, 8)  # stride 0: every row is the same memory
+    return t.as_strided((3, 3), (1, 2))
+
+
+def _sliding_chunks(p: list, *_: Any) -> torch.Tensor:
+    """Longformer's chunking of a [batch, seq, hidden] tensor into overlapping windows, after a transpose."""
+    hidden = (p[0] * 2).transpose(1, 2)  # [2, 8, 3] from [2, 3, 8]: not contiguous
+    w = 2
+    size = (hidden.size(0), hidden.size(1) // w - 1, 2 * w, hidden.size(2))
+    stride = list(hidden.stride())
+    stride.insert(1, stride[1] * w)
+    return hidden.as_strided(size, stride)
+
+
+CASES: dict[str, Case] = {
+    # -- scatters with repeated indices -------------------------------------------------------------------------------
+    "index_add_dup": Case(
+        lambda p, i: p[0].index_add(0, i, p[1] * 2), lambda: (_r(5, 4), _r(7, 4)), lambda: (DUP,), "index_add"
+    ),
+    "index_add_dim1": Case(
+        lambda p, i: p[0].index_add(1, i, p[1], alpha=0.5), lambda: (_r(3, 5), _r(3, 7)), lambda: (DUP,)
+    ),
+    "index_put_accumulate": Case(
+        lambda p, i: p[0].index_put((i,), p[1] * 2, accumulate=True),
+        lambda: (_r(5, 4), _r(7, 4)),
+        lambda: (DUP,),
+        "index_put",
+    ),
+    "index_put_accumulate_2d": Case(
+        lambda p, i: p[0].index_put((i, i.flip(0)), p[1], accumulate=True), lambda: (_r(5, 5), _r(7)), lambda: (DUP,)
+    ),
+    "index_put_unique": Case(
+        lambda p, i: p[0].index_put((i.unique(),), p[1][:4]), lambda: (_r(5, 4), _r(7, 4)), lambda: (DUP,)
+    ),
+    "index_put_accumulate_none_slot": Case(
+        # x[:, i] += v with repeated i adding up: a None index
+        lambda p, i: torch.ops.aten.index_put(p[0], [None, i], p[1], True),
+        lambda: (_r(3, 5), _r(3)),
+        lambda: (torch.tensor([4, 4, 0]),),
+    ),
+    "scatter_add_dup": Case(
+        lambda p, i: p[0].scatter_add(0, i.view(7, 1).expand(7, 4), p[1]),
+        lambda: (_r(5, 4), _r(7, 4)),
+        lambda: (DUP,),
+        "scatter_add",
+    ),
+    **{
+        f"scatter_reduce_{reduce}_{'self' if include else 'noself'}": Case(
+            lambda p, i, reduce=reduce, include=include: p[0].scatter_reduce(
+                0, i.view(7, 1).expand(7, 4), p[1], reduce, include_self=include
+            ),
+            lambda: (_r(5, 4), _r(7, 4)),
+            lambda: (DUP,),
+            "scatter_reduce",
+        )
+        for reduce in ("sum", "prod", "mean", "amax", "amin")
+        for include in (True, False)
+    },
+    "index_copy": Case(
+        lambda p, i: p[0].index_copy(0, i, p[1]), lambda: (_r(5, 4), _r(3, 4)), lambda: (torch.tensor([4, 0, 2]),)
+    ),
+    "index_fill": Case(lambda p, i: p[0].index_fill(1, i, -2.0), lambda: (_r(3, 5),), lambda: (DUP,)),
+    "masked_scatter": Case(
+        lambda p, m: p[0].masked_scatter(m, p[1]), lambda: (_r(3, 4), _r(12)), lambda: (_r(3, 4, seed=1) > 0,)
+    ),
+    "put_accumulate": Case(
+        lambda p, i: p[0].clone().put_(i, p[1], accumulate=True), lambda: (_r(3, 4), _r(7)), lambda: (DUP * 2,)
+    ),
+    "take": Case(lambda p, i: p[0].t().take(i), lambda: (_r(3, 4),), lambda: (DUP * 2 - 1,)),
+    "gather_transposed": Case(
+        lambda p, i: p[0].t().gather(1, i.view(1, 7).expand(4, 7) % 3), lambda: (_r(3, 4),), lambda: (DUP,)
+    ),
+    # -- views -----------------------------------------------------------------------------------------------------
+    "as_strided_transposed": Case(_as_strided_transposed, lambda: (_r(6, 8),)),
+    "as_strided_no_offset": Case(_as_strided_no_offset, lambda: (_r(6, 8),)),
+    "as_strided_sliced": Case(_as_strided_sliced, lambda: (_r(6, 8),)),
+    "as_strided_sliced_offset": Case(_as_strided_sliced_offset, lambda: (_r(6, 8),)),
+    "as_strided_expanded": Case(_as_strided_expanded, lambda: (_r(1, 8),)),
+    "sliding_chunks": Case(_sliding_chunks, lambda: (_r(2, 3, 8),)),
+    "narrow_view": Case(lambda p: p[0].t().narrow(0, 1, 2) * p[0][:, :2].t(), lambda: (_r(3, 4),)),
+    "unfold_view": Case(lambda p: p[0].t().unfold(0, 3, 2), lambda: (_r(3, 7),)),
+    "repeat_interleave_tensor": Case(
+        lambda p, r: p[0].repeat_interleave(r, dim=0),
+        lambda: (_r(3, 4),),
+        lambda: (torch.tensor([2, 0, 3]),),
+        "repeat_interleave",
+    ),
+    "repeat_interleave_int": Case(lambda p: p[0].repeat_interleave(3, dim=1), lambda: (_r(3, 4),)),
+    "roll": Case(lambda p: p[0].roll((1, -2), (0, 1)) * p[0], lambda: (_r(3, 5),)),
+    "roll_flat": Case(lambda p: p[0].roll(7), lambda: (_r(3, 5),)),
+    "flip": Case(lambda p: p[0].flip(0, 1) * p[0], lambda: (_r(3, 5),)),
+    # -- reductions and arithmetic -------------------------------------------------------------------------------------
+    "cumprod_zeros": Case(lambda p: (p[0] * torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])).cumprod(1), lambda: (_r(3, 5),)),
+    **{
+        f"std_var_correction_{c}": Case(
+            lambda p, c=c: (p[0].std(1, correction=c), p[0].var(0, correction=c, keepdim=True)), lambda: (_r(4, 5),)
+        )
+        for c in (0, 1, 2)
+    },
+    "clamp_tensor_bounds": Case(lambda p: p[0].clamp(min=p[1], max=p[2] + 0.5), lambda: (_r(3, 4), _r(4), _r(3, 1))),
+    "clamp_crossed_bounds": Case(lambda p: p[0].clamp(min=p[1] + 3.0, max=p[2]), lambda: (_r(3, 4), _r(4), _r(3, 1))),
+    "where_broadcast": Case(
+        lambda p, m: torch.where(m, p[0], p[1]), lambda: (_r(3, 1), _r(1, 4)), lambda: (_r(3, 4, seed=2) > 0,)
+    ),
+    "pow_negative_base": Case(
+        lambda p, e: (-p[0].abs() - 0.5).pow(3.0) + (-p[0].abs() - 0.5).pow(2) + torch.pow(-2.0, e) * p[1],
+        lambda: (_r(3, 4), _r(4)),
+        lambda: (torch.tensor([0.0, 1.0, 2.0, 3.0]),),
+    ),
+    **{
+        f"{name}_only_path": Case(  # p[1] reaches the loss only through a zero gradient: torch gives it zeros
+            lambda p, f=f: p[0] * f(p[1] * 3), lambda: (_r(3, 4), _r(3, 4)), routed=name
+        )
+        for name, f in (
+            ("round", torch.round),
+            ("floor", torch.floor),
+            ("ceil", torch.ceil),
+            ("trunc", torch.trunc),
+            ("sign", torch.sign),
+        )
+    },
+    "pow_tensor_negative_base": Case(
+        lambda p, e: (p[0] - 1.0).pow(e) * p[1],
+        lambda: (_r(3, 4), _r(3, 4)),
+        lambda: (torch.arange(12.0).view(3, 4) % 4,),
+    ),
+    "fmod_remainder": Case(
+        lambda p: (torch.fmod(p[0] * 3, p[1]), torch.remainder(p[0] * 3, p[1]), torch.remainder(p[0] * 3, -1.5)),
+        lambda: (_r(3, 4), torch.tensor([1.5, -1.5, 0.7, -0.7])),
+    ),
+    "fmod_remainder_int": Case(
+        lambda p, a: p[0] * (torch.fmod(a, -3) + torch.remainder(a, -3) + torch.remainder(a, 4)),
+        lambda: (_r(3, 4),),
+        lambda: (torch.arange(-6, 6).view(3, 4),),
+    ),
+    "div_floor_trunc": Case(
+        lambda p: (torch.div(p[0] * 4, p[1], rounding_mode="floor"), torch.div(p[0] * 4, p[1], rounding_mode="trunc")),
+        lambda: (_r(3, 4), torch.tensor([1.5, -1.5, 0.7, -0.7])),
+    ),
+    "div_floor_trunc_int": Case(
+        lambda p, a: (
+            p[0]
+            * (
+                torch.div(a, -3, rounding_mode="floor")
+                + torch.div(a, 4, rounding_mode="trunc")
+                + (a // torch.tensor(-5))
+            )
+        ),
+        lambda: (_r(3, 4),),
+        lambda: (torch.arange(-6, 6).view(3, 4),),
+    ),
+    "bitwise_int": Case(
+        lambda p, a, b: (p[0] * (a & b) + p[0] * (a | b) - p[0] * (a ^ b) + p[0] * (~a), (a << 2) | (b >> 1)),
+        lambda: (_r(3, 4),),
+        lambda: (torch.arange(-6, 6).view(3, 4), torch.arange(12).view(3, 4) * 5 % 7),
+    ),
+    # -- ties ------------------------------------------------------------------------------------------------------------
+    "argmax_ties": Case(lambda p: (p[0].argmax(1), p[0].argmin(0), p[0] * 1.0), lambda: (TIES,)),
+    "max_dim_ties": Case(lambda p: p[0].max(1), lambda: (TIES,)),
+    "topk_ties": Case(lambda p: p[0].topk(3, dim=1), lambda: (TIES,), routed="topk"),
+    "sort_stable": Case(lambda p: p[0].sort(dim=1, stable=True), lambda: (TIES,)),
+    "sort_descending_stable": Case(lambda p: p[0].sort(dim=1, descending=True, stable=True), lambda: (TIES,)),
+    # -- embedding ----------------------------------------------------------------------------------------------------
+    "embedding_padding_idx": Case(
+        lambda p, i: F.embedding(i, p[0], padding_idx=1), lambda: (_r(6, 4),), lambda: (DUP.view(1, 7),)
+    ),
+    "normalize": Case(lambda p: F.normalize(p[0], dim=1) * p[1], lambda: (_r(3, 4), _r(4))),
+}
+
+
+def _run(case: Case, exporter: str) -> ORTModule:
+    model = OpModel(case.fn, case.params())
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, exporter=exporter, fallback_policy="FALLBACK_DISABLE")
+    inputs = case.inputs()
+    out, out_ref = _outputs(wrapped(*inputs)), _outputs(ref(*inputs))
+    assert len(out) == len(out_ref)
+    for k, (a, b) in enumerate(zip(out, out_ref, strict=True)):
+        _close(a, b, f"output {k}")
+    loss, loss_ref = _loss(out), _loss(out_ref)
+    _close(loss, loss_ref, "loss")
+    if loss_ref.requires_grad:
+        loss.backward()
+        loss_ref.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            if q.grad is None:
+                assert p.grad is None or not p.grad.any(), f"{name} got a gradient torch does not give"
+                continue
+            assert p.grad is not None, f"{name} got no gradient"
+            _close(p.grad, q.grad, f"gradient of {name}")
+    return wrapped
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_matches_torch(name: str, exporter: str) -> None:
+    case = CASES[name]
+    if exporter not in case.exporters:
+        pytest.skip(f"{name}: not a case of the {exporter} route")
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    wrapped = _run(case, exporter)
+    assert wrapped.state_machine.counters.fallbacks == 0
+    assert wrapped.state_machine.counters.repairs == 0, wrapped.state_machine.history
+    if case.routed is not None:
+        assert case.routed in wrapped.explain().routed(), wrapped.explain()
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_sliding_chunks_on_another_batch_size(exporter: str) -> None:
+    """as_strided's sizes follow the batch; its strides per batch element do not change: a second size is right."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = OpModel(lambda p, x: _sliding_chunks([p[0] * x]), (_r(1, 3, 8),))
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, exporter=exporter, fallback_policy="FALLBACK_DISABLE")
+    for batch in (2, 3):
+        x = _r(batch, 3, 8, seed=batch)
+        out, out_ref = wrapped(x), ref(x)
+        _close(out, out_ref, f"batch {batch} output")
+        _loss((out,)).backward()
+        _loss((out_ref,)).backward()
+        _close(model.ps[0].grad, ref.ps[0].grad, f"batch {batch} gradient")

@@ -256,15 +256,7 @@ def adaptive_average_pool(b: OnnxBuilder, x: Any, output_size: list[int | None],
             continue
         position = axis - rank  # negative: counted from the end
         length = b.op("Slice", shape, _ints(b, [position]), _ints(b, [position + 1 or 2**62]))
-        scalar_length = b.op("Squeeze", length, _ints(b, [0]))
-        at = b.op("Range", b.const(torch.tensor(0)), scalar_length, b.const(torch.tensor(1)))  # [L]
-        windows = torch.arange(size)
-        starts = b.op("Div", b.op("Mul", b.const(windows), length), _ints(b, [size]))
-        ends = b.op(
-            "Div", b.op("Add", b.op("Mul", b.const(windows + 1), length), _ints(b, [size - 1])), _ints(b, [size])
-        )
-        column = b.op("Unsqueeze", at, _ints(b, [1]))  # [L, 1] against [o]: [L, o]
-        inside = b.op("And", b.op("GreaterOrEqual", column, starts), b.op("Less", column, ends))
+        inside, starts, ends = _window_masks(b, length, size)
         lengths = b.op("Cast", b.op("Sub", ends, starts), to=dtype)
         weights = b.op("Div", b.op("Cast", inside, to=dtype), lengths)
         if position == -1:
@@ -282,6 +274,52 @@ def adaptive_average_pool(b: OnnxBuilder, x: Any, output_size: list[int | None],
     return x
 
 
+def _window_masks(b: OnnxBuilder, length: Any, size: int) -> tuple[Any, Any, Any]:
+    """``(inside [L, o] bool, starts [o], ends [o])`` of torch's adaptive windows over a dimension of ``length``
+    (a 1-element int64 tensor): window ``i`` covers ``floor(i * L / o)`` to ``ceil((i + 1) * L / o)``."""
+    scalar_length = b.op("Squeeze", length, _ints(b, [0]))
+    at = b.op("Range", b.const(torch.tensor(0)), scalar_length, b.const(torch.tensor(1)))  # [L]
+    windows = torch.arange(size)
+    starts = b.op("Div", b.op("Mul", b.const(windows), length), _ints(b, [size]))
+    ends = b.op("Div", b.op("Add", b.op("Mul", b.const(windows + 1), length), _ints(b, [size - 1])), _ints(b, [size]))
+    column = b.op("Unsqueeze", at, _ints(b, [1]))  # [L, 1] against [o]: [L, o]
+    inside = b.op("And", b.op("GreaterOrEqual", column, starts), b.op("Less", column, ends))
+    return inside, starts, ends
+
+
+def adaptive_max_pool(b: OnnxBuilder, x: Any, output_size: list[int], dtype: int) -> tuple[Any, Any]:
+    """torch's ``adaptive_max_pool{1,2,3}d`` of ``x`` for any input size: ``(values, indices)``, the indices flat
+    over the pooled dimensions as torch gives them.
+
+    One dimension at a time (the maximum over a box is the maximum over each of its dimensions in turn): ``ArgMax``
+    over each window, with the values outside it masked to -inf, then ``GatherElements`` at those indices, whose
+    gradient reads shapes at run time. Ties go to the first index, as in torch, so the gradient lands where torch
+    puts it."""
+    rank = len(output_size)
+    lowest = b.op("Cast", b.const(torch.tensor(float("-inf"))), to=dtype)
+    flat: Any = None
+    stride: Any = None
+    for axis in reversed(range(rank)):
+        size = output_size[axis]
+        position = axis - rank
+        length = b.op("Slice", b.op("Shape", x), _ints(b, [position]), _ints(b, [position + 1 or 2**62]))
+        inside, _, _ = _window_masks(b, length, size)
+        # x[..., L, 1, *rest] against inside[L, o, 1, ...]: [..., L, o, *rest]
+        trailing = -position - 1
+        spread = b.op("Unsqueeze", x, _ints(b, [position]))
+        mask = b.op("Reshape", inside, _ints(b, [0, 0] + [1] * trailing)) if trailing else inside
+        masked = b.op("Where", mask, spread, lowest)
+        index = b.op("ArgMax", masked, axis=position - 1, keepdims=0)  # [..., o, *rest]
+        x = b.op("GatherElements", x, index, axis=position)
+        if flat is None:
+            flat, stride = index, length
+        else:  # the later dimensions' index of the element chosen, plus this dimension's
+            chosen = b.op("GatherElements", flat, index, axis=position)
+            flat = b.op("Add", chosen, b.op("Mul", index, stride))
+            stride = b.op("Mul", stride, length)
+    return x, flat
+
+
 def _adaptive_avg_pool(g, input, output_size):
     """The ``adaptive_avg_pool{1,2,3}d`` symbolic: :func:`adaptive_average_pool`."""
     from torch.onnx import symbolic_helper as sh
@@ -290,6 +328,20 @@ def _adaptive_avg_pool(g, input, output_size):
     sizes = sh._get_const(output_size, "is", "output_size")
     dtype = _type_utils.JitScalarType.from_value(input, _type_utils.JitScalarType.FLOAT).onnx_type()
     return adaptive_average_pool(TorchScriptBuilder(g), input, list(sizes), int(dtype))
+
+
+def _adaptive_max_pool(g, input, output_size):
+    """The ``adaptive_max_pool{1,2,3}d`` symbolic: :func:`adaptive_max_pool` and its indices.
+
+    torch's symbolic exports a ``MaxPool`` whose kernel is fixed for the exporting call's size (another size gets
+    the wrong windows), or ``GlobalMaxPool``, which ORT cannot differentiate.
+    """
+    from torch.onnx import symbolic_helper as sh
+    from torch.onnx._internal.torchscript_exporter import _type_utils
+
+    sizes = sh._get_const(output_size, "is", "output_size")
+    dtype = _type_utils.JitScalarType.from_value(input, _type_utils.JitScalarType.FLOAT).onnx_type()
+    return adaptive_max_pool(TorchScriptBuilder(g), input, list(sizes), int(dtype))
 
 
 def _avg_pool(rank: int):
@@ -548,6 +600,9 @@ _SYMBOLICS = {
     "::adaptive_avg_pool1d": _adaptive_avg_pool,
     "::adaptive_avg_pool2d": _adaptive_avg_pool,
     "::adaptive_avg_pool3d": _adaptive_avg_pool,
+    "::adaptive_max_pool1d": _adaptive_max_pool,
+    "::adaptive_max_pool2d": _adaptive_max_pool,
+    "::adaptive_max_pool3d": _adaptive_max_pool,
 }
 
 _registered: dict[tuple[str, int], Any] = {}

@@ -60,6 +60,8 @@ from ortcore.exporter import (
     INLINE,
     POOLING_VERSION,
     TORCH_CHECKPOINT_FUNCTION,
+    adaptive_average_pool,
+    adaptive_max_pool,
     average_pool,
     custom_autograd_disabled,
     function_apply_replaced,
@@ -338,6 +340,25 @@ def _translate_avg_pool(rank: int) -> Callable[..., Any]:
     return translate
 
 
+def _translate_adaptive_avg_pool(self: Any, output_size: Any) -> Any:
+    """The translation of ``aten.adaptive_avg_pool{1,2,3}d``: :func:`ortcore.exporter.adaptive_average_pool`. The
+    decomposition it replaces fixes the windows for the exporting call's size, so another size got the wrong shape."""
+    from onnxscript import ir
+
+    dtype = self.dtype if self.dtype is not None else ir.DataType.FLOAT
+    return adaptive_average_pool(OnnxScriptBuilder(), self, [int(v) for v in output_size], int(dtype))
+
+
+def _translate_adaptive_max_pool(self: Any, output_size: Any) -> Any:
+    """The translation of ``aten.adaptive_max_pool{1,2,3}d``: :func:`ortcore.exporter.adaptive_max_pool`, whose
+    windows follow the input's size (the decomposition it replaces gave another size the exporting call's windows
+    and shape)."""
+    from onnxscript import ir
+
+    dtype = self.dtype if self.dtype is not None else ir.DataType.FLOAT
+    return adaptive_max_pool(OnnxScriptBuilder(), self, [int(v) for v in output_size], int(dtype))
+
+
 def pooling_translations() -> dict[Any, Callable[..., Any]]:
     """The dynamo route's own translations of pooling ops whose ORT gradients need static shapes."""
     aten = torch.ops.aten
@@ -345,6 +366,14 @@ def pooling_translations() -> dict[Any, Callable[..., Any]]:
         aten.avg_pool1d.default: _translate_avg_pool(1),
         aten.avg_pool2d.default: _translate_avg_pool(2),
         aten.avg_pool3d.default: _translate_avg_pool(3),
+        aten.adaptive_avg_pool1d.default: _translate_adaptive_avg_pool,
+        aten.adaptive_avg_pool2d.default: _translate_adaptive_avg_pool,
+        aten._adaptive_avg_pool2d.default: _translate_adaptive_avg_pool,
+        aten.adaptive_avg_pool3d.default: _translate_adaptive_avg_pool,
+        aten._adaptive_avg_pool3d.default: _translate_adaptive_avg_pool,
+        aten.adaptive_max_pool1d.default: _translate_adaptive_max_pool,
+        aten.adaptive_max_pool2d.default: _translate_adaptive_max_pool,
+        aten.adaptive_max_pool3d.default: _translate_adaptive_max_pool,
     }
 
 

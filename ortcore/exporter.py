@@ -714,6 +714,22 @@ def _captured_fds():
                 logger.log(15, "exporter output:\n%s", text.strip())
 
 
+def refuse_empty_inputs(args: tuple[Any, ...], input_names: list[str]) -> None:
+    """Raise :class:`UnsupportedDataError` when a training export's example input is empty (a batch of 0).
+
+    The first step of a new graph runs ORT's backward at once (the gradient audit), and ORT's CPU ``ConvGrad`` dies
+    of SIGFPE on empty tensors, taking the process with it; other gradient kernels fail (Gemm, Reshape). The fallback
+    policy then applies, naming the input.
+    """
+    for name, value in zip(input_names, args):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == 0:
+            raise UnsupportedDataError(
+                f"input {name!r} has a dimension of size 0 (shape {tuple(value.shape)}) in the call a training graph "
+                "would be exported for: ONNX Runtime's training kernels cannot run empty tensors (ConvGrad kills the "
+                "process). Skip empty batches, or run them without ORTModule"
+            )
+
+
 class TorchScriptExporter:
     """The TorchScript exporter (``dynamo=False``) with the symbolics ORT's training engine needs.
 
@@ -754,6 +770,8 @@ class TorchScriptExporter:
         opset: int,
         log_level: LogLevel,
     ) -> onnx.ModelProto:
+        if training:
+            refuse_empty_inputs(args, input_names)
         register_symbolics(self.symbolics, opset)
         buffer = io.BytesIO()
         handler_for = getattr(self.symbolics.get("prim::PythonOp"), "handler_for", None)

@@ -68,6 +68,7 @@ from ortcore.exporter import (
     function_name,
     quiet_export,
     raised_in,
+    refuse_empty_inputs,
 )
 from ortcore.graph import INPUT_RANGES_METADATA
 from ortcore.graph_passes import PassContext
@@ -631,6 +632,8 @@ class DynamoExporter:
         opset: int,
         log_level: LogLevel,
     ) -> onnx.ModelProto:
+        if training:
+            refuse_empty_inputs(args, input_names)
         missing = _missing_package()
         if missing is not None:
             raise UnsupportedModelError(

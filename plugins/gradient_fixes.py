@@ -45,8 +45,10 @@ import onnx
 from onnx import TensorProto
 
 from ortcore.config import Config
+from ortcore.errors import UnsupportedDataError
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
+from ortcore.inspectors import ForwardInputs, RuntimeInspector
 
 logger = logging.getLogger("ortcore.gradient_fixes")
 
@@ -582,6 +584,35 @@ def _warn_hidden_broadcasts(program: Any, context: PassContext) -> None:
         )
 
 
+# -- empty inputs ---------------------------------------------------------------------------------------------------
+
+EMPTY_INPUT_REASON = (
+    "ONNX Runtime's training kernels cannot run empty tensors: ConvGrad kills the process (SIGFPE), the gradients of "
+    "Gemm and Reshape fail"
+)
+
+
+def empty_input_error(name: str, shape: Sequence[int]) -> UnsupportedDataError:
+    """The error a training step with an empty input gets instead of reaching ORT."""
+    return UnsupportedDataError(
+        f"input {name!r} has a dimension of size 0 (shape {tuple(shape)}) in a training step: {EMPTY_INPUT_REASON}. "
+        "Skip empty batches (there is nothing to learn from them), or run them without ORTModule"
+    )
+
+
+class EmptyInputGuard(RuntimeInspector):
+    """Refuses a training step with an empty input tensor (a batch of 0, an empty sequence) before ORT's forward,
+    with an error that says why: ORT's CPU ``ConvGrad`` dies of SIGFPE on it, taking the process with it."""
+
+    def pre_forward(self, step: int, inputs: ForwardInputs) -> None:
+        session = inputs.session
+        if session is None or not getattr(getattr(session, "request", None), "build_gradient", False):
+            return
+        for name, tensor in inputs.tensors.items():
+            if tensor.numel() == 0 and tensor.dim() > 0:
+                raise empty_input_error(name, tensor.shape)
+
+
 # -- hooks ----------------------------------------------------------------------------------------------------------
 
 
@@ -601,6 +632,11 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 @hookimpl
 def ortcore_program_passes(config: Config) -> list[GraphPass]:
     return [GraphPass(HIDDEN_PASS_NAME, run=_warn_hidden_broadcasts, plugin=NAME)]
+
+
+@hookimpl
+def ortcore_runtime_inspectors(config: Config, module: Any) -> list[RuntimeInspector]:
+    return [EmptyInputGuard()]
 
 
 @hookimpl

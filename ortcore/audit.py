@@ -353,6 +353,25 @@ class _Side:
     tap_grads: dict[int, torch.Tensor] = attrs.Factory(dict)
 
 
+@contextlib.contextmanager
+def _grads_written(model: torch.nn.Module) -> Iterator[list[str]]:
+    """Yields the names of the parameters whose ``.grad`` the block changed (a Function's backward accumulating into
+    the module it received); their ``.grad`` is put back as it was."""
+    before = {name: (p.grad, p.grad.clone() if p.grad is not None else None) for name, p in model.named_parameters()}
+    written: list[str] = []
+    try:
+        yield written
+    finally:
+        for name, p in model.named_parameters():
+            grad, copy = before.get(name, (None, None))
+            changed = p.grad is not grad or (copy is not None and not torch.equal(p.grad, copy))
+            if changed:
+                written.append(name)
+                if grad is not None and copy is not None:
+                    grad.copy_(copy)
+                p.grad = grad
+
+
 def _output_gradients(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     generator = torch.Generator().manual_seed(OUTPUT_GRADIENT_SEED)
     grads: list[torch.Tensor | None] = []
@@ -620,8 +639,18 @@ def _audit(req: AuditRequest) -> AuditResult:
                     )
                 session = req.build(graph)
                 req = attrs.evolve(req, graph=graph, session=session)
-            ref, output_grads, output_schema = _run_torch(req, record=False)
+            with _grads_written(req.model) as written:
+                ref, output_grads, output_schema = _run_torch(req, record=False)
             _set_rng_state(rng)
+            if written:
+                return AuditResult(
+                    "not audited",
+                    label,
+                    reason="the model's backward writes .grad itself (a custom autograd Function accumulating into "
+                    f"{', '.join(written[:3])}), so torch.autograd.grad cannot give PyTorch's gradients",
+                    seconds=time.perf_counter() - start,
+                    **common,
+                )
             if not any(g is not None for g in output_grads) or not ref.grads:
                 return AuditResult(
                     "not audited",

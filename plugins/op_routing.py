@@ -1115,11 +1115,13 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 
 
 def _distinct_inputs(model: onnx.ModelProto, context: PassContext) -> int:
-    """On the dynamo route, whose optimizer merges equal values: no value twice among an ATen node's inputs
-    (idempotent: aten_fallback may run it too)."""
+    """No value read by two ATen nodes (ORT would define a gradient of it twice), and on the dynamo route, whose
+    optimizer merges equal values, no value twice among an ATen node's inputs (idempotent: aten_fallback may run it
+    too)."""
+    separated = aten_program.separate_shared_aten_inputs(model)
     if exporter_name(context.config) != DYNAMO:
-        return 0
-    return aten_program.distinct_aten_inputs(model)
+        return separated
+    return separated + aten_program.distinct_aten_inputs(model)
 
 
 @hookimpl

@@ -179,10 +179,12 @@ KERNEL_CHOICE_PASS = "aten_fallback.kernel_choice"
 
 
 def _distinct_inputs(model: Any, context: Any) -> int:
-    """On the dynamo route, whose optimizer merges equal values: no value twice among an ATen node's inputs."""
+    """No value read by two ATen nodes (ORT would define a gradient of it twice), and on the dynamo route, whose
+    optimizer merges equal values, no value twice among an ATen node's inputs."""
+    separated = aten_program.separate_shared_aten_inputs(model)
     if exporter_name(context.config) != DYNAMO:
-        return 0
-    return aten_program.distinct_aten_inputs(model)
+        return separated
+    return separated + aten_program.distinct_aten_inputs(model)
 
 
 def _measured_tanh_gelu(model: Any, context: Any) -> int:

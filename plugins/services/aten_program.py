@@ -447,6 +447,46 @@ def distinct_aten_inputs(model: Any, context: Any = None) -> int:
     return added
 
 
+def separate_shared_aten_inputs(model: Any, context: Any = None) -> int:
+    """Give each ATen node after the first that reads a value its own ``Identity`` of it; returns how many (an ONNX
+    graph pass, for both exporters).
+
+    ORT writes an ATen node's input gradients under the inputs' names (``<value>_grad``), also for a value that needs
+    no gradient (a buffer, an input without ``requires_grad``, a frozen parameter), and only sums the gradients of
+    values it differentiates: two ATen nodes reading one such value define its gradient twice ("Duplicate definition
+    of name"). Which values need gradients is decided per build (freezing a parameter does not export again), so
+    every shared value is separated; an ``Identity``'s gradient passes a needed gradient on unchanged.
+    """
+    import onnx
+
+    graph = model.graph
+    taken = {name for node in graph.node for name in (*node.input, *node.output)}
+    taken.update(v.name for v in graph.input)
+    readers: dict[str, int] = {}
+    nodes = []
+    added = 0
+    for node in graph.node:
+        if node.op_type == "ATen" and node.domain == ATEN_DOMAIN:
+            for k, name in enumerate(node.input):
+                if not name:
+                    continue
+                if name in readers:
+                    copy = f"{name}_ortcore_shared"
+                    n = 1
+                    while copy in taken:
+                        copy, n = f"{name}_ortcore_shared{n}", n + 1
+                    taken.add(copy)
+                    nodes.append(onnx.helper.make_node("Identity", [name], [copy], name=f"{copy}_Identity"))
+                    node.input[k] = copy
+                    added += 1
+                readers[name] = readers.get(name, 0) + 1
+        nodes.append(node)
+    if added:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return added
+
+
 # -- translations -----------------------------------------------------------------------------------------------------
 
 _lock = threading.Lock()

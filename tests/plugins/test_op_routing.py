@@ -403,3 +403,58 @@ def test_rnn_on_an_input_without_gradient_trains_its_weights():
     model = OutputOnly(nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True))
     wrapped = _one_step_on_plain_input(model, torch.randn(3, 5, 8))
     assert "gru" in wrapped.explain().routed()
+
+
+class SharedOperands(nn.Module):
+    """Routed einsums sharing operands: a buffer, a user input and a parameter, each read by two of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mix", torch.randn(8, 16))
+        self.lin = nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.lin(x)
+        return (
+            torch.einsum("ij,bj->bi", self.mix, h),
+            torch.einsum("ij,bj->bi", self.mix, h.tanh()),
+            torch.einsum("bj,bj,j->b", y, h, self.scale),
+            torch.einsum("bj,j->b", y, self.scale),
+        )
+
+
+def shared_operands_steps(exporter: str) -> None:
+    """Each ATen node's input gradients are written under the input's name: an input that needs none, read by two
+    routed ops, must not be defined twice; nor when a parameter is frozen or an input starts requiring grad later
+    (a build of the same export)."""
+    torch.manual_seed(0)
+    model = SharedOperands()
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, exporter=exporter, fallback_policy="FALLBACK_DISABLE")
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    for step, (frozen, y_grad) in enumerate([(False, False), (True, False), (False, True)]):
+        model.scale.requires_grad_(not frozen)
+        ref.scale.requires_grad_(not frozen)
+        yo, yr = y.clone().requires_grad_(y_grad), y.clone().requires_grad_(y_grad)
+        out, out_ref = wrapped(x, yo), ref(x, yr)
+        for a, b in zip(out, out_ref, strict=True):
+            _close(a, b, f"step {step} output")
+        _weighted_loss(out).backward()
+        _weighted_loss(out_ref).backward()
+        if y_grad:
+            _close(yo.grad, yr.grad, f"step {step} gradient of y")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                _close(p.grad, q.grad, f"step {step} gradient of {name}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    counters = wrapped.state_machine.counters
+    assert counters.exports == 1 and counters.builds == 3, counters
+    assert counters.fallbacks == 0 and counters.repairs == 0, wrapped.state_machine.history
+    assert "einsum" in wrapped.explain().routed()
+
+
+def test_routed_ops_sharing_inputs_without_gradient():
+    shared_operands_steps("torchscript")

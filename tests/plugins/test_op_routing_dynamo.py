@@ -37,6 +37,7 @@ from .test_op_routing import (  # the TorchScript route's test models
     RNNOut,
     _close,
     _weighted_loss,
+    shared_operands_steps,
 )
 
 pytest.importorskip("onnxscript")
@@ -461,3 +462,7 @@ def test_torch_kernels_none_leaves_them_to_ort():
     ids = torch.randint(0, 20, (2, 4))
     _close(wrapped(ids), ref(ids), "output")
     assert _aten_ops(wrapped) == set()
+
+
+def test_routed_ops_sharing_inputs_without_gradient():
+    shared_operands_steps("dynamo")

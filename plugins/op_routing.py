@@ -619,6 +619,13 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     return results
 
 
+def emit_wrapped(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
+    """Export one traced call of ``aten::<op>`` (``schema`` its overload) as an ATen node running a wrapper op that
+    takes an input needing a gradient first, tensor lists spread and views copied, with its VJP gradient: for other
+    plugins' symbolics (``aten_fallback``'s listed ops) whose call ORT could not differentiate as it stands."""
+    return _emit(g, op, schema, args, reason)
+
+
 _logged: set[tuple[str, str]] = set()
 
 

@@ -39,6 +39,8 @@ from .options import AUTO
 
 logger = logging.getLogger("ortcore.aten_fallback")
 
+FALLBACK_REASON = "listed in fallback_ops (or found by auto): the exporter cannot express it"
+
 
 def fallback_symbolic(op: str) -> Callable[..., Any]:
     """The TorchScript symbolic exporting ``aten::<op>`` as an ATen node run by PyTorch, with a gradient."""
@@ -72,10 +74,11 @@ def fallback_symbolic(op: str) -> Callable[..., Any]:
         differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES)
         needs = [k for k in float_inputs if requires_grad(args[k]) is not False]
         if needs and (not tensor_args or tensor_args[0] not in needs):
-            raise UnsupportedModelError(
-                f"the aten_fallback plugin cannot run aten::{operator} here: ONNX Runtime builds an ATen node's "
-                "gradient only when its first input needs one, and here only later inputs do"
-            )
+            # ORT builds an ATen node's gradient only when its first input needs one: the call becomes op routing's
+            # wrapper op, which takes such an input first (scatter_reduce's src, logaddexp(x, fc(x))).
+            from ortcore_plugins.op_routing import emit_wrapped
+
+            return emit_wrapped(g, operator, parsed, args, FALLBACK_REASON)
         for kind, value in zip(kinds, args, strict=True):
             if kind == "Tensor" and is_none(value):
                 raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: a tensor is None")

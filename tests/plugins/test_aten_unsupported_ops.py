@@ -223,7 +223,67 @@ class LaterInputOnly(nn.Module):
         return torch.logaddexp(x, self.fc(x))
 
 
-def test_a_gradient_only_for_a_later_input_is_refused_naming_the_op():
-    model = ORTModule(LaterInputOnly(), host=make_host(["logaddexp"]), fallback_policy="FALLBACK_DISABLE")
-    with pytest.raises(ortcore.UnsupportedModelError, match=r"aten::logaddexp.*first input"):
-        model(torch.randn(3, 4))
+def _fallback_host(fallback_ops: list[str], exporter: str) -> PluginHost:
+    """This plugin alone (op routing off), with the dynamo exporter's plugin where that route is asked for."""
+    if exporter == "torchscript":
+        return make_host(fallback_ops)
+    pytest.importorskip("onnxscript")
+    import ortcore_plugins.dynamo_exporter as dynamo_exporter
+
+    table = {"plugins": {"aten_fallback": {"fallback_ops": fallback_ops}}}
+    plugins = {"aten_fallback": plugin, "dynamo_exporter": dynamo_exporter}
+    return PluginHost(Config.from_table(table, env={}), autoload=False, plugins=plugins)
+
+
+def _one_step_matches(model: nn.Module, host: PluginHost, *inputs: torch.Tensor, exporter: str) -> ORTModule:
+    """One step against eager: outputs, a loss weighing every element differently, every parameter's gradient."""
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, host=host, exporter=exporter, fallback_policy="FALLBACK_DISABLE")
+    out, out_ref = wrapped(*inputs), ref(*inputs)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+    weights = torch.linspace(-1.0, 2.0, out_ref.numel()).reshape(out_ref.shape)
+    (out * weights).square().sum().backward()
+    (out_ref * weights).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    assert wrapped.state_machine.counters.fallbacks == 0
+    assert wrapped.state_machine.counters.repairs == 0, wrapped.state_machine.history
+    return wrapped
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("listed", [["logaddexp"], ["auto"]])
+def test_a_gradient_only_for_a_later_input_trains(exporter: str, listed: list[str]):
+    # ORT differentiates an ATen node only when its first input needs a gradient: the input that does goes first.
+    torch.manual_seed(0)
+    wrapped = _one_step_matches(
+        LaterInputOnly(), _fallback_host(listed, exporter), torch.randn(3, 4), exporter=exporter
+    )
+    if listed != ["auto"] or exporter == "torchscript":  # the dynamo exporter translates logaddexp itself
+        assert "logaddexp" in wrapped.explain().routed()
+
+
+class ScatterReduceSource(nn.Module):
+    """``scatter_reduce(include_self=False)`` into a constant: only the source (input 3) needs a gradient."""
+
+    def __init__(self, reduce: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        target = torch.ones(5, 4)
+        return target.scatter_reduce(0, index, self.fc(x), self.reduce, include_self=False)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("reduce", ["sum", "mean", "amax", "prod"])
+def test_scatter_reduce_without_self_trains(exporter: str, reduce: str):
+    # Without op routing (which routes scatter_reduce itself), the fallback alone: the exporter refuses
+    # include_self=False on the TorchScript route, and the source is not the first input.
+    torch.manual_seed(0)
+    index = torch.tensor([0, 1, 1, 3, 3, 3, 4]).view(7, 1).expand(7, 4)
+    host = _fallback_host(["scatter_reduce"], exporter)
+    wrapped = _one_step_matches(ScatterReduceSource(reduce), host, torch.randn(7, 4), index, exporter=exporter)
+    assert "scatter_reduce" in wrapped.explain().routed()

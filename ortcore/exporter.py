@@ -12,10 +12,10 @@ import contextlib
 import io
 import logging
 import math
-import os
 import re
+import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import onnx
@@ -514,10 +514,14 @@ def _trace_through(function: type, args: tuple, kwargs: dict) -> Any:
 def function_apply_replaced(replacement: Callable[..., Any]):
     """Inside, ``SomeFunction.apply(*args, **kwargs)`` of every ``torch.autograd.Function`` subclass calls
     ``replacement(cls, apply, args, kwargs)``, where ``apply(cls, *args, **kwargs)`` is torch's own; restored after.
-    Exporters use it to see or redirect custom Functions while tracing."""
+    Exporters use it to see or redirect custom Functions while tracing. Only calls on the thread that entered are
+    replaced: another thread's model (an ORTModule's own step is a Function) runs as it would without it."""
     original = torch.autograd.Function.__dict__["apply"]
+    tracing_thread = threading.get_ident()
 
     def apply(cls, *args, **kwargs):
+        if threading.get_ident() != tracing_thread:
+            return original.__func__(cls, *args, **kwargs)
         return replacement(cls, original.__func__, args, kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)
@@ -661,19 +665,59 @@ def raised_in(error: BaseException, function: Callable[..., Any]) -> bool:
 
 
 @contextlib.contextmanager
-def quiet_export(log_level: LogLevel, *, loggers: tuple[str, ...] = (), capture_fds: bool = False):
+def quiet_export(log_level: LogLevel, *, loggers: tuple[str, ...] = ()):
     """An exporter's noise kept to ortcore's log level: above INFO its Python warnings are ignored and ``loggers``
-    show only errors; above DEVINFO (with ``capture_fds``) what it prints to the process's stdout/stderr is captured
-    and logged at DEVINFO. INFO lets warnings through, DEVINFO prints, VERBOSE the exporter's own graph dump."""
+    show only errors; VERBOSE adds the exporter's own graph dump.
+
+    Nothing here touches the process's file descriptors or ``sys.stdout``: another thread printing meanwhile would
+    lose its output (or keep writing to a deleted file). What the exporter would print is prevented at its source
+    instead (see :func:`_no_ir_dump`). Callers hold :data:`EXPORT_LOCK`, as the warning filters and logger levels
+    changed here are process-wide."""
     with contextlib.ExitStack() as stack:
         if log_level > LogLevel.INFO:
             stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
             for name in loggers:
                 stack.enter_context(_logger_level(logging.getLogger(name), logging.ERROR))
-        if capture_fds and log_level > LogLevel.DEVINFO:
-            stack.enter_context(_captured_fds())
         yield
+
+
+@contextlib.contextmanager
+def _no_ir_dump(verbose: bool) -> Iterator[None]:
+    """The TorchScript exporter's C++ log (``_jit_onnx_log``: the graph it exported, or "Torch IR graph at
+    exception" when an op has no symbolic, written to std::cout) on only when ``verbose``.
+
+    torch's ``setup_onnx_logging`` reads ``_C._jit_is_onnx_log_enabled`` without calling it, so it takes the log as
+    already on: every export switches it on for good, and a failed export dumps the whole graph on the terminal.
+    Its replacement here leaves the switch alone; the switch is set for this export and restored after. Callers
+    hold :data:`EXPORT_LOCK` (the switch and the replaced function are process-wide).
+    """
+    try:
+        from torch.onnx._internal.torchscript_exporter import utils
+    except ImportError:  # another torch layout: nothing to replace
+        utils = None
+
+    @contextlib.contextmanager
+    def setup_onnx_logging(verbose: bool) -> Iterator[None]:
+        yield
+
+    was_on = torch._C._jit_is_onnx_log_enabled()
+    original = getattr(utils, "setup_onnx_logging", None)
+    if original is not None:
+        utils.setup_onnx_logging = setup_onnx_logging
+    torch._C._jit_set_onnx_log_enabled(verbose)
+    try:
+        yield
+    finally:
+        torch._C._jit_set_onnx_log_enabled(was_on)
+        if original is not None:
+            utils.setup_onnx_logging = original
+
+
+# Exports run one at a time in the process: the TorchScript exporter keeps its state in process-wide globals (a
+# second thread's export fails with "GLOBALS.in_onnx_export must be True"), symbolics are registered process-wide,
+# torch.export patches torch while it traces, and quiet_export changes warning filters and logger levels.
+EXPORT_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -684,34 +728,6 @@ def _logger_level(log: logging.Logger, level: int):
         yield
     finally:
         log.setLevel(previous)
-
-
-@contextlib.contextmanager
-def _captured_fds():
-    """Capture what the exporter prints, from Python and from C++ (its IR dumps go to std::cout), and log it at
-    DEVINFO instead: at WARNING the exporter says nothing on the terminal."""
-    import sys
-    import tempfile
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        try:
-            for fd in saved:
-                os.dup2(sink.fileno(), fd)
-            with contextlib.redirect_stdout(io.StringIO()) as py_out:
-                yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, copy in saved.items():
-                os.dup2(copy, fd)
-                os.close(copy)
-            sink.seek(0)
-            text = sink.read().decode(errors="replace") + py_out.getvalue()
-            if text.strip():
-                logger.log(15, "exporter output:\n%s", text.strip())
 
 
 def refuse_empty_inputs(args: tuple[Any, ...], input_names: list[str]) -> None:
@@ -772,11 +788,16 @@ class TorchScriptExporter:
     ) -> onnx.ModelProto:
         if training:
             refuse_empty_inputs(args, input_names)
-        register_symbolics(self.symbolics, opset)
         buffer = io.BytesIO()
         handler_for = getattr(self.symbolics.get("prim::PythonOp"), "handler_for", None)
         try:
-            with quiet_export(log_level, capture_fds=True), _tracing_through(handler_for):
+            with (
+                EXPORT_LOCK,
+                quiet_export(log_level),
+                _no_ir_dump(log_level == LogLevel.VERBOSE),
+                _tracing_through(handler_for),
+            ):
+                register_symbolics(self.symbolics, opset)
                 torch.onnx.export(
                     module,
                     args,

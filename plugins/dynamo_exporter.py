@@ -57,6 +57,7 @@ from ortcore.errors import UnsupportedModelError
 from ortcore.exporter import (
     AUTOGRAD_FUNCTION_PLUGIN,
     DYNAMO,
+    EXPORT_LOCK,
     INLINE,
     POOLING_VERSION,
     TORCH_CHECKPOINT_FUNCTION,
@@ -658,42 +659,45 @@ class DynamoExporter:
         )
         start = time.perf_counter()
         refused: list[type] = []
-        try:
-            with (
-                quiet_export(log_level, loggers=_LOGGERS),
-                _float_batch_norm_momentum(module),
-                self._custom_functions(refused),
-            ):
-                program = _capture(wrapper, tuple(args) + values, (dims + (None,) * len(values),))
-            captured = time.perf_counter()
-            ranges = input_ranges(program, list(input_names))
-            if self.hooks is not None:
-                context = PassContext(
-                    module=module,
-                    training=training,
-                    config=self.config or self.hooks.config,
-                    translated=frozenset(self._translations()),  # what plugins translate before the passes run
-                )
-                for program_pass in self.hooks.program_passes():
-                    program_pass.run(program, context)
-            with quiet_export(log_level, loggers=_LOGGERS):
-                onnx_program = _translate(
-                    program,
-                    self._translations(),
-                    input_names=list(input_names) + names,
-                    output_names=list(output_names) or None,
-                    opset=max(opset, 18),
-                    optimize=self.optimize,
-                    verbose=log_level == LogLevel.VERBOSE,
-                )
-        except UnsupportedModelError:
-            raise
-        except Exception as e:  # torch.export and onnxscript raise many types; all mean "this model did not export"
-            text = _first_line(e)
-            raise UnsupportedModelError(
-                f"the dynamo exporter could not export {type(module).__name__}: {text}",
-                raised_in_forward=e if raised_in(e, type(module).forward) else None,
-            ) from e
+        # One export at a time in the process (ortcore.exporter.EXPORT_LOCK): torch.export patches torch while it
+        # traces, and plugins' passes and translations register ops.
+        with EXPORT_LOCK:
+            try:
+                with (
+                    quiet_export(log_level, loggers=_LOGGERS),
+                    _float_batch_norm_momentum(module),
+                    self._custom_functions(refused),
+                ):
+                    program = _capture(wrapper, tuple(args) + values, (dims + (None,) * len(values),))
+                captured = time.perf_counter()
+                ranges = input_ranges(program, list(input_names))
+                if self.hooks is not None:
+                    context = PassContext(
+                        module=module,
+                        training=training,
+                        config=self.config or self.hooks.config,
+                        translated=frozenset(self._translations()),  # what plugins translate before the passes run
+                    )
+                    for program_pass in self.hooks.program_passes():
+                        program_pass.run(program, context)
+                with quiet_export(log_level, loggers=_LOGGERS):
+                    onnx_program = _translate(
+                        program,
+                        self._translations(),
+                        input_names=list(input_names) + names,
+                        output_names=list(output_names) or None,
+                        opset=max(opset, 18),
+                        optimize=self.optimize,
+                        verbose=log_level == LogLevel.VERBOSE,
+                    )
+            except UnsupportedModelError:
+                raise
+            except Exception as e:  # torch.export and onnxscript raise many types; all mean "this model did not export"
+                text = _first_line(e)
+                raise UnsupportedModelError(
+                    f"the dynamo exporter could not export {type(module).__name__}: {text}",
+                    raised_in_forward=e if raised_in(e, type(module).forward) else None,
+                ) from e
         if refused:
             raise UnsupportedModelError(
                 f"the model calls the custom autograd Function(s) "

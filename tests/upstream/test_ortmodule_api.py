@@ -15,9 +15,9 @@ What had to change, and why:
   passes by running PyTorch instead; the custom-class test runs both of upstream's branches (fallback or error).
 - ``test_gradient_correctness_argmax_unfold`` checks outputs against a float64 run (see there): upstream's 1e-6 holds
   where ORT and PyTorch share cuBLAS, not on CPU.
-- ``test_enable_layerwise_recompute`` follows upstream's test as documented for 1.19 (a transformer trained at each
-  ``ORTMODULE_MEMORY_OPT_LEVEL`` against PyTorch; recompute nodes in the executed graph at level 1 only), on
-  upstream's toy transformer of its padding-elimination test.
+- ``test_enable_layerwise_recompute`` is rebuilt from upstream's intent, not copied: a transformer (upstream's toy
+  transformer of its padding-elimination test) trained at each ``ORTMODULE_MEMORY_OPT_LEVEL`` against PyTorch, with
+  recompute nodes in the executed graph at level 1 only.
 """
 
 from __future__ import annotations

@@ -169,15 +169,17 @@ def doctor(host: PluginHost | None, load_error: Exception | None = None, env: Ma
 
 
 def _gradient_audit_finding(host: PluginHost | None) -> Finding:
-    """A recommendation, not a problem: audit a new model's gradients against PyTorch once."""
+    """Whether new graphs are audited against PyTorch (on by default): a note, not a problem, when switched off."""
     if host is not None and host.config.core.verify_gradients:
         source = host.config.sources.get("core.verify_gradients", "default")
         return Finding("ok", f"gradient audit on (verify_gradients, from {source}): each new training graph is checked once")
+    source = host.config.sources.get("core.verify_gradients", "default") if host is not None else "default"
     return Finding(
         "ok",
-        "gradient audit off: for a new model, check once that ONNX Runtime's gradients are PyTorch's",
-        "ORTCORE_VERIFY_GRADIENTS=1 (or verify_gradients = true in ortcore.toml, ORTModule(..., verify_gradients=True))"
-        " for its first steps; see docs/gradient_audit.md",
+        f"gradient audit off (verify_gradients, from {source}): new graphs are not checked against PyTorch, and a "
+        "graph ORT computes wrongly is not repaired",
+        "unset ORTCORE_VERIFY_GRADIENTS (or verify_gradients = true in ortcore.toml) for a model's first runs; see "
+        "docs/gradient_audit.md",
     )
 
 

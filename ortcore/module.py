@@ -7,6 +7,7 @@ import inspect
 import logging
 import os
 import sys
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -346,6 +347,8 @@ class ORTModule(torch.nn.Module):
                 "ORTMODULE_SAVE_ONNX_PATH to a writable directory"
             )
         self._init_runtime(config, host.hooks, exporter)
+        _bind_model_methods(self)
+        self.register_load_state_dict_post_hook(_model_key_names)
 
     def _init_runtime(self, config: Config, hooks: Hooks, exporter: Exporter | None) -> None:
         _configure_logging(config.core)
@@ -756,11 +759,28 @@ class ORTModule(torch.nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any):
         return self._original_module.state_dict(*args, **kwargs)
 
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        # A parent's load_state_dict (a wrapper module, DDP) walks _modules, where the model is "_original_module",
+        # but state_dict() has the model's keys without that level (the checkpoint moves between ortcore and torch):
+        # move this module's keys to where the walk looks for them. state_dict is the walk's own copy of them.
+        inner = f"{prefix}_original_module."
+        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+            state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        # The model's methods bound to the wrapper are bound again on unpickling (a bound method would pickle as a
+        # lookup on the object still being built).
+        for name in [n for n, v in state.items() if isinstance(v, types.MethodType) and v.__self__ is self]:
+            del state[name]
         rt = state.pop("_ortcore")
         state["_ortcore_config"] = (rt.config, rt.custom_exporter)
         return state
@@ -769,6 +789,40 @@ class ORTModule(torch.nn.Module):
         config, exporter = state.pop("_ortcore_config")
         self.__dict__.update(state)
         self._init_runtime(config, get_host().hooks, exporter)
+        _bind_model_methods(self)
+
+
+def _model_key_names(module: ORTModule, incompatible_keys: Any) -> None:
+    """Missing and unexpected keys of a parent's load_state_dict under the names state_dict() uses (without the
+    ``_original_module.`` level that ``ORTModule._load_from_state_dict`` adds for the walk)."""
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [k.replace("_original_module.", "", 1) for k in keys]
+
+
+def _bind_model_methods(wrapper: ORTModule) -> None:
+    """Bind the model's own methods to the wrapper, as upstream's ORTModule does, so that one calling ``self(...)``
+    (``model.run_forward(x)``, ``generate``) runs the forward in ONNX Runtime, not in PyTorch.
+
+    Own methods are the plain functions of the model's classes (mixins included) that ``torch.nn.Module`` does not
+    define. Left to fall through to the model: names the wrapper has (``forward``, ``state_dict``, ``module``: the
+    wrapper's win), dunders, and methods using zero-argument ``super()``, which needs ``self`` to be the model's class.
+    """
+    model = wrapper._original_module
+    seen: set[str] = set()
+    for cls in type(model).__mro__:
+        if cls in (torch.nn.Module, object):
+            continue
+        for name, value in vars(cls).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            if not isinstance(value, types.FunctionType) or name.startswith("__") or hasattr(type(wrapper), name):
+                continue
+            if "__class__" in value.__code__.co_freevars:  # zero-argument super()
+                continue
+            if name in vars(model):  # an instance attribute of that name shadows the method on the model
+                continue
+            wrapper.__dict__[name] = types.MethodType(value, wrapper)
 
 
 @functools.cache

@@ -126,8 +126,19 @@ def test_same_python_scalar_reuses_graph():
     x = torch.randn(3, 4)
     m(x, scale=2.0)
     m(x, scale=2.0)
-    m(x, None, 2.0)
     assert m.counts() == (1, 1)
+
+
+def test_a_call_spelled_otherwise_is_traced_as_made():
+    # The same arguments passed otherwise can change what the forward sees (a decorator reading kwargs), so each
+    # spelling gets a graph of its own; each is reused.
+    m = Tracked()
+    x = torch.randn(3, 4)
+    m(x, scale=2.0)
+    m(x, None, 2.0)
+    m(x, None, 2.0)
+    m(x, scale=2.0)
+    assert m.counts() == (2, 2)
 
 
 # -- what re-exports, and says why -----------------------------------------------------------------------------------

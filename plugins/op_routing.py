@@ -7,7 +7,8 @@ kernel; its gradient is PyTorch's autograd gradient (a VJP node per differentiab
 ORT. Three sources of decisions:
 
 * **ORT gaps** (:data:`ROUTES`): ops whose ONNX form ORT 1.19.2 has no gradient builder for (HardSwish, Einsum,
-  CumSum, InstanceNormalization, ReduceMax, ...), no CPU kernel for the gradient (ConvTransposeGrad, ResizeGrad),
+  CumSum, InstanceNormalization, ReduceMax, Softplus, PRelu, DepthToSpace, GridSample, RNN, ...), no CPU kernel for
+  the gradient (ConvTransposeGrad, ResizeGrad),
   a kernel that rejects the case (bidirectional GRU/LSTM, Multinomial of rank > 2) or a kernel known to fail or
   abort the process (negative-step SliceGrad of ``flip``, ``diagonal``). Each entry names the reason and, where only
   some calls are affected, the condition (a transposed convolution, a bidirectional RNN). Every entry is checked
@@ -177,8 +178,12 @@ ROUTES: tuple[Route, ...] = (
     Route("min", "ReduceMin", _NO_GRAD.format("ReduceMin"), _is_reduction),
     Route("gru", "GRU", "ORT's GRU training kernels support only the forward direction", _is_bidirectional),
     Route("lstm", "LSTM", "ORT's LSTM training kernels support only the forward direction", _is_bidirectional),
-    Route("rnn_tanh", "RNN", "ORT's RNN training kernels support only the forward direction", _is_bidirectional),
-    Route("rnn_relu", "RNN", "ORT's RNN training kernels support only the forward direction", _is_bidirectional),
+    Route("rnn_tanh", "RNN", _NO_GRAD.format("RNN")),
+    Route("rnn_relu", "RNN", _NO_GRAD.format("RNN")),
+    Route("softplus", "Softplus", _NO_GRAD.format("Softplus")),
+    Route("prelu", "PRelu", _NO_GRAD.format("PRelu")),
+    Route("pixel_shuffle", "DepthToSpace", _NO_GRAD.format("DepthToSpace (pixel_shuffle)")),
+    Route("grid_sampler", "GridSample", _NO_GRAD.format("GridSample")),
     Route(
         "_convolution",
         "ConvTranspose",
@@ -661,6 +666,14 @@ def _is_program_reduction(arguments: dict[str, Any], target: Any) -> bool:
     return target._overloadname in ("default", "dim")
 
 
+def _given_state(arguments: dict[str, Any], target: Any) -> bool:
+    """An RNN call whose initial state is not the zeros torch makes when the model passes none."""
+    states = arguments.get("hx")
+    states = states if isinstance(states, list | tuple) else [states]
+    zeros = (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.new_zeros.default)
+    return any(not (isinstance(h, torch.fx.Node) and h.target in zeros) for h in states if h is not None)
+
+
 @attrs.frozen
 class ProgramRoute:
     """Which calls of the exported program a :class:`Route` applies to on the dynamo route."""
@@ -679,7 +692,26 @@ PROGRAM_ROUTES: tuple[ProgramRoute, ...] = (
     ),
     ProgramRoute(_BY_OP["max"], ("max",), _is_program_reduction),
     ProgramRoute(_BY_OP["min"], ("min",), _is_program_reduction),
-    *(ProgramRoute(_BY_OP[op], (op,), _flag("bidirectional")) for op in ("gru", "lstm", "rnn_tanh", "rnn_relu")),
+    *(ProgramRoute(_BY_OP[op], (op,), _flag("bidirectional")) for op in ("gru", "lstm")),
+    *(
+        ProgramRoute(
+            Route(
+                op,
+                onnx_op,
+                f"the dynamo exporter's {onnx_op} translation fails on an initial state the model passes (its batch "
+                "size becomes a symbolic attribute)",
+                gradient_only=False,
+            ),
+            (op,),
+            _given_state,
+        )
+        for op, onnx_op in (("gru", "GRU"), ("lstm", "LSTM"))
+    ),
+    *(
+        ProgramRoute(_BY_OP[op], (op,))
+        for op in ("rnn_tanh", "rnn_relu", "softplus", "prelu", "pixel_shuffle", "grid_sampler")
+    ),
+    ProgramRoute(_BY_OP["grid_sampler"], ("grid_sampler_2d", "grid_sampler_3d")),
     ProgramRoute(_BY_OP["_convolution"], ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")),
     ProgramRoute(_BY_OP["_convolution"], ("convolution", "_convolution"), _flag("transposed")),
     *(ProgramRoute(r, (r.op,)) for r in ROUTES if r.onnx_op == "Resize"),
@@ -738,30 +770,30 @@ PROGRAM_ROUTES: tuple[ProgramRoute, ...] = (
 
 def _program_reason(
     node: torch.fx.Node,
-    routes: dict[str, ProgramRoute],
+    routes: dict[str, list[ProgramRoute]],
     reach: aten_program.GradientReach,
     gaps: bool,
     translated: frozenset = frozenset(),
 ) -> str | None:
-    """Why ``node`` runs on PyTorch's kernel (None: it stays in ORT)."""
+    """Why ``node`` runs on PyTorch's kernel (None: it stays in ORT): the first of its op's routes that applies."""
     target = node.target
-    program_route = routes.get(target._schema.name.rpartition("::")[2]) if target.namespace == "aten" else None
-    if program_route is not None:
+    candidates = routes.get(target._schema.name.rpartition("::")[2], []) if target.namespace == "aten" else []
+    for program_route in candidates:
         route = program_route.route
         if program_route.when is not None:
             try:
                 arguments = dict(zip([a.name for a in target._schema.arguments], aten_program.bind(node), strict=True))
             except aten_program.Unroutable:
-                return None
+                continue
             if not program_route.when(arguments, target):
-                return None
+                continue
         device = aten_program.device_of(node)
         if device is not None and device not in route.devices:
-            return None
+            continue
         if route.gradient_only and not aten_program.may_need_gradient(node, reach):
-            return None
+            continue
         return route.reason
-    if gaps and not aten_program.has_translation(target, translated):
+    if not candidates and gaps and not aten_program.has_translation(target, translated):
         return EXPORTER_GAP_DYNAMO
     return None
 
@@ -770,16 +802,27 @@ def _route_program(program: torch.export.ExportedProgram, context: PassContext) 
     """The dynamo route's routing: calls the routes apply to and ops the exporter cannot translate become wrapper ops
     exported as ATen nodes."""
     options = _options(context.config)
-    by_op = {op: r for r in PROGRAM_ROUTES if r.route.op not in options.never for op in r.ops}
+    by_op: dict[str, list[ProgramRoute]] = {}
+    for r in PROGRAM_ROUTES:
+        if r.route.op not in options.never:
+            for op in r.ops:
+                by_op.setdefault(op, []).append(r)
 
     def decide(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
         return _program_reason(node, by_op, reach, gaps=True, translated=context.translated)
 
     as_strided_program(program)
     routed = aten_program.route_calls(program, context.module, decide, prepare_runtime)
+    _decided.clear()
     for name, reason in routed:
         _note_routed(name.removeprefix("aten::"), reason)
+        _decided.setdefault(name.removeprefix("aten::"), reason)
     return len(routed)
+
+
+# The reasons the last program pass routed each op for (an op has several routes: gru's direction, its given state),
+# which the metadata pass of the same export records.
+_decided: dict[str, str] = {}
 
 
 # -- the exporter: exporter gaps, and the reasons of what was routed --------------------------------------------------
@@ -1034,7 +1077,10 @@ def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[
 
 
 _REASONS = {r.op: r.reason for r in ROUTES}
-_PROGRAM_REASONS = {op: r.route.reason for r in PROGRAM_ROUTES for op in r.ops}
+_PROGRAM_REASONS: dict[str, str] = {}
+for _route in PROGRAM_ROUTES:
+    for _op in _route.ops:
+        _PROGRAM_REASONS.setdefault(_op, _route.route.reason)
 
 
 _CORE_OPS = {"detach_copy": "a detach() inside a gradient path: a stop-gradient, which ORT has no op for"}
@@ -1053,7 +1099,8 @@ def add_reasons(model: onnx.ModelProto, dynamo: bool = False) -> None:
         op = aten_kind(operator_of(node))
         speed = FASTER_IN_TORCH if op in ROUTABLE_OPS else None
         failed = None if dynamo or op not in _failed_ops else EXPORTER_FAILED
-        reasons.setdefault(op, routes.get(op) or _CORE_OPS.get(op) or speed or failed or gap)
+        decided = _decided.get(op) if dynamo else None
+        reasons.setdefault(op, decided or routes.get(op) or _CORE_OPS.get(op) or speed or failed or gap)
     known = {p.key for p in model.metadata_props}
     for op, reason in sorted(reasons.items()):
         if METADATA_PREFIX + op not in known:

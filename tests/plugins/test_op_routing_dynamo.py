@@ -32,9 +32,11 @@ from .test_op_routing import (  # the TorchScript route's test models
     Apply,
     BufferFirst,
     ConvThen,
+    GridSampler,
     GroupedQueryAttention,
     OutputOnly,
     RNNOut,
+    TrainedState,
     _close,
     _weighted_loss,
     shared_operands_steps,
@@ -166,6 +168,26 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]
     "flip": (lambda: Apply(lambda h: h * h.flip(1)), lambda: torch.randn(6, 16), "flip"),
     "grouped_query_attention": (GroupedQueryAttention, lambda: torch.randn(2, 6, 16), "scaled_dot_product_attention"),
     "custom_op_without_translation": (Experts, lambda: torch.randn(6, 16), "grouped_mm"),
+    "softplus": (lambda: Apply(lambda h: F.softplus(h, beta=2, threshold=5)), lambda: torch.randn(6, 16) * 3, "softplus"),
+    "prelu": (lambda: ConvThen(nn.Conv2d(3, 4, 3), nn.PReLU(4)), lambda: torch.randn(2, 3, 7, 7), "prelu"),
+    "pixel_shuffle": (
+        lambda: ConvThen(nn.Conv2d(3, 4, 3), nn.PixelShuffle(2)),
+        lambda: torch.randn(2, 3, 7, 7),
+        "pixel_shuffle",
+    ),
+    "grid_sample": (GridSampler, lambda: torch.randn(2, 3, 7, 7), "grid_sampler"),
+    "rnn_relu_two_layers_batch_first": (
+        lambda: RNNOut(nn.RNN(8, 6, num_layers=2, nonlinearity="relu", batch_first=True)),
+        lambda: torch.randn(3, 5, 8),
+        "rnn_relu",
+    ),
+    "rnn_trained_state": (lambda: TrainedState(nn.RNN(8, 6, num_layers=2)), lambda: torch.randn(5, 3, 8), "rnn_tanh"),
+    "gru_trained_state": (
+        lambda: TrainedState(nn.GRU(8, 6, num_layers=2, batch_first=True)),
+        lambda: torch.randn(3, 5, 8),
+        "gru",
+    ),
+    "lstm_trained_state": (lambda: TrainedState(nn.LSTM(8, 6, num_layers=2)), lambda: torch.randn(5, 3, 8), "lstm"),
 }
 
 
@@ -206,8 +228,13 @@ def _aten_ops(wrapped: ORTModule) -> set[str]:
     return {aten_kind(operator_of(n)) for n in _graph(wrapped).graph.node if n.op_type == "ATen"}
 
 
-def _reason(op: str) -> str:
-    return next(r.route.reason for r in plugin.PROGRAM_ROUTES if op in r.ops)
+def _reason(op: str, case: str = "") -> str:
+    given_state = case in ("gru_trained_state", "lstm_trained_state")  # routed for their initial state
+    return next(
+        r.route.reason
+        for r in plugin.PROGRAM_ROUTES
+        if op in r.ops and (r.when is plugin._given_state) == given_state
+    )
 
 
 # -- each route, compared with PyTorch ---------------------------------------------------------------------------------
@@ -220,7 +247,7 @@ def test_routed_op_trains_with_torch_gradients(case: str):
     wrapped = _compare(make_model(), make_input())
     assert wrapped.state_machine.counters.fallbacks == 0
     assert op in _aten_ops(wrapped), f"{op} is not an ATen node of the exported graph"
-    expected = plugin.EXPORTER_GAP_DYNAMO if case == "custom_op_without_translation" else _reason(op)
+    expected = plugin.EXPORTER_GAP_DYNAMO if case == "custom_op_without_translation" else _reason(op, case)
     assert wrapped.explain().routed()[op] == expected
 
 

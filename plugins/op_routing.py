@@ -575,7 +575,8 @@ def _may_need_grad(value: Any) -> bool:
     return False
 
 
-_failed_ops: set[str] = set()  # ops routed because the exporter failed on a call (for the reasons in metadata)
+# Ops the current export routed because the exporter failed on a call (for the reasons in the graph's metadata).
+_failed_ops: set[str] = set()
 
 
 def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
@@ -991,9 +992,15 @@ def as_strided_program(program: torch.export.ExportedProgram) -> int:
 
 class RoutingExporter(FallbackExporter):
     """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``), and
-    ``as_strided`` as reads of its input's storage (:func:`as_strided_exact`)."""
+    ``as_strided`` as reads of its input's storage (:func:`as_strided_exact`), and the calls of an op the exporter
+    fails on (its symbolic raises for these arguments) as ATen nodes (:func:`routed_on_failure`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._failed: set[str] = set()  # the ops routed on failure (symbolic names, ``::div``)
 
     def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
+        _failed_ops.clear()
         for _ in range(MAX_FAILED_OPS + 1):
             try:
                 with _AsStridedInStorageOrder():
@@ -1004,6 +1011,7 @@ class RoutingExporter(FallbackExporter):
                 name = f"::{op[:-1]}" if op is not None and op.endswith("_") else f"::{op}"
                 if op is not None and op.endswith("_") and not op.startswith("__"):
                     op = op[:-1]  # an in-place call is routed as its functional op
+                op = _NAMED.get(op, op)  # a ^ b is routed as bitwise_xor: the graph's metadata names the op
                 if op is None or not hasattr(torch.ops.aten, op) or name in self._failed:
                     raise
                 logger.info(
@@ -1019,15 +1027,16 @@ class RoutingExporter(FallbackExporter):
             f"{type(module).__name__} uses more than {MAX_FAILED_OPS} ops the exporter fails on"
         )
 
-    @property
-    def _failed(self) -> set[str]:
-        failed = self.__dict__.get("_failed_ops")
-        if failed is None:
-            failed = self.__dict__["_failed_ops"] = set()
-        return failed
-
 
 MAX_FAILED_OPS = 32
+# Python operators traced under their dunder names, and the ops they are (same overloads and arguments).
+_NAMED = {
+    "__and__": "bitwise_and",
+    "__or__": "bitwise_or",
+    "__xor__": "bitwise_xor",
+    "__lshift__": "bitwise_left_shift",
+    "__rshift__": "bitwise_right_shift",
+}
 EXPORTER_FAILED = "the TorchScript exporter fails on this call (its symbolic refuses the arguments)"
 
 
@@ -1057,6 +1066,27 @@ def _registered_symbolic(op: str) -> Callable[..., Any] | None:
     return None if group is None else lambda g, *args, **kwargs: group.get(g.opset)(g, *args, **kwargs)
 
 
+def _functional_call(op: str, args: tuple) -> tuple[Any, tuple]:
+    """An ``out=`` call (``F.normalize(x, out=buf)`` traces ``div.out``) as its functional overload: the schema and
+    the arguments without the ``out`` ones (the traced node's result is the value later reads of ``buf`` see)."""
+    packet = getattr(torch.ops.aten, op)
+    for name in packet.overloads():
+        schema = getattr(packet, name)._schema
+        if len(schema.arguments) != len(args):
+            continue
+        outs = [k for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        if not outs or not all(schema.arguments[k].kwarg_only for k in outs):
+            continue
+        rest = [a.name for k, a in enumerate(schema.arguments) if k not in outs]
+        kept = tuple(v for k, v in enumerate(args) if k not in outs)
+        for other in packet.overloads():
+            functional = getattr(packet, other)._schema
+            if not functional.is_mutable and [a.name for a in functional.arguments] == rest:
+                if all(_kind_fits(a, v) for a, v in zip(functional.arguments, kept, strict=True)):
+                    return functional, kept
+    return None, args
+
+
 def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[..., Any]:
     """The symbolic of ``aten::<op>`` after the exporter failed on it: ``previous`` (the symbolic that failed) where
     it succeeds, else one ATen node run by PyTorch (calls the exporter writes stay in ORT)."""
@@ -1068,6 +1098,8 @@ def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[
             except Exception:  # noqa: BLE001 (any failure of the exporter's symbolic: the call is routed)
                 pass
         schema = match_overload(op, args, g.original_node)
+        if schema is None:
+            schema, args = _functional_call(op, args)
         if schema is None:
             raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: no overload fits the call")
         return _emit(g, op, schema, args, EXPORTER_FAILED)
@@ -1100,7 +1132,7 @@ def add_reasons(model: onnx.ModelProto, dynamo: bool = False) -> None:
         speed = FASTER_IN_TORCH if op in ROUTABLE_OPS else None
         failed = None if dynamo or op not in _failed_ops else EXPORTER_FAILED
         decided = _decided.get(op) if dynamo else None
-        reasons.setdefault(op, decided or routes.get(op) or _CORE_OPS.get(op) or speed or failed or gap)
+        reasons.setdefault(op, decided or failed or routes.get(op) or _CORE_OPS.get(op) or speed or gap)
     known = {p.key for p in model.metadata_props}
     for op, reason in sorted(reasons.items()):
         if METADATA_PREFIX + op not in known:

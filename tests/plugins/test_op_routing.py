@@ -525,3 +525,63 @@ def shared_operands_steps(exporter: str) -> None:
 
 def test_routed_ops_sharing_inputs_without_gradient():
     shared_operands_steps("torchscript")
+
+
+class IntegerBits(nn.Module):
+    """Integer bitwise ops (which the TorchScript exporter refuses) and boolean ones (which it writes) as weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        bits = torch.bitwise_or(a, b) + (a ^ b) - torch.bitwise_not(b) + (a & 3)
+        flags = ((a > 0) | (b > 2)).float()
+        return self.lin(x) * bits + flags
+
+
+def test_calls_the_exporter_fails_on_are_routed_and_the_rest_stay():
+    torch.manual_seed(0)
+    model = IntegerBits()
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
+    x, a, b = torch.randn(3, 4), torch.arange(-6, 6).view(3, 4), torch.arange(12).view(3, 4) * 5 % 7
+    out, out_ref = wrapped(x, a, b), ref(x, a, b)
+    _close(out, out_ref, "output")
+    _weighted_loss(out).backward()
+    _weighted_loss(out_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        _close(p.grad, q.grad, f"gradient of {name}")
+    routed = wrapped.explain().routed()
+    assert {"bitwise_or", "bitwise_not", "bitwise_xor"} <= set(routed), routed
+    assert all(routed[op] == plugin.EXPORTER_FAILED for op in ("bitwise_or", "bitwise_not", "bitwise_xor"))
+    graph = wrapped.state_machine.current[0].model
+    assert any(n.op_type == "Or" for n in graph.graph.node), "the boolean | the exporter writes left ORT"
+
+
+class NormalizeInto(nn.Module):
+    """``F.normalize(h, out=buffer)``: an out= call, which the TorchScript exporter refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], 4)
+        F.normalize(self.lin(x), dim=1, out=out)
+        return out * 2
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_an_out_call_runs_as_its_functional_op(exporter: str):
+    # Eager refuses out= under autograd: an inference call, as the model can only be used without grad.
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = NormalizeInto()
+    wrapped = ORTModule(model, exporter=exporter, fallback_policy="FALLBACK_DISABLE")
+    for batch in (3, 5):
+        x = torch.randn(batch, 4)
+        with torch.no_grad():
+            _close(wrapped(x), model(x), f"batch {batch} output")
+    assert wrapped.state_machine.counters.fallbacks == 0

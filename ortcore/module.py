@@ -234,17 +234,22 @@ _WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "training"})
 _MISSING = object()
 
 
-def _stage_of(error: Exception) -> tuple[str | None, str | None]:
+def _stage_of(error: Exception, eager_ran: bool) -> tuple[str | None, str | None]:
     """``(stage, module)`` of a failure a repair may serve (``stage`` None: the model's own error, or bad data);
-    ``module`` is the one the gradient audit named."""
+    ``module`` is the one the gradient audit named. An error the forward raised while the exporter traced it is the
+    model's own only if the forward fails in eager PyTorch too (``eager_ran`` False)."""
     if isinstance(error, GradientMismatchError):
         location = error.result.location
-        return "audit", location.module if location is not None else None
+        if location is not None and location.module:
+            return "audit", location.module
+        # No module named (the tapped graph did not show it): a differing parameter gradient names its module.
+        owners = [d.name.rpartition(".")[0] for d in error.result.differences if d.kind == "gradient of parameter"]
+        return "audit", next((o for o in owners if o), None)
     if isinstance(error, FirstRunError):
         return "run", None
     if isinstance(error, GraphBuildError):
         return "build", None
-    if isinstance(error, UnsupportedModelError) and not _may_be_the_models_error(error):
+    if isinstance(error, UnsupportedModelError) and (eager_ran or not _may_be_the_models_error(error)):
         return "export", None
     return None, None
 
@@ -469,11 +474,11 @@ class ORTModule(torch.nn.Module):
                     rt.hooks.repairs_found(self._original_module, rt.unrepaired_fingerprint, found)
                 return graph, session, key
             except (UnsupportedModelError, GraphBuildError, GradientMismatchError) as e:
-                stage, module = _stage_of(e)
-                if stage is None:
-                    raise
                 if trace is None:
                     trace = trace_modules(self._original_module, args, kwargs)
+                stage, module = _stage_of(e, eager_ran=trace.ran)
+                if stage is None:
+                    raise
                 graph = rt.state.graph_for(key)
                 failure = locate(
                     stage,

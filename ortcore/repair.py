@@ -110,9 +110,13 @@ def ops_named(text: str) -> tuple[str, ...]:
     return _unique(found)
 
 
+_SCOPED = re.compile(r"(/module/[\w./\-]+)")  # a TorchScript node or value name: /module/<scope>/<op>[_output_0]
+
+
 def onnx_named(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(node names, ONNX op types)`` a message of ONNX Runtime names."""
-    nodes = [n for n in _NODE.findall(text) if "/" in n or "_" in n]
+    """``(node names, ONNX op types)`` a message of ONNX Runtime names (``Node (name)``, or any value or node name
+    with a module scope, such as ``Duplicate definition of name (/module/enc/conv1/Constant_1_output_0_grad)``)."""
+    nodes = [n for n in _NODE.findall(text) if "/" in n or "_" in n] + _SCOPED.findall(text)
     types = _OP_TYPE.findall(text) + _GRADIENT_OP.findall(text)
     return _unique(nodes), _unique(types)
 
@@ -135,6 +139,7 @@ class ModuleTrace:
     complex_inside: set[str] = attrs.field(factory=set)  # modules whose own ops touch complex tensors
     complex_boundary: set[str] = attrs.field(factory=set)  # modules with a complex input or output
     order: list[str] = attrs.field(factory=list)  # modules in the order their forward started
+    ran: bool = False  # the eager forward completed (an error raised only while tracing is then not the model's)
 
     def modules_calling(self, op: str) -> list[str]:
         return [m for m in self.order if op in self.ops.get(m, ())]
@@ -207,6 +212,7 @@ def trace_modules(model: torch.nn.Module, args: tuple, kwargs: dict) -> ModuleTr
     try:
         with torch.no_grad(), _Recorder(trace, stack):
             model(*args, **kwargs)
+        trace.ran = True
     except Exception as e:  # the trace is evidence, not a requirement: an empty trace locates less
         logger.debug("module trace for repair failed: %s: %s", type(e).__name__, e)
     finally:
@@ -218,6 +224,29 @@ def trace_modules(model: torch.nn.Module, args: tuple, kwargs: dict) -> ModuleTr
                     b.copy_(buffers[name])
         torch.random.set_rng_state(rng)
     return trace
+
+
+def modules_in_traceback(error: BaseException, model: torch.nn.Module) -> list[str]:
+    """The modules whose ``forward`` was running where ``error`` (or an error it was raised from) was raised,
+    innermost first, as paths of ``model``. The exporter traces a deep copy: frames are matched to paths through
+    the copy's (or the model's) own ``named_modules``."""
+    frames: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module):
+                frames.append(owner)
+            tb = tb.tb_next
+        error = getattr(error, "raised_in_forward", None) or error.__cause__ or error.__context__
+    roots = [m for m in frames if type(m) is type(model)]
+    paths: dict[int, str] = {}
+    for root in roots or [model]:
+        paths.update({id(m): p for p, m in root.named_modules()})
+    found = [paths[id(m)] for m in reversed(frames) if paths.get(id(m))]
+    return list(dict.fromkeys(found))
 
 
 def _node_modules(nodes: Sequence[Any], module_paths: set[str]) -> list[str]:
@@ -246,6 +275,8 @@ def locate(
         nodes = _unique([n.name for n in onnx_model.graph.node if n.op_type in onnx_ops])
     modules: list[str] = [module] if module else []
     modules += _node_modules(nodes, paths)
+    if not isinstance(error, str):
+        modules += modules_in_traceback(error, model)
     if trace is not None:
         for op in ops:
             modules += trace.modules_calling(op)

@@ -145,6 +145,22 @@ def _state_swapped(
             table[attr] = before
 
 
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """No TorchScript tracing inside, nor the exporter's torch-function modes (a plugin's op interception while
+    exporting): the region's code runs as in PyTorch. A no-op when nothing traces."""
+    state = torch._C._get_tracing_state()
+    if state is None:
+        yield
+        return
+    torch._C._set_tracing_state(None)
+    try:
+        with torch._C.DisableTorchFunction():
+            yield
+    finally:
+        torch._C._set_tracing_state(state)
+
+
 def _pointer(tensor: torch.Tensor) -> int | None:
     try:
         return tensor.data_ptr() if tensor.numel() else None
@@ -160,7 +176,8 @@ class RegionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: RegionCall, *tensors: torch.Tensor) -> Any:
-        with torch.enable_grad():
+        tracing = torch._C._get_tracing_state() is not None
+        with _untraced(), torch.enable_grad():
             leaves = [
                 t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
                 for t in tensors
@@ -173,6 +190,15 @@ class RegionFunction(torch.autograd.Function):
                 if _pointer(result) in pointers:  # ORT must own its outputs: no aliases of inputs
                     result = result.clone()
                 results.append(result)
+        if tracing and tensors:
+            # The TorchScript tracer records the Function's body as a subgraph and links its outputs to values it
+            # traced: outputs made from an input (their values copied in untraced) are such values. The region's
+            # own code ran untraced, as in PyTorch (code that traces differently from how it runs cannot break it).
+            placeholders = [tensors[0].new_empty([int(d) for d in r.shape], dtype=r.dtype) for r in results]
+            with _untraced(), torch.no_grad():
+                for placeholder, result in zip(placeholders, results):
+                    placeholder.copy_(result)
+            results = placeholders
         ctx.leaves, ctx.outputs = leaves, outputs
         ctx.mark_non_differentiable(*(r for r in results if not (r.is_floating_point() or r.is_complex())))
         return tuple(results) if len(results) != 1 else results[0]

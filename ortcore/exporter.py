@@ -238,7 +238,9 @@ def average_pool(
     return b.op("Reshape", pooled, b.op("Concat", leading, pooled_sizes, axis=0))
 
 
-def adaptive_average_pool(b: OnnxBuilder, x: Any, output_size: list[int | None], dtype: int) -> Any:
+def adaptive_average_pool(
+    b: OnnxBuilder, x: Any, output_size: list[int | None], dtype: int, x_rank: int | None = None
+) -> Any:
     """torch's ``adaptive_avg_pool{1,2,3}d`` of ``x`` (ONNX element type ``dtype``) to ``output_size`` over its last
     ``len(output_size)`` dimensions, for any input size.
 
@@ -246,9 +248,12 @@ def adaptive_average_pool(b: OnnxBuilder, x: Any, output_size: list[int | None],
     decomposition into gathers), so another size gets the wrong windows or shape. Here each dimension is a product
     with a ``[L, o]`` matrix computed from the input's size at run time: window ``i`` covers ``floor(i * L / o)`` to
     ``ceil((i + 1) * L / o)``, as in torch, each weighted by one over its length. ``MatMul``'s gradient reads
-    shapes at run time (``GlobalAveragePool``'s and ``AveragePool``'s do not).
+    shapes at run time (``AveragePool``'s does not). Pooling a batched ``x`` (``x_rank`` known) to 1 everywhere is
+    ``GlobalAveragePool``, whose gradient reads shapes at run time too.
     """
     rank = len(output_size)
+    if x_rank == rank + 2 and all(size == 1 for size in output_size):
+        return b.op("GlobalAveragePool", x)
     shape = b.op("Shape", x)
     for axis in reversed(range(rank)):  # the last dimension first, by a product on the right
         size = output_size[axis]
@@ -327,7 +332,8 @@ def _adaptive_avg_pool(g, input, output_size):
 
     sizes = sh._get_const(output_size, "is", "output_size")
     dtype = _type_utils.JitScalarType.from_value(input, _type_utils.JitScalarType.FLOAT).onnx_type()
-    return adaptive_average_pool(TorchScriptBuilder(g), input, list(sizes), int(dtype))
+    rank = sh._get_tensor_rank(input)
+    return adaptive_average_pool(TorchScriptBuilder(g), input, list(sizes), int(dtype), rank)
 
 
 def _adaptive_max_pool(g, input, output_size):

@@ -348,7 +348,8 @@ def _translate_adaptive_avg_pool(self: Any, output_size: Any) -> Any:
     from onnxscript import ir
 
     dtype = self.dtype if self.dtype is not None else ir.DataType.FLOAT
-    return adaptive_average_pool(OnnxScriptBuilder(), self, [int(v) for v in output_size], int(dtype))
+    rank = len(self.shape) if self.shape is not None else None
+    return adaptive_average_pool(OnnxScriptBuilder(), self, [int(v) for v in output_size], int(dtype), rank)
 
 
 def _translate_adaptive_max_pool(self: Any, output_size: Any) -> Any:

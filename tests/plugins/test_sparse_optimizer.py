@@ -198,7 +198,9 @@ def test_sum_reduction_and_shared_labels_match_torch(ortcore_host: HostFactory, 
 def test_all_labels_ignored_gives_zero_loss(ortcore_host: HostFactory) -> None:
     # ORT's CPU loss kernels divide by the row count: without the plugin's guard, zero gathered rows end the process.
     ids, labels = padded_batch(valid=0)
-    ort, ref = ort_and_torch(PaddedLM(), host=host_with(ortcore_host))
+    # 0 where PyTorch gives NaN, on purpose: the audit, which would rightly call that a difference, is off.
+    host = host_with(ortcore_host, env={LABEL: "1", "ORTCORE_VERIFY_GRADIENTS": "0"})
+    ort, ref = ort_and_torch(PaddedLM(), host=host)
     loss = ort(ids, labels)
     loss.backward()
     assert loss.item() == 0.0

@@ -179,6 +179,15 @@ def routed_ops(ort: Any) -> list[dict[str, Any]]:
     return result
 
 
+def repairs(ort: Any) -> list[str]:
+    """The repairs in force (``ORTModule.explain().repairs``: what ortcore moved to PyTorch after a failed export,
+    build, run or gradient audit, and why), when this ortcore records them."""
+    try:
+        return [str(r) for r in getattr(ort.explain(), "repairs", ())]
+    except Exception as e:  # a description, not a check: it must not hide the step's result
+        return [f"(explain() failed: {type(e).__name__}: {e})"]
+
+
 def ort_op_share(ort: Any) -> dict[str, Any]:
     """The share of the training graph's nodes that ORT runs: nodes other than ATen and PythonOp(Grad), over all
     nodes but ``YieldOp``, in the graph the last call ran (forward and backward), with the PyTorch nodes per op."""
@@ -350,6 +359,7 @@ def _run(spec: ZooModel, result: dict[str, Any]) -> None:
     checks["grads"] = grad_checks
     result["loss"] = {"ortcore": loss.item(), "eager": loss_ref.item()}
     result["routed_ops"] = routed_ops(ort)
+    result["repairs"] = repairs(ort)
     try:
         result["ort_op_share"] = ort_op_share(ort)
     except Exception as e:  # a number to report, not a check of the step: it must not hide the step's result

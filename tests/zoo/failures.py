@@ -116,6 +116,39 @@ CATEGORIES: tuple[Category, ...] = (
         ),
         patterns=(r"No ONNX function found for", r"DispatchError"),
     ),
+    Category(
+        key="duplicate_gradient",
+        label="ORT's gradient graph defines a gradient twice",
+        cause=(
+            "ORT's gradient builder names the gradient of a tensor `<tensor>_grad`; when one tensor reaches a node "
+            "by two paths (the same input twice, `x` in `einsum('bsi,ikj,bsj->bsk', x, w, x)`; a shared "
+            "`ConstantOfShape`, `Expand` or weight-standardisation `Constant`), it defines that name twice and "
+            "refuses its own graph (`Duplicate definition of name`). In the wide zoo: xlnet, bit, gnn, einsum_heavy."
+        ),
+        patterns=(r"Duplicate definition of name",),
+    ),
+    Category(
+        key="gradient_audit",
+        label="gradient audit: ORT differs from PyTorch",
+        cause=(
+            "ortcore's gradient audit (on by default) compared the first step's outputs and gradients with "
+            "PyTorch's, found a difference beyond its tolerance (1e-3 of each tensor's largest value, plus 1e-6) "
+            "and no repair removed it, so the step raised. The first difference names the module: a wrong output "
+            "(a real bug) or a gradient off by float32 rounding that batch norm amplifies (the zoo itself judges "
+            "such a gradient against float64)."
+        ),
+        patterns=(r"gradient audit: ONNX Runtime differs from PyTorch",),
+    ),
+    Category(
+        key="complex_tensors",
+        label="TorchScript exporter: complex tensors",
+        cause=(
+            "The model computes with complex tensors (`torch.view_as_complex`, `torch.fft.rfft`, `torch.polar`); "
+            "ONNX has no complex type and the TorchScript exporter stops at the first one (`ScalarType "
+            "ComplexFloat is an unexpected tensor scalar type`). No op route or region took the module over."
+        ),
+        patterns=(r"ScalarType ComplexFloat is an unexpected", r"ScalarType Complex\w+ is an unexpected"),
+    ),
 )
 
 OTHER = Category(

@@ -180,7 +180,8 @@ class GatedNet(nn.Module):
 
 
 def test_wrong_where_gradient_without_gradient_fixes_names_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "gradient_fixes")
+    # region_routing off too: nothing can repair the mismatch, so it reaches the user.
+    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "gradient_fixes,region_routing")
     wrapped = _audited(GatedNet())
     x = torch.randn(8, 16)
     with pytest.raises(GradientMismatchError) as caught:
@@ -195,6 +196,21 @@ def test_wrong_where_gradient_without_gradient_fixes_names_the_module(monkeypatc
     with pytest.raises(GradientMismatchError):  # a graph that failed its audit fails every step
         wrapped(x)
     assert len(wrapped.gradient_audits) == 1
+
+
+def test_wrong_where_gradient_is_repaired_by_running_the_named_module_in_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "gradient_fixes")
+    model = GatedNet()
+    reference = copy.deepcopy(model)
+    wrapped = _audited(model)
+    x = torch.randn(8, 16)
+    wrapped(x).sum().backward()
+    reference(x).sum().backward()
+    first, second = wrapped.gradient_audits
+    assert first.status == "mismatch" and first.location.module == "gate" and second.status == "passed"
+    assert [r.region for r in wrapped.repairs] == ["gate"]
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_the_same_model_passes_with_gradient_fixes() -> None:
@@ -380,11 +396,15 @@ def test_audit_runs_once_per_built_graph() -> None:
     assert len(wrapped.gradient_audits) == 2
 
 
-def test_audit_is_off_by_default() -> None:
+def test_audit_is_on_by_default_and_off_by_option(monkeypatch: pytest.MonkeyPatch) -> None:
     wrapped = ORTModule(MLP())
     wrapped(torch.randn(16, 12)).sum().backward()
-    assert wrapped.runtime_options.verify_gradients is False
-    assert wrapped.gradient_audits == []
+    assert wrapped.runtime_options.verify_gradients is True
+    assert [a.status for a in wrapped.gradient_audits] == ["passed"]
+    monkeypatch.setenv("ORTCORE_VERIFY_GRADIENTS", "0")
+    off = ORTModule(MLP())
+    off(torch.randn(16, 12)).sum().backward()
+    assert off.gradient_audits == []
 
 
 # -- the option ------------------------------------------------------------------------------------------------------

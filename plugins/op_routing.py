@@ -38,6 +38,7 @@ each such call becomes a wrapper op whose translation (``ortcore_export_translat
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -643,11 +644,13 @@ def _note_routed(op: str, reason: str, kind: str = "runs on PyTorch's kernel ins
 
 
 def symbolics(config: Config) -> dict[str, Callable[..., Any]]:
-    """``{"::<op>": symbolic}`` of every route not in ``never``."""
+    """``{"::<op>": symbolic}`` of every route not in ``never``, and of :func:`renorm_op`."""
     options = _options(config)
     if not options.enabled:
         return {}
-    return {f"::{r.op}": route_symbolic(r) for r in ROUTES if r.op not in options.never}
+    table = {f"::{r.op}": route_symbolic(r) for r in ROUTES if r.op not in options.never}
+    table[f"{aten_nodes.HELPER_NAMESPACE}::{RENORM_OP}"] = _renorm_symbolic
+    return table
 
 
 # -- the dynamo route: calls of the exported program -----------------------------------------------------------------
@@ -813,11 +816,16 @@ def _route_program(program: torch.export.ExportedProgram, context: PassContext) 
         return _program_reason(node, by_op, reach, gaps=True, translated=context.translated)
 
     as_strided_program(program)
-    routed = aten_program.route_calls(program, context.module, decide, prepare_runtime)
+    renormed = set(renorm_program(program))
+
+    def decide_all(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
+        return RENORM_REASON if node in renormed else decide(node, reach)
+
+    routed = aten_program.route_calls(program, context.module, decide_all, prepare_runtime)
     _decided.clear()
     for name, reason in routed:
         _note_routed(name.removeprefix("aten::"), reason)
-        _decided.setdefault(name.removeprefix("aten::"), reason)
+        _decided.setdefault(name.rpartition("::")[2], reason)
     return len(routed)
 
 
@@ -916,14 +924,122 @@ def as_strided_exact(t: torch.Tensor, size: Any, stride: Any, storage_offset: An
     return torch.as_strided(flat, size, stride, offset - order.start)
 
 
-class _AsStridedInStorageOrder(torch.overrides.TorchFunctionMode):
-    """While the TorchScript exporter traces: every ``as_strided`` call becomes :func:`as_strided_exact`."""
+# -- embedding(max_norm=...): the renormalized rows, with the gradient torch gives ---------------------------------------
+#
+# F.embedding(ids, weight, max_norm=m) first renormalizes the rows ``ids`` picks *in place* under no_grad
+# (embedding_renorm_ on weight.detach()), then looks them up in ``weight``: the lookup reads renormalized rows, and
+# the weight's gradient is the lookup's alone (the renormalization is not differentiated). Both exporters lose the
+# alias: the TorchScript graph looks up the rows as they were, the dynamo route differentiates the renormalization.
+# Here the lookup reads the result of RENORM_OP, which renormalizes like torch (in place as well, so a parameter is
+# renormalized as in eager) and passes the gradient through unchanged; it runs on PyTorch's kernel as an ATen node.
+
+RENORM_OP = "embedding_renorm"
+RENORM_REASON = (
+    "embedding(max_norm=...) renormalizes the weight in place, which neither exporter writes (the lookup would read "
+    "the rows as they were, or differentiate the renormalization)"
+)
+_renorm_lock = threading.Lock()
+_renorm_packet: Any = None
+
+
+def renorm_op() -> Any:
+    """``ortcore_aten::embedding_renorm(weight, indices, max_norm, norm_type)``, defined on first use."""
+    global _renorm_packet
+    with _renorm_lock:
+        if _renorm_packet is None:
+            library = aten_nodes.helper_library()
+            library.define(f"{RENORM_OP}(Tensor weight, Tensor indices, float max_norm, float norm_type) -> Tensor")
+
+            def through(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
+                with torch.no_grad():
+                    torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
+                return weight.clone()  # the renormalized values; the gradient passes through unchanged
+
+            # CompositeImplicitAutograd: autograd sees only the clone, so the renormalization is not differentiated.
+            library.impl(RENORM_OP, through, "CompositeImplicitAutograd")
+            _renorm_packet = getattr(getattr(torch.ops, aten_nodes.HELPER_NAMESPACE), RENORM_OP)
+        return _renorm_packet
+
+
+def _renorm_symbolic(g: Any, weight: Any, indices: Any, max_norm: Any, norm_type: Any) -> Any:
+    """The TorchScript symbolic of :func:`renorm_op`: one ATen node, its gradient the identity (a VJP)."""
+    schema = renorm_op().default._schema
+    kinds = ["Tensor", "Tensor", "float", "float"]
+    # A wrapper op, as routed calls are: its gradient helper's name tells explain() which op it serves.
+    operator = define_wrapper(
+        aten_nodes.helper_op(RENORM_OP), "", schema, kinds, [((k, None),) for k in range(4)], RENORM_OP
+    )
+    inputs = [
+        weight,
+        indices,
+        constant_argument(g, max_norm, "float", RENORM_OP, "max_norm"),
+        constant_argument(g, norm_type, "float", RENORM_OP, "norm_type"),
+    ]
+    register_vjp_gradient(operator, "", op_packet(operator).default._schema, (0,), (0,), prepare_runtime)
+    _note_routed("embedding", RENORM_REASON)
+    return aten_node(g, operator, "", inputs, list(g.original_node.outputs()))
+
+
+def embedding_exact(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> torch.Tensor:
+    """``F.embedding`` whose ``max_norm`` renormalization the TorchScript exporter writes (see above)."""
+    if max_norm is not None:
+        weight = renorm_op()(weight, input, float(max_norm), float(norm_type))
+    return torch.nn.functional.embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq, sparse)
+
+
+class _ExactTracing(torch.overrides.TorchFunctionMode):
+    """While the TorchScript exporter traces: every ``as_strided`` call becomes :func:`as_strided_exact`, every
+    ``F.embedding`` with ``max_norm`` :func:`embedding_exact`."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in (torch.Tensor.as_strided, torch.as_strided) and torch.jit.is_tracing():
-            return as_strided_exact(*args, **kwargs)
+        if torch.jit.is_tracing():
+            if func in (torch.Tensor.as_strided, torch.as_strided):
+                return as_strided_exact(*args, **kwargs)
+            if func is torch.nn.functional.embedding:
+                return embedding_exact(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def renorm_program(program: torch.export.ExportedProgram, reach: Any = None) -> list[torch.fx.Node]:
+    """The dynamo route's :func:`embedding_exact`: an ``embedding_renorm_`` of (a detached alias of) a weight makes
+    the later lookups of that weight read :func:`renorm_op`'s result instead; returns the nodes made."""
+    graph = program.graph_module.graph
+    aten = torch.ops.aten
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    made = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.embedding_renorm_.default:
+            continue
+        alias, indices, max_norm, norm_type = node.args[:4]
+        weight = alias
+        while isinstance(weight, torch.fx.Node) and weight.target in (aten.detach.default, aten.alias.default):
+            weight = weight.args[0]
+        lookups = [
+            user
+            for user in weight.users
+            if user.target is aten.embedding.default and user.args[0] is weight and order[user] > order[node]
+        ]
+        with graph.inserting_before(node):
+            renormed = graph.call_function(renorm_op().default, (weight, indices, float(max_norm), float(norm_type)))
+        renormed.meta["val"] = weight.meta.get("val")
+        for user in lookups:
+            user.replace_input_with(weight, renormed)
+        graph.erase_node(node)
+        if isinstance(alias, torch.fx.Node) and alias is not weight and not alias.users:
+            graph.erase_node(alias)
+        made.append(renormed)
+    if made:
+        program.graph_module.recompile()
+    return made
 
 
 def _view_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -1003,7 +1119,7 @@ class RoutingExporter(FallbackExporter):
         _failed_ops.clear()
         for _ in range(MAX_FAILED_OPS + 1):
             try:
-                with _AsStridedInStorageOrder():
+                with _ExactTracing():
                     return super().export(module, args, **kwargs)
             except UnsupportedModelError as e:
                 op = failed_op(e)
@@ -1115,7 +1231,10 @@ for _route in PROGRAM_ROUTES:
         _PROGRAM_REASONS.setdefault(_op, _route.route.reason)
 
 
-_CORE_OPS = {"detach_copy": "a detach() inside a gradient path: a stop-gradient, which ORT has no op for"}
+_CORE_OPS = {
+    "detach_copy": "a detach() inside a gradient path: a stop-gradient, which ORT has no op for",
+    RENORM_OP: RENORM_REASON,
+}
 
 
 def add_reasons(model: onnx.ModelProto, dynamo: bool = False) -> None:

@@ -585,3 +585,44 @@ def test_an_out_call_runs_as_its_functional_op(exporter: str):
         with torch.no_grad():
             _close(wrapped(x), model(x), f"batch {batch} output")
     assert wrapped.state_machine.counters.fallbacks == 0
+
+
+class RenormedEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=1)``: each call renormalizes the rows it reads in the weight itself, then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)
+        with torch.no_grad():
+            self.emb.weight.mul_(2.0)  # most rows above the norm
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(ids))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_embedding_max_norm_renormalizes_the_weight_as_torch(exporter: str):
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = RenormedEmbedding()
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, exporter=exporter, fallback_policy="FALLBACK_DISABLE")
+    opt_o = torch.optim.AdamW(model.parameters(), lr=1e-1)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-1)
+    for step, ids in enumerate([torch.tensor([[0, 1, 1, 3]]), torch.tensor([[3, 4, 0, 9], [1, 1, 2, 2]])] * 2):
+        out, out_ref = wrapped(ids), ref(ids)
+        _close(out, out_ref, f"step {step} output")
+        _close(model.emb.weight.detach(), ref.emb.weight.detach(), f"step {step} renormalized weight")
+        _weighted_loss(out).backward()
+        _weighted_loss(out_ref).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            _close(p.grad, q.grad, f"step {step} gradient of {name}")
+        opt_o.step()
+        opt_r.step()
+        opt_o.zero_grad()
+        opt_r.zero_grad()
+    assert wrapped.state_machine.counters.fallbacks == 0
+    assert wrapped.state_machine.counters.repairs == 0, wrapped.state_machine.history
+    assert wrapped.explain().routed()["embedding_renorm"] == plugin.RENORM_REASON

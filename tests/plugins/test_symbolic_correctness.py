@@ -263,6 +263,9 @@ CASES: dict[str, Case] = {
     "embedding_padding_idx": Case(
         lambda p, i: F.embedding(i, p[0], padding_idx=1), lambda: (_r(6, 4),), lambda: (DUP.view(1, 7),)
     ),
+    "embedding_max_norm": Case(
+        lambda p, i: F.embedding(i, p[0] * 1.0, max_norm=1.0), lambda: (_r(6, 4) * 2,), lambda: (DUP.view(1, 7),)
+    ),
     "normalize": Case(lambda p: F.normalize(p[0], dim=1) * p[1], lambda: (_r(3, 4), _r(4))),
 }
 

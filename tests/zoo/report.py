@@ -513,6 +513,10 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
                 f"| {_percent(r.get('ort_op_share'))} | {_percent(r.get('ort_time_share'))} | {_cell(_cause(r))} |"
             )
         lines.append("")
+        causes = _causes(e, rows)
+        if causes:
+            causes[0] = f"#### Wide zoo: why models fail on the {e} route"
+            lines += causes
         commits = sorted({r["commit"] for r in rows.values()})
         lines += [
             f"{rec['how']}; total wall time {rec['wall_s'] / 60:.1f} min for {rec['models_run']} models. ortcore at "

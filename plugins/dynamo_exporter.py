@@ -392,14 +392,17 @@ def input_ranges(program: torch.export.ExportedProgram, names: list[str]) -> dic
     """The sizes each of the first ``len(names)`` user inputs may take in ``program``: ``{name: [[dim, low, high or
     None], ...]}`` for the dimensions narrower than any size, read from torch.export's range constraints. A model
     that branches on a size (``if ids.shape[1] > 8``) gets a graph valid for those sizes only (``low`` 9 here), and
-    a dimension the model fixes gets ``low == high``. The core gives a call outside these ranges a graph of its own
-    (``ortcore.graph.INPUT_RANGES_METADATA``) instead of running this one on sizes it was not traced for."""
+    a dimension the model fixes gets ``low == high``, and so does one whose other sizes break a condition the trace
+    assumed that is not a range (``3 * (W // 3) >= W``, a ceil-mode pooling's output size). The core gives a call
+    outside these ranges a graph of its own (``ortcore.graph.INPUT_RANGES_METADATA``) instead of running this one on
+    sizes it was not traced for."""
     import sympy
 
     specs = [
         s for s in program.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
     ]
     nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    asserts = _runtime_asserts(program)
     ranges: dict[str, list[list[Any]]] = {}
     for name, spec in zip(names, specs):
         node = nodes.get(getattr(spec.arg, "name", None))
@@ -415,9 +418,71 @@ def input_ranges(program: torch.export.ExportedProgram, names: list[str]) -> dic
                 if bounds is None:
                     continue
                 low, high = _finite(bounds.lower) or 0, _finite(bounds.upper)
+                traced = _hint(size)
+                if traced is not None:  # a call outside gets a graph of its own
+                    low, high = _narrowed(expr, traced, low, high, asserts)
             if low > 0 or high is not None:
                 ranges.setdefault(name, []).append([dim, low, high])
     return ranges
+
+
+# Sizes tried against each guard on a size: from the range's lower bound (2 at least: size 1 is exported as 1, size 0
+# is refused) to this many more, which covers divisibility by any stride or kernel up to it.
+GUARD_PROBE_SIZES = 48
+
+
+def _hint(size: Any) -> int | None:
+    """The size a symbolic dimension had in the traced call."""
+    try:
+        return int(size.node.hint)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _runtime_asserts(program: torch.export.ExportedProgram) -> list[Any]:
+    """The conditions on sizes torch.export assumed while tracing and left to be checked at run time (``3 * (W //
+    3) >= W``: a ceil-mode pooling's output size for a ``W`` divisible by 3), as sympy expressions. The ONNX graph
+    does not check them."""
+    for node in program.graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" else None
+        for size in getattr(value, "shape", ()):
+            if not isinstance(size, int):
+                env = size.node.shape_env
+                return [a.expr for group in getattr(env, "deferred_runtime_asserts", {}).values() for a in group]
+    return []
+
+
+def _narrowed(symbol: Any, traced: int, low: int, high: int | None, asserts: list[Any]) -> tuple[int, int | None]:
+    """``(low, high)`` narrowed to the sizes of ``symbol`` that meet the conditions on it alone that the graph was
+    traced under; torch's range constraints do not record them, so the graph would run other sizes with shapes
+    computed for the traced one. Sizes are tried from ``low`` (2 at least) over :data:`GUARD_PROBE_SIZES` sizes
+    and past the traced one: a condition met by a run of sizes becomes a range (``s <= 16``: a position table's
+    length), one met by scattered sizes (``W`` divisible by 3) pins the traced size."""
+    import sympy
+
+    # Conditions on this size alone: one relating two sizes (Eq(s0, s1): two inputs share a batch size) holds when
+    # both change together.
+    relevant = [a for a in asserts if getattr(a, "free_symbols", set()) == {symbol}]
+    if not relevant:
+        return low, high
+    first = max(low, 2)
+    last = max(first + GUARD_PROBE_SIZES, traced + GUARD_PROBE_SIZES // 2)
+    if high is not None:
+        last = min(last, high)
+    met = []
+    for size in range(first, last + 1):
+        try:
+            holds = all(guard.xreplace({symbol: sympy.Integer(size)}) is not sympy.false for guard in relevant)
+        except Exception:  # a form sympy cannot evaluate: leave it to torch's own checks
+            return low, high
+        if holds:
+            met.append(size)
+    if len(met) == last - first + 1:
+        return low, high
+    if traced in met and met == list(range(met[0], met[-1] + 1)):
+        return max(low, met[0]), (met[-1] if met[-1] < last else high)
+    logger.debug("dynamo export: a size of %s other than %d breaks %s: graph pinned", symbol, traced, relevant)
+    return traced, traced
 
 
 def separate_read_outputs(model: onnx.ModelProto) -> int:

@@ -426,6 +426,8 @@ def input_ranges(program: torch.export.ExportedProgram, names: list[str]) -> dic
     return ranges
 
 
+# Bumped whenever the sizes a graph records as served change (cached graphs would keep the older ones).
+SIZE_CONDITIONS_VERSION = 1
 # Sizes tried against each guard on a size: from the range's lower bound (2 at least: size 1 is exported as 1, size 0
 # is refused) to this many more, which covers divisibility by any stride or kernel up to it.
 GUARD_PROBE_SIZES = 48
@@ -651,6 +653,7 @@ class DynamoExporter:
             "optimize": self.optimize,
             "inline_autograd_functions": self.inline_autograd_functions,
             "pooling": POOLING_VERSION,
+            "size_conditions": SIZE_CONDITIONS_VERSION,
             **versions,
         }
 

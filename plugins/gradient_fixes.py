@@ -33,6 +33,10 @@ A second pass, :func:`fix_conv_gradients`, works around two bugs of ORT's CPU ``
   convolutions whose input may need a gradient are rewritten (``dX`` is computed only then);
 * ``auto_pad`` is ignored (only ``pads`` is read), so ``padding="same"`` (exported as ``SAME_UPPER``) is
   differentiated as an unpadded convolution. ``SAME_UPPER``/``SAME_LOWER`` become the explicit ``pads`` ONNX defines.
+
+A runtime inspector, :class:`EmptyInputGuard`, refuses a training step with an empty input (a batch of 0, an empty
+sequence) before ORT's forward: ORT's CPU ``ConvGrad`` dies of SIGFPE on empty tensors, taking the process with it,
+and the gradients of ``Gemm`` and ``Reshape`` fail on them.
 """
 
 from __future__ import annotations

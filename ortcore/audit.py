@@ -410,12 +410,10 @@ def _run_torch(
     targets += [(name, t) for name, t in zip(req.graph.user_input_names, inputs) if t.requires_grad]
     used = [i for i, g in enumerate(output_grads) if g is not None]
     if used and targets:
-        grads = torch.autograd.grad(
-            [outputs[i] for i in used],
-            [t for _, t in targets],
-            [output_grads[i] for i in used],
-            allow_unused=True,
-        )
+        # The gradients of sum(output * g): the same as passing g as the outputs' gradients, but a scalar's
+        # backward, which does not make torch import its symbolic-shape machinery (and sympy, 0.5 s) on this path.
+        total = sum((outputs[i] * output_grads[i]).sum() for i in used)
+        grads = torch.autograd.grad(total, [t for _, t in targets], allow_unused=True)
         side.grads = {name: g for (name, _), g in zip(targets, grads)}
     return side, output_grads, output_schema
 

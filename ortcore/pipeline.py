@@ -225,6 +225,7 @@ class Pipeline:
         self.hooks = hooks
         self.exporter = exporter
         self.state = state
+        self._last_identity: tuple[GraphKey, list, str] | None = None
 
     # -- export and pre-gradient passes ----------------------------------------------------------------------------
     def export(
@@ -237,8 +238,7 @@ class Pipeline:
     ) -> ExportedGraph:
         """The graph of a call with ``key``: from an export cache (``ortcore_load_export``) or exported anew."""
         opts = self.options
-        passes = self.hooks.graph_passes()
-        fp = self.fingerprint(module, key, passes)
+        passes, fp = self._identity(module, key)
         cached = self.hooks.load_export(module, fp)
         if cached is not None:
             return cached
@@ -264,10 +264,21 @@ class Pipeline:
             # graph.raw_model stays: each build saves it under upstream's name for its mode
         return graph
 
-    def fingerprint(self, module: torch.nn.Module, key: GraphKey, passes: list | None = None) -> str:
+    def fingerprint(self, module: torch.nn.Module, key: GraphKey) -> str:
         """What the export cache stores the graph of ``key`` under (:func:`ortcore.identity.graph_fingerprint`)."""
-        passes = self.hooks.graph_passes() if passes is None else passes
-        return graph_fingerprint(key, module, passes=passes, exporter=self.exporter, plugin_keys=self.hooks.export_key())
+        return self._identity(module, key)[1]
+
+    def _identity(self, module: torch.nn.Module, key: GraphKey) -> tuple[list, str]:
+        """The graph passes and the fingerprint of ``key``'s export, asked of the hooks once per key (the export
+        asks again for a key the state machine decided to export once more)."""
+        if self._last_identity is not None and self._last_identity[0] == key:
+            _, passes, fp = self._last_identity
+            self._last_identity = None
+            return passes, fp
+        passes = self.hooks.graph_passes()
+        fp = graph_fingerprint(key, module, passes=passes, exporter=self.exporter, plugin_keys=self.hooks.export_key())
+        self._last_identity = (key, passes, fp)
+        return passes, fp
 
     def export_for_audit(
         self, module: torch.nn.Module, schema: InputSchema, tensors: list[torch.Tensor], tapper: Any

@@ -285,6 +285,12 @@ ROUTES: tuple[Route, ...] = (
             ("sign", "Sign"),
         )
     ),
+    Route(
+        "logsumexp",
+        "ReduceLogSumExp",
+        "ORT's ReduceLogSumExp gradient builder writes an invalid Unsqueeze when the reduced dimensions are dropped",
+        lambda args, schema: not _const(args, schema, "keepdim"),
+    ),
     Route("fmod", "Mod", _NO_GRAD.format("Mod (fmod)")),
     Route("remainder", "Mod/Floor", _NO_GRAD.format("Mod and Floor (remainder)")),
 )

@@ -380,7 +380,8 @@ def render(records: dict[str, dict[str, Any]]) -> str:
         f"- {TRAIN_STEPS} AdamW steps (lr {LR:g} unless a model's description names its own): the loss before and "
         "after each update, judged the same way.",
         "- A model with batch norm in training mode is also run in float32 eager on its batch with the rows "
-        "reversed (the same math, other summation orders); a point of its AdamW curve that fails the above passes "
+        "reversed and every input value moved by one unit in the last place (other summation orders and "
+        "roundings); a point of its AdamW curve that fails the above passes "
         f"if ortcore is within {F64_FACTOR:g}× as far from eager as that run is: batch norm over few values per "
         "channel amplifies float32 rounding, and AdamW moves each element by about lr whatever its gradient's size.",
         "- The step ran in ONNX Runtime (one export, no fallback), and a model that passes runs at least "
@@ -475,8 +476,8 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
         "(forward and backward, `YieldOp` left out) that run on ORT's kernels, i.e. that are not "
         "`org.pytorch.aten::ATen` or `com.microsoft::PythonOp`/`PythonOpGrad` nodes; and *ORT time share*, the "
         "share of a step's kernel time spent in ORT's kernels (op_profiler plugin, 2 profiled steps). A model "
-        "with batch norm in training mode is also run in float32 eager on its batch with the rows reversed (the "
-        "same math, other summation orders); a point of its AdamW curve that fails the tolerance passes if "
+        "with batch norm in training mode is also run in float32 eager on its batch with the rows reversed and "
+        "every input value moved by one ulp (other summation orders and roundings); a point of its AdamW curve that fails the tolerance passes if "
         f"ortcore is within {F64_FACTOR:g}× as far from eager as that run is (marked *curve vs perturbed eager*).",
         "",
         "`python -m pytest tests/zoo -m slow -k wide` runs it: each model's status must be the one recorded here "

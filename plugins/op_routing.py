@@ -160,6 +160,9 @@ class Route:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})  # where ORT lacks it
     # ORT lacks only the gradient: a call on integers or booleans (a mask's cumsum) stays in ORT.
     gradient_only: bool = True
+    # Route only a call a gradient may reach from a trained value (read from the traced graph, see _may_need_grad):
+    # for ops common on values nothing trains (position buckets' floor and sign), which ORT computes right.
+    traced_gradient: bool = False
 
 
 _NO_GRAD = "ORT has no gradient builder for {}"
@@ -240,7 +243,7 @@ ROUTES: tuple[Route, ...] = (
         _accumulates,
         gradient_only=False,
     ),
-    Route("scatter_add", "ScatterElements", _SCATTER_GRAD),
+    Route("scatter_add", "ScatterElements", _SCATTER_GRAD, traced_gradient=True),
     Route(
         "scatter_reduce",
         "ScatterElements",
@@ -269,13 +272,16 @@ ROUTES: tuple[Route, ...] = (
         _on_integers,
         gradient_only=False,
     ),
-    Route("div", "Floor/Sign", _NO_GRAD.format("Floor and Sign (div with rounding_mode)"), _rounds),
+    Route(
+        "div", "Floor/Sign", _NO_GRAD.format("Floor and Sign (div with rounding_mode)"), _rounds, traced_gradient=True
+    ),
     *(
         Route(
             op,
             onnx_op,
             f"ORT takes {onnx_op} as not differentiable: a value reached only through it is refused, where torch "
             "gives it a zero gradient",
+            traced_gradient=True,
         )
         for op, onnx_op in (
             ("round", "Round"),
@@ -290,9 +296,10 @@ ROUTES: tuple[Route, ...] = (
         "ReduceLogSumExp",
         "ORT's ReduceLogSumExp gradient builder writes an invalid Unsqueeze when the reduced dimensions are dropped",
         lambda args, schema: not _const(args, schema, "keepdim"),
+        traced_gradient=True,
     ),
-    Route("fmod", "Mod", _NO_GRAD.format("Mod (fmod)")),
-    Route("remainder", "Mod/Floor", _NO_GRAD.format("Mod and Floor (remainder)")),
+    Route("fmod", "Mod", _NO_GRAD.format("Mod (fmod)"), traced_gradient=True),
+    Route("remainder", "Mod/Floor", _NO_GRAD.format("Mod and Floor (remainder)"), traced_gradient=True),
 )
 
 ROUTE_OPS: frozenset[str] = frozenset(r.op for r in ROUTES)
@@ -524,6 +531,18 @@ def _gradient_flows(args: tuple) -> bool:
     return False
 
 
+def _gradient_reaches(args: tuple) -> bool:
+    """May ORT be asked for a gradient through the call: may one of its floating-point tensor inputs need one?"""
+    from torch.onnx import symbolic_helper as sh
+
+    values = []
+    for value in args:
+        if value is None or is_none(value):
+            continue
+        values.extend(sh._unpack_list(value) if _is_list(value) else [value])
+    return any(_may_need_grad(v) for v in values if not is_none(v))
+
+
 def route_symbolic(route: Route) -> Callable[..., Any]:
     """The TorchScript symbolic of ``aten::<route.op>``: the call becomes an ATen node when the route applies (its
     condition holds and the op is not in ``never``), else the exporter's own symbolic exports it."""
@@ -536,6 +555,7 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
             or (route.when is not None and not route.when(args, schema))
             or not _on(route, args)
             or (route.gradient_only and not _gradient_flows(args))
+            or (route.traced_gradient and not _gradient_reaches(args))
         ):
             base = _base_symbolic(op, g.opset)
             if base is None:

@@ -626,3 +626,25 @@ def test_embedding_max_norm_renormalizes_the_weight_as_torch(exporter: str):
     assert wrapped.state_machine.counters.fallbacks == 0
     assert wrapped.state_machine.counters.repairs == 0, wrapped.state_machine.history
     assert wrapped.explain().routed()["embedding_renorm"] == plugin.RENORM_REASON
+
+
+class PositionBuckets(nn.Module):
+    """Relative-position buckets (as T5 and DeBERTa compute them): sign and floor on floats nothing trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1]).float()
+        rel = pos[None, :] - pos[:, None]
+        buckets = (torch.sign(rel) * torch.floor(torch.log1p(rel.abs()) * 2)).long() + 8
+        return self.lin(x) + self.emb(buckets).sum(1)
+
+
+def test_zero_gradient_ops_on_values_nothing_trains_stay_in_ort():
+    torch.manual_seed(0)
+    wrapped = _one_step_on_plain_input(PositionBuckets(), torch.randn(3, 6, 4))
+    routed = wrapped.explain().routed()
+    assert not {"sign", "floor"} & set(routed), routed

@@ -73,6 +73,32 @@ def _carries_float(value: Any) -> bool:
     return False
 
 
+# Ops whose floating-point result carries no gradient back to their inputs: made from an input's shape or dtype only,
+# or cut from the graph's gradients.
+_NO_GRADIENT = frozenset(
+    {
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "detach",
+        "bernoulli",
+    }
+)
+
+
+def _name_of(target: Any) -> str:
+    schema = getattr(target, "_schema", None)
+    return schema.name.rpartition("::")[2] if schema is not None else ""
+
+
 class GradientReach:
     """Whether each value of an exported program may carry a gradient back to a graph input.
 
@@ -104,6 +130,8 @@ class GradientReach:
         for node in graph.nodes:
             if node.op != "call_function" or not _carries_float(_val(node)):
                 continue
+            if _name_of(node.target) in _NO_GRADIENT:
+                continue  # its values do not depend on its inputs' (zeros_like(h)): ORT gives it no gradient
             self.levels[node] = max((self.levels.get(i, NONE) for i in node.all_input_nodes), default=NONE)
 
     def of(self, node: Any) -> int:

@@ -162,6 +162,12 @@ CASES: dict[str, Case] = {
         )
         for include in (True, False)
     },
+    "scatter_add_into_zeros": Case(  # self made from a trained value's shape only: the source goes first
+        lambda p, i: torch.zeros_like(p[0]).scatter_add(-1, i.view(1, 7).expand(5, 7) % 4, p[0].repeat(1, 2)[:, :7]),
+        lambda: (_r(5, 4),),
+        lambda: (DUP,),
+        ("scatter_add",),
+    ),
     "index_copy": Case(
         lambda p, i: p[0].index_copy(0, i, p[1]), lambda: (_r(5, 4), _r(3, 4)), lambda: (torch.tensor([4, 0, 2]),)
     ),

@@ -123,7 +123,6 @@ class _Runtime:
         except (TypeError, ValueError):
             self.signature = None
 
-
     def _use(self, config: Config, hooks: Hooks) -> None:
         """Export and build with ``config`` and ``hooks`` from now on (at start, and after a repair)."""
         self.config = config
@@ -286,8 +285,9 @@ class ORTModule(torch.nn.Module):
         fallback_policy: a :class:`FallbackPolicy` or its names joined by ``|``; ``ORTMODULE_FALLBACK_POLICY`` wins.
         opset: ONNX opset (default 17); ``ORTMODULE_ONNX_OPSET_VERSION`` wins.
         verify_gradients: audit the first step of each new training graph against PyTorch (outputs, loss, every
-            gradient) and raise :class:`ortcore.audit.GradientMismatchError` naming the first module that differs;
-            ``ORTCORE_VERIFY_GRADIENTS`` wins. See docs/gradient_audit.md.
+            gradient; on by default). A difference is repaired by running the first module that differs in PyTorch
+            (``model.repairs``); when nothing repairs it, :class:`ortcore.audit.GradientMismatchError` names the
+            module. ``ORTCORE_VERIFY_GRADIENTS`` wins. See docs/gradient_audit.md.
         exporter: the exporter to use: a name (``"torchscript"``, the default, or ``"dynamo"``: the ``exporter``
             option) or an exporter object (default: the plugins' choice, else the one the option names).
         config: a :class:`ortcore.config.Config` (default: ``ortcore.toml`` and the environment).

@@ -302,7 +302,10 @@ ROUTES: tuple[Route, ...] = (
     Route("remainder", "Mod/Floor", _NO_GRAD.format("Mod and Floor (remainder)"), traced_gradient=True),
 )
 
-ROUTE_OPS: frozenset[str] = frozenset(r.op for r in ROUTES)
+# Ops written differently rather than routed (as_strided in storage order, embedding's max_norm renormalization):
+# ``never`` takes their names too.
+REWRITES: frozenset[str] = frozenset({"as_strided", "embedding_renorm"})
+ROUTE_OPS: frozenset[str] = frozenset(r.op for r in ROUTES) | REWRITES
 
 
 # -- options --------------------------------------------------------------------------------------------------------
@@ -841,8 +844,9 @@ def _route_program(program: torch.export.ExportedProgram, context: PassContext) 
     def decide(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
         return _program_reason(node, by_op, reach, gaps=True, translated=context.translated)
 
-    as_strided_program(program)
-    renormed = set(renorm_program(program))
+    if "as_strided" not in options.never:
+        as_strided_program(program)
+    renormed = set(renorm_program(program)) if "embedding_renorm" not in options.never else set()
 
     def decide_all(node: torch.fx.Node, reach: aten_program.GradientReach) -> str | None:
         return RENORM_REASON if node in renormed else decide(node, reach)
@@ -1023,14 +1027,19 @@ def embedding_exact(
 
 class _ExactTracing(torch.overrides.TorchFunctionMode):
     """While the TorchScript exporter traces: every ``as_strided`` call becomes :func:`as_strided_exact`, every
-    ``F.embedding`` with ``max_norm`` :func:`embedding_exact`."""
+    ``F.embedding`` with ``max_norm`` :func:`embedding_exact` (each unless ``never`` names it)."""
+
+    def __init__(self, never: frozenset[str] = frozenset()):
+        super().__init__()
+        self.as_strided = "as_strided" not in never
+        self.embedding = "embedding_renorm" not in never
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if torch.jit.is_tracing():
-            if func in (torch.Tensor.as_strided, torch.as_strided):
+            if self.as_strided and func in (torch.Tensor.as_strided, torch.as_strided):
                 return as_strided_exact(*args, **kwargs)
-            if func is torch.nn.functional.embedding:
+            if self.embedding and func is torch.nn.functional.embedding:
                 return embedding_exact(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -1137,15 +1146,19 @@ class RoutingExporter(FallbackExporter):
     ``as_strided`` as reads of its input's storage (:func:`as_strided_exact`), and the calls of an op the exporter
     fails on (its symbolic raises for these arguments) as ATen nodes (:func:`routed_on_failure`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, never: tuple[str, ...] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.never = frozenset(never)
         self._failed: set[str] = set()  # the ops routed on failure (symbolic names, ``::div``)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "op_routing.never_rewritten": sorted(self.never & REWRITES)}
 
     def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
         _failed_ops.clear()
         for _ in range(MAX_FAILED_OPS + 1):
             try:
-                with _ExactTracing():
+                with _ExactTracing(self.never):
                     return super().export(module, args, **kwargs)
             except UnsupportedModelError as e:
                 op = failed_op(e)
@@ -1314,7 +1327,8 @@ def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
 def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
     if not _options(config).enabled or exporter_name(config) != TORCHSCRIPT:
         return None  # routing by symbolics is the TorchScript route's
-    return RoutingExporter(inline_autograd_functions=custom_autograd_disabled(config.env))
+    options = _options(config)
+    return RoutingExporter(inline_autograd_functions=custom_autograd_disabled(config.env), never=options.never)
 
 
 @hookimpl

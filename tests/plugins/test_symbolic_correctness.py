@@ -447,3 +447,18 @@ def test_what_routing_fixes_is_still_wrong_without_it(exporter: str) -> None:
     missing = sorted(name for name in FIXED_BY_ROUTING[exporter] if name not in outcomes)
     assert not missing, f"the child process stopped before {missing}"
     assert not right, f"right without op routing on the {exporter} route now: {right}"
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_never_leaves_as_strided_to_the_exporter(exporter: str) -> None:
+    """``never = ["as_strided"]`` gives back the exporter's own gather, whose numbers differ from torch's."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    from ortcore.config import Config
+    from ortcore.plugins import PluginHost
+
+    host = PluginHost(Config.from_table({"plugins": {"op_routing": {"never": ["as_strided"]}}}, env={}))
+    model = OpModel(_as_strided_transposed, (_r(6, 8),))
+    wrapped = ORTModule(model, host=host, exporter=exporter, fallback_policy="FALLBACK_DISABLE", verify_gradients=False)
+    with torch.no_grad():
+        assert not torch.allclose(wrapped(), model.fn(list(model.ps)))

@@ -441,6 +441,68 @@ def _diagonal(g, *args):
     )
 
 
+def _squeeze(g, self, dim=None):
+    """``squeeze(dim)`` as one Squeeze when the size there is unknown.
+
+    Every input dimension is exported dynamic, so torch's symbolic guards such a dimension with an If (squeeze only if
+    it is 1), and ORT cannot build a training graph holding an If. The call being traced has size 1 there unless its
+    squeeze is a no-op, which torch's symbolic cannot tell either; a call whose size is not 1 there fails in ORT's
+    Squeeze, naming the dimension, instead of running other code silently. Known sizes keep torch's symbolic.
+    """
+    from torch.onnx import symbolic_helper as sh
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset11
+
+    if dim is None or not sh._is_constant(dim):
+        return symbolic_opset11.squeeze(g, self, dim)
+    axis = sh._get_const(dim, "i", "dim")
+    rank = sh._get_tensor_rank(self)
+    if rank is None or sh._get_tensor_dim_size(self, axis + rank if axis < 0 else axis) is not None:
+        return symbolic_opset11.squeeze(g, self, dim)
+    return sh._squeeze_helper(g, self, [axis])
+
+
+def _constant_chunk(g, self, chunks, dim):
+    """``chunk`` as one Split. torch's symbolic exports one Slice per chunk, whose gradients are SliceGrads summed;
+    Split's gradient is one SplitGrad (a concatenation). Chunk sizes are torch's: ``ceil(n / chunks)``, the last
+    takes the rest."""
+    if chunks == 1:
+        return self
+
+    def const(value: int):
+        return g.op("Constant", value_t=torch.tensor([value], dtype=torch.int64))
+
+    size = g.op("Gather", g.op("Shape", self), const(dim), axis_i=0)
+    chunk = g.op("Div", g.op("Add", size, const(chunks - 1)), const(chunks))
+    last = g.op("Sub", size, g.op("Mul", chunk, const(chunks - 1)))
+    sizes = g.op("Concat", g.op("Expand", chunk, const(chunks - 1)), last, axis_i=0)
+    return g.op("Split", self, sizes, axis_i=dim, outputs=chunks)
+
+
+def _cross_entropy_loss(g, self, target, weight, reduction, ignore_index, label_smoothing):
+    """Cross-entropy whose ``ignore_index`` is computed in the graph (``CrossEntropyLoss(ignore_index=x.size(1))``) as
+    ORT's SoftmaxCrossEntropyLossInternal, which takes it as an input; ONNX's SoftmaxCrossEntropyLoss needs a
+    constant, so torch's symbolic refuses it. A constant ``ignore_index`` keeps torch's symbolic."""
+    from torch.onnx import symbolic_helper as sh
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset12
+
+    if sh._is_constant(ignore_index) or sh._maybe_get_const(label_smoothing, "f") != 0.0:
+        return symbolic_opset12.cross_entropy_loss(
+            g, self, target, weight, reduction, ignore_index, label_smoothing
+        )
+    reduction_name = ("none", "mean", "sum")[sh._maybe_get_const(reduction, "i")]
+    ignore_index = g.op("Cast", ignore_index, to_i=onnx.TensorProto.INT64)
+    loss, _log_prob = g.op(
+        "com.microsoft::SoftmaxCrossEntropyLossInternal",
+        self,
+        target,
+        weight,
+        ignore_index,
+        reduction_s=reduction_name,
+        outputs=2,
+    )
+    return loss
+
+
 STOP_GRADIENT_DOMAIN = "com.ortcore"
 STOP_GRADIENT = "StopGradient"
 
@@ -601,6 +663,9 @@ _SYMBOLICS = {
     "::layer_norm": layer_norm,
     "::diff": _diff,
     "::diagonal": _diagonal,
+    "::squeeze": _squeeze,
+    "prim::ConstantChunk": _constant_chunk,
+    "::cross_entropy_loss": _cross_entropy_loss,
     "::max_pool1d": _max_pool(1),
     "::max_pool2d": _max_pool(2),
     "::max_pool3d": _max_pool(3),

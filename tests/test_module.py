@@ -166,27 +166,39 @@ def test_double_with_integer_inputs_reexports():
     assert_close(model(ids), reference(ids))
     model.to(torch.float64)
     reference.to(torch.float64)
-    # The parameters' dtype is part of the graph key: a new graph is exported (ORT's CPU build then lacks float64
-    # kernels for it, so this model continues in PyTorch, saying why).
-    with pytest.warns(RuntimeWarning, match="FusedMatMul"):
-        out = model(ids)
+    # The parameters' dtype is part of the graph key: a new graph is exported. ORT's CPU build lacks a float64 kernel
+    # for its matmul's gradient: the module holding it is repaired into a region that runs in PyTorch, saying why.
+    out = model(ids)
     assert out.dtype == torch.float64
     assert_close(out, reference(ids))
-    assert model.state_machine.counters.exports == 2
     assert any(t.action == "export" and "dtype changed" in t.reason for t in model.state_machine.history)
+    assert any("FusedMatMul" in r.reason for r in model.repairs)
+    assert model.state_machine.counters.fallbacks == 0
 
 
-def test_float64_training_falls_back_naming_the_missing_kernel():
+def test_float64_training_routes_the_module_whose_kernel_is_missing():
     reference = EmbeddingModel().to(torch.float64)
     model = ORTModule(copy.deepcopy(reference))
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    with pytest.warns(RuntimeWarning, match="FusedMatMul"):
-        out = model(ids)
+    out = model(ids)
     expected = reference(ids)
     assert_close(out, expected)
     out.sum().backward()
     expected.sum().backward()
     assert_grads_match(model, reference)
+    assert model.state_machine.counters.fallbacks == 0
+    (repair,) = model.repairs
+    assert repair.kind == "region" and "FusedMatMul" in repair.reason
+
+
+def test_float64_training_falls_back_naming_the_missing_kernel_without_regions(monkeypatch):
+    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "region_routing")
+    reference = EmbeddingModel().to(torch.float64)
+    model = ORTModule(copy.deepcopy(reference))
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.warns(RuntimeWarning, match="FusedMatMul"):
+        out = model(ids)
+    assert_close(out, reference(ids))
     assert model.state_machine.counters.fallbacks == 1
 
 

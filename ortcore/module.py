@@ -115,6 +115,7 @@ class _Runtime:
         self.repairs: list[Repair] = []
         self.tried: set[tuple] = set()
         self.unrepaired_fingerprint: str | None = None  # the first call's graph fingerprint before any repair
+        self.told_empty = False  # a training call with an empty input ran in PyTorch (said once)
         # The gradient audit's result per training session (docs/gradient_audit.md): each is audited once.
         self.audited: weakref.WeakKeyDictionary[TrainingSession, AuditResult] = weakref.WeakKeyDictionary()
         self.audits: list[AuditResult] = []
@@ -425,6 +426,13 @@ class ORTModule(torch.nn.Module):
         except tuple(_FALLBACK_FLAG) as e:
             error, failed = e, (type(e).__name__, str(e))  # no key yet: the error names the call's bad input
         else:
+            if key.grad_enabled and any(t.dim() > 0 and t.numel() == 0 for t in tensors):
+                # ORT's training kernels cannot run empty tensors (ConvGrad kills the process): this call alone runs
+                # in PyTorch, which has nothing to learn from it either; the next call is ORT's again.
+                if not rt.told_empty:
+                    rt.told_empty = True
+                    logger.info("a training call with an empty input runs in PyTorch (so does every such call)")
+                return self._original_module(*args, **kwargs)
             known = rt.state.known_failure(key)
             if known is not None and not rt.options.fallback_retry:
                 rt.state.fallback_reason = known

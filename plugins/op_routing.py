@@ -298,6 +298,14 @@ ROUTES: tuple[Route, ...] = (
         lambda args, schema: not _const(args, schema, "keepdim"),
         traced_gradient=True,
     ),
+    Route(
+        "embedding_bag",
+        "Loop",
+        "the exporter writes embedding_bag as a Loop, which ORT cannot train",
+        gradient_only=False,
+    ),
+    Route("atan2", "Atan", _NO_GRAD.format("Atan (atan2)")),
+    Route("atan", "Atan", _NO_GRAD.format("Atan")),
     Route("fmod", "Mod", _NO_GRAD.format("Mod (fmod)"), traced_gradient=True),
     Route("remainder", "Mod/Floor", _NO_GRAD.format("Mod and Floor (remainder)"), traced_gradient=True),
 )
@@ -777,6 +785,27 @@ PROGRAM_ROUTES: tuple[ProgramRoute, ...] = (
         _BY_OP["div"],
         ("div",),
         lambda arguments, target: arguments.get("rounding_mode") is not None,
+    ),
+    *(ProgramRoute(_BY_OP[op], (op,)) for op in ("atan2", "atan")),
+    ProgramRoute(_BY_OP["embedding_bag"], ("embedding_bag", "_embedding_bag", "_embedding_bag_forward_only")),
+    ProgramRoute(
+        Route(
+            "argsort",
+            "(no translation)",
+            "the dynamo exporter decomposes argsort(stable=True) into sort.stable, which it cannot translate",
+            gradient_only=False,
+        ),
+        ("argsort",),
+        lambda arguments, target: bool(arguments.get("stable")),
+    ),
+    ProgramRoute(
+        Route(
+            "hypot",
+            "(no translation)",
+            "the dynamo exporter decomposes hypot into prims.hypot, which it cannot translate",
+            gradient_only=False,
+        ),
+        ("hypot",),
     ),
     ProgramRoute(
         Route(

@@ -307,6 +307,57 @@ CASES: dict[str, Case] = {
         ),
         lambda: (_r(3, 4),),
     ),
+    "index_reduce": Case(
+        lambda p, i: tuple(
+            p[0].index_reduce(0, i, p[1], reduce, include_self=include)
+            for reduce in ("prod", "mean", "amax", "amin")
+            for include in (True, False)
+        ),
+        lambda: (_r(5, 4), _r(7, 4)),
+        lambda: (DUP,),
+    ),
+    "embedding_bag": Case(
+        lambda p, i, o: (
+            *(F.embedding_bag(i, p[0], o, mode=mode) for mode in ("sum", "mean", "max")),
+            F.embedding_bag(i, p[0], o, mode="sum", per_sample_weights=p[1]),
+        ),
+        lambda: (_r(6, 4), _r(7)),
+        lambda: (torch.tensor([0, 1, 1, 3, 5, 5, 2]), torch.tensor([0, 3, 3, 5])),  # an empty bag, repeated rows
+        ("embedding_bag",),
+    ),
+    "bucketize_searchsorted": Case(
+        lambda p, b: p[0] * torch.bucketize(p[0].detach(), b) + p[0] * torch.searchsorted(b, p[0].detach(), right=True),
+        lambda: (_r(3, 4),),
+        lambda: (torch.tensor([-1.0, 0.0, 0.5, 1.0]),),
+    ),
+    "cummax_cummin_ties": Case(lambda p: (*p[0].cummax(1), *p[0].cummin(1)), lambda: (TIES,)),
+    "argsort_ties": Case(lambda p: (p[0].argsort(dim=1, stable=True), p[0].msort()), lambda: (TIES,)),
+    "amax_max_ties": Case(lambda p: (p[0].amax(1), p[0].amin(0), p[0].max(), p[0].min()), lambda: (TIES,)),
+    "maximum_ties": Case(
+        lambda p: (torch.maximum(p[0], p[0].flip(1)), torch.minimum(p[0], p[1])), lambda: (TIES, TIES.roll(1, 1))
+    ),
+    "nan_reductions": Case(
+        lambda p: (
+            torch.where(p[0] > 0.5, float("nan"), p[0]).nansum(1),
+            torch.where(p[0] > 0.5, float("nan"), p[0]).nanmean(0),
+        ),
+        lambda: (_r(3, 4),),
+    ),
+    "atan2_xlogy_at_zero": Case(
+        lambda p: (
+            torch.atan2(p[0] * torch.tensor([0.0, 1.0, 0.0, 1.0]), p[1]),
+            torch.xlogy(p[0] * torch.tensor([0.0, 1.0, 1.0, 0.0]), p[1].abs() + 0.1),
+        ),
+        lambda: (_r(3, 4), _r(3, 4)),
+        routed=("atan2",),
+    ),
+    "lerp_hypot": Case(
+        lambda p: (torch.lerp(p[0], p[1], 0.3), torch.lerp(p[0], p[1], p[2]), torch.hypot(p[0], p[1])),
+        lambda: (_r(3, 4), _r(3, 4), _r(3, 4)),
+    ),
+    "clamp_min_above_max": Case(
+        lambda p: (p[0].clamp(0.5, -0.5), p[0].clamp(min=0.2), p[0].clamp(max=-0.2)), lambda: (_r(3, 4),)
+    ),
     "normalize": Case(lambda p: F.normalize(p[0], dim=1) * p[1], lambda: (_r(3, 4), _r(4))),
 }
 
@@ -369,7 +420,10 @@ def test_sliding_chunks_on_another_batch_size(exporter: str) -> None:
 
 
 _SCATTERS = tuple(
-    name for name in CASES if name.startswith(("index_add", "index_put_acc", "scatter_add", "scatter_red"))
+    name
+    for name in CASES
+    if name.startswith(("index_add", "index_put_acc", "scatter_add", "scatter_red"))
+    and name != "scatter_add_into_zeros"  # right without routing (self carries no gradient): a first-input case
 )
 _ZERO_GRADIENT_PATHS = ("zero_gradient_only_paths",)
 _AS_STRIDED = ("as_strided_transposed", "as_strided_no_offset", "as_strided_sliced_offset", "as_strided_expanded")
@@ -391,6 +445,8 @@ FIXED_BY_ROUTING: dict[str, tuple[str, ...]] = {
         "sort_descending_stable",
         "embedding_max_norm",
         "logsumexp_inf",
+        "embedding_bag",
+        "atan2_xlogy_at_zero",
     ),
     "dynamo": (
         *_SCATTERS,
@@ -402,6 +458,9 @@ FIXED_BY_ROUTING: dict[str, tuple[str, ...]] = {
         "div_floor_trunc",
         "fmod_remainder",
         "embedding_max_norm",
+        "embedding_bag",
+        "atan2_xlogy_at_zero",
+        "lerp_hypot",
     ),
 }
 

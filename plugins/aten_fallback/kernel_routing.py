@@ -476,6 +476,17 @@ def _symbolic_addmm(g: Any, self: Any, mat1: Any, mat2: Any, beta: Any, alpha: A
     return _typed(out, like, [mat1_sizes[0], mat2_sizes[1]] if known else None)
 
 
+def _gradient_is_not_gathers(weight: Any, indices: Any, padding_idx: Any, scale_grad_by_freq: Any, *_: Any) -> bool:
+    """An embedding whose gradient is not ONNX Gather's: a padding row (torch leaves its gradient zero) or frequency
+    scaling, on a weight that needs a gradient."""
+    from torch.onnx import symbolic_helper as sh
+
+    padding = sh._maybe_get_const(padding_idx, "i")
+    by_freq = sh._maybe_get_const(scale_grad_by_freq, "b")
+    shaped = (isinstance(padding, int) and padding >= 0) or by_freq is True
+    return shaped and requires_grad(weight)
+
+
 # The ONNX symbolic each routable op has when it is not routed (TorchScript symbolics are process-wide: a routed
 # symbolic registered for one model would otherwise stay in force for the next one).
 def _default_symbolic(op: str) -> Callable[..., Any]:
@@ -483,6 +494,10 @@ def _default_symbolic(op: str) -> Callable[..., Any]:
         from torch.onnx import symbolic_opset9, symbolic_opset12, symbolic_opset20
 
         if op == "embedding":
+            if _gradient_is_not_gathers(*args):
+                # ONNX's Gather gives the padding row a gradient (torch's is zero), and knows no frequency scaling:
+                # such an embedding runs on PyTorch's kernel whether or not speed would route it.
+                return _symbolic_embedding(g, *args)
             return symbolic_opset9.embedding(g, *args)
         if op == "gelu":
             return (symbolic_opset20 if g.opset >= 20 else symbolic_opset9).gelu(g, *args)

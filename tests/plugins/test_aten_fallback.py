@@ -378,7 +378,9 @@ def test_only_the_chosen_ops_are_routed(tmp_path: Path) -> None:
     ort, ref = wrap_saving(tiny_bert(), tmp_path, "some", ["gelu"])
     out, out_ref = hf_step(ort, make_batches(bert_batch, 1)[0]), hf_step(ref, make_batches(bert_batch, 1)[0])
     assert_losses_match(out[1], out_ref[1])
-    assert set(aten_ops(tmp_path / "some_training.onnx")) == {"gelu", "gelu_backward"}
+    # BERT's word embedding has a padding row, whose gradient ONNX's Gather gets wrong: it is routed regardless.
+    expected = {"gelu", "gelu_backward", "embedding", "ortcore_aten::embedding_backward"}
+    assert set(aten_ops(tmp_path / "some_training.onnx")) == expected
 
 
 @pytest.mark.parametrize(

@@ -287,7 +287,8 @@ def test_auto_with_ort_faster_everywhere_leaves_only_required_aten_nodes(tmp_pat
     assert "PyTorch's kernel not faster" in why["LayerNormalization"] and "2.00 ms vs ORT 1.00 ms" in why["Gemm"]
 
 
-@pytest.mark.parametrize("kernels, expected", [(["gelu"], {"gelu"}), ("none", set())])
+# The word embedding has a padding row, whose gradient ONNX's Gather gets wrong: it runs on PyTorch's kernel anyway.
+@pytest.mark.parametrize("kernels, expected", [(["gelu"], {"gelu", "embedding"}), ("none", {"embedding"})])
 def test_an_explicit_list_and_none_route_as_told_without_measuring(
     tmp_path: Path, fake_chooser, kernels: Any, expected: set
 ) -> None:

@@ -337,3 +337,23 @@ def test_explain_says_what_runs_in_pytorch_and_why(ortcore_host):
     assert explanation.routed()["RegionFunction"].endswith("(region_routing)")
     assert any(r["runs_on"] == "ORT" and r["op"] == "Gemm" for r in explanation)
     assert "runs in PyTorch: module mix.filter, because export failed" in str(explanation)
+
+
+class RunningMax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cummax(self.proj(x), dim=1).values
+
+
+def test_an_op_the_exporter_cannot_write_is_repaired_into_an_aten_node_before_any_region(ortcore_host):
+    from ortcore_plugins import aten_fallback
+
+    torch.manual_seed(0)
+    host = _host(ortcore_host, ("aten_fallback", aten_fallback))  # no op_routing: the repair is what routes it
+    wrapped = assert_matches_torch(RunningMax(), (torch.randn(3, 5, 6),), host=host, rtol=RTOL, atol=ATOL)
+    assert [(r.kind, r.op) for r in wrapped.repairs] == [("op", "aten::cummax")]
+    assert wrapped.ortcore_config.plugin_options("aten_fallback").fallback_ops == ("aten::cummax",)
+    assert "cummax" in wrapped.explain().routed()

@@ -18,6 +18,8 @@ Three features, one module each; this module holds the plugin's hooks and re-exp
   (:func:`.unexportable_ops.program_pass`); kernel routing covers embedding, GELU, LayerNorm and cross-entropy
   there (:func:`.kernel_routing.translations_for`, :func:`.kernel_routing.program_kernels`), not ``linear`` or
   ``auto`` (said once at INFO).
+* **repairs** (:mod:`.repairs`): when an export fails on an op the exporter cannot write for those inputs, the
+  plugin offers to list it in ``fallback_ops`` (``ortcore_repairs``), the smallest repair there is.
 * **graph passes** (:mod:`.graph_passes`): the written-out tanh-GELU becomes one ATen gelu node, and ATen outputs get
   types ORT can use.
 
@@ -61,6 +63,7 @@ from .options import (
     parse_fallback_ops,
     routed_ops,
 )
+from .repairs import repairs_for
 from .unexportable_ops import FallbackExporter, fallback_symbolic, fallback_symbolics, program_pass
 
 # What other code uses: tests, the op_routing plugin (FallbackExporter, prepare_runtime, type_aten_outputs).
@@ -215,6 +218,12 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
     if listed:  # only then: the keys (and export caches) of models without fallback ops stay as they were
         key["aten_fallback.fallback_ops"] = sorted(listed)
     return key
+
+
+@hookimpl
+def ortcore_repairs(config: Config, failure: Any) -> list[Any]:
+    """An op the export failed on becomes an ATen node (``fallback_ops``): see :mod:`.repairs`."""
+    return repairs_for(config, failure)
 
 
 @hookimpl

@@ -536,3 +536,38 @@ def test_never_leaves_as_strided_to_the_exporter(exporter: str) -> None:
     wrapped = ORTModule(model, host=host, exporter=exporter, fallback_policy="FALLBACK_DISABLE", verify_gradients=False)
     with torch.no_grad():
         assert not torch.allclose(wrapped(), model.fn(list(model.ps)))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda b: b,
+        lambda b: b.t(),
+        lambda b: b.view(2, 3, 4).permute(2, 0, 1),
+        lambda b: b[:1].expand(5, 4),
+        lambda b: b.view(6, 4, 1).expand(6, 4, 3),
+        lambda b: b[2:],
+    ],
+    ids=["contiguous", "transposed", "permuted", "expanded_rows", "expanded_last", "sliced"],
+)
+def test_storage_order_puts_values_as_the_storage_holds_them(make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """StorageOrder's view of a dense tensor, read flat, is its storage from its first position: exactly."""
+    from ortcore_plugins.op_routing import storage_order
+
+    base = torch.arange(24.0).view(6, 4)
+    t = make(base)
+    order = storage_order(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    assert order is not None
+    flat = t
+    for d in order.drop:
+        flat = flat.select(d, 0)
+    flat = flat.permute(order.permutation).reshape(-1)
+    storage = base.reshape(-1)
+    assert torch.equal(flat, storage[order.start : order.start + order.numel])
+
+
+def test_storage_order_of_a_tensor_with_gaps_is_none() -> None:
+    from ortcore_plugins.op_routing import storage_order
+
+    t = torch.arange(24.0).view(6, 4)[:, 1:3]
+    assert storage_order(tuple(t.shape), tuple(t.stride()), t.storage_offset()) is None

@@ -165,6 +165,51 @@ class Route:
     traced_gradient: bool = False
 
 
+# Unary ops whose ONNX form ORT 1.19.2 cannot differentiate (checked on both routes): op -> what ORT gets.
+_UNARY_WITHOUT_GRADIENT = {
+    "mish": "Mish/Softplus",
+    "celu": "Celu",
+    "selu": "Selu",
+    "elu": "Elu",
+    "asin": "Asin",
+    "acos": "Acos",
+    "tan": "Tan",
+    "asinh": "Asinh",
+    "acosh": "Acosh",
+    "atanh": "Atanh",
+    "sinh": "Sinh",
+    "cosh": "Cosh",
+    "frac": "Sign/Floor",
+    "exp2": "Pow with a constant base",
+    "softshrink": "Sign",
+}
+
+
+def _string(args: tuple, schema: Any, name: str) -> str | None:
+    """The constant string argument ``name`` of a traced call (None if absent or not a constant)."""
+    from torch.onnx import symbolic_helper as sh
+
+    names = [a.name for a in schema.arguments]
+    if name not in names:
+        return None
+    value = args[names.index(name)]
+    if is_none(value) or not is_string_constant(value):
+        return None
+    return sh._get_const(value, "s", name)
+
+
+def _pads_by_mode(args: tuple, schema: Any) -> bool:
+    """``F.pad`` with a mode other than constant (reflect, replicate, circular)."""
+    return _string(args, schema, "mode") not in (None, "constant")
+
+
+def _norm_ort_cannot_differentiate(args: tuple, schema: Any) -> bool:
+    """A vector norm ORT cannot differentiate: ord 1, 0 or ±inf (ReduceL1, ReduceMax), or ord 2 without keepdim."""
+    order = _const(args, schema, "ord")
+    order = 2 if order is None else float(order)
+    return order in (0.0, 1.0, float("inf"), float("-inf")) or (order == 2 and not _const(args, schema, "keepdim"))
+
+
 _NO_GRAD = "ORT has no gradient builder for {}"
 _NO_GRAD_KERNEL = "ORT has no CPU kernel for {}"
 _SCATTER_GRAD = "ORT's gradient of a scatter with reduction drops the gradient of self at the scattered positions"
@@ -303,6 +348,20 @@ ROUTES: tuple[Route, ...] = (
         "Loop",
         "the exporter writes embedding_bag as a Loop, which ORT cannot train",
         gradient_only=False,
+    ),
+    *(Route(op, onnx_op, _NO_GRAD.format(onnx_op)) for op, onnx_op in _UNARY_WITHOUT_GRADIENT.items()),
+    Route(
+        "pad",
+        "Pad",
+        "ORT's Pad gradient builder takes only constant padding (reflect, replicate, circular fail the build)",
+        _pads_by_mode,
+    ),
+    Route(
+        "linalg_vector_norm",
+        "ReduceL1/ReduceL2/ReduceMax",
+        "ORT has no gradient builder for ReduceL1 and ReduceMax, and its ReduceL2 gradient writes an invalid Unsqueeze "
+        "when the reduced dimensions are dropped",
+        _norm_ort_cannot_differentiate,
     ),
     Route("atan2", "Atan", _NO_GRAD.format("Atan (atan2)")),
     Route("atan", "Atan", _NO_GRAD.format("Atan")),
@@ -786,7 +845,18 @@ PROGRAM_ROUTES: tuple[ProgramRoute, ...] = (
         ("div",),
         lambda arguments, target: arguments.get("rounding_mode") is not None,
     ),
-    *(ProgramRoute(_BY_OP[op], (op,)) for op in ("atan2", "atan")),
+    *(ProgramRoute(_BY_OP[op], (op,)) for op in ("atan2", "atan", *_UNARY_WITHOUT_GRADIENT)),
+    ProgramRoute(_BY_OP["pad"], ("pad",), lambda arguments, target: arguments.get("mode") not in (None, "constant")),
+    ProgramRoute(
+        Route(
+            "linalg_vector_norm",
+            "ReduceL1/ReduceMax",
+            "ORT has no gradient builder for ReduceL1 and ReduceMax, the dynamo exporter's other norms than 2 mix "
+            "integer and float types, and ORT's gradient of a norm over every dimension is an invalid graph",
+        ),
+        ("linalg_vector_norm",),
+        lambda arguments, target: float(arguments.get("ord", 2)) != 2 or not arguments.get("dim"),
+    ),
     ProgramRoute(_BY_OP["embedding_bag"], ("embedding_bag", "_embedding_bag", "_embedding_bag_forward_only")),
     ProgramRoute(
         Route(

@@ -373,6 +373,64 @@ CASES: dict[str, Case] = {
     "clamp_min_above_max": Case(
         lambda p: (p[0].clamp(0.5, -0.5), p[0].clamp(min=0.2), p[0].clamp(max=-0.2)), lambda: (_r(3, 4),)
     ),
+    "pad_modes": Case(
+        lambda p: (
+            F.pad(p[0], (1, 2, 2, 1), mode="reflect"),
+            F.pad(p[0][0], (2, 1), mode="replicate"),
+            F.pad(p[0], (1, 2, 2, 1), mode="circular"),
+            F.pad(p[0], (1, 2), value=0.5),
+        ),
+        lambda: (_r(2, 3, 6, 6),),
+        routed=("pad",),
+    ),
+    "unary_without_ort_gradient": Case(
+        lambda p: (
+            F.mish(p[0]),
+            F.celu(p[0]),
+            F.selu(p[0]),
+            F.elu(p[0]),
+            (p[0].tanh() * 0.5).asin(),
+            (p[0].tanh() * 0.5).acos(),
+            p[0].tan(),
+            p[0].asinh(),
+            (p[0].abs() + 1.5).acosh(),
+            (p[0].tanh() * 0.5).atanh(),
+            p[0].sinh(),
+            p[0].cosh(),
+            p[0].frac(),
+            p[0].exp2(),
+            F.softshrink(p[0]),
+        ),
+        lambda: (_r(2, 3, 6, 6),),
+        routed=(
+            "mish",
+            "celu",
+            "selu",
+            "elu",
+            "asin",
+            "acos",
+            "tan",
+            "asinh",
+            "acosh",
+            "atanh",
+            "sinh",
+            "cosh",
+            "frac",
+        ),
+    ),
+    "vector_norms": Case(
+        lambda p: (
+            p[0].norm(p=1, dim=2),
+            p[0].norm(dim=1),
+            torch.linalg.vector_norm(p[0], ord=float("inf"), dim=3),
+            p[0].norm(p=3, dim=1),
+            p[0].norm(dim=1, keepdim=True),
+            p[0].norm(dim=(1, 2)),
+            p[0].norm(),
+        ),
+        lambda: (_r(2, 3, 6, 6),),
+        routed=("linalg_vector_norm",),
+    ),
     "normalize": Case(lambda p: F.normalize(p[0], dim=1) * p[1], lambda: (_r(3, 4), _r(4))),
 }
 
@@ -462,6 +520,9 @@ FIXED_BY_ROUTING: dict[str, tuple[str, ...]] = {
         "logsumexp_inf",
         "embedding_bag",
         "atan2_xlogy_at_zero",
+        "pad_modes",
+        "unary_without_ort_gradient",
+        "vector_norms",
     ),
     "dynamo": (
         *_SCATTERS,
@@ -476,6 +537,9 @@ FIXED_BY_ROUTING: dict[str, tuple[str, ...]] = {
         "embedding_bag",
         "atan2_xlogy_at_zero",
         "lerp_hypot",
+        "pad_modes",
+        "unary_without_ort_gradient",
+        "vector_norms",
     ),
 }
 

@@ -156,14 +156,10 @@ def _real_warnings(caught: list[warnings.WarningMessage]) -> list[warnings.Warni
     return [w for w in caught if not issubclass(w.category, ignored)]
 
 
-@pytest.mark.parametrize("how", ["plugins disabled", "no fallback_ops, op_routing off"])
-def test_without_the_plugin_the_model_falls_back_naming_op_and_plugin(monkeypatch: pytest.MonkeyPatch, how: str):
-    # op_routing exports unsupported ops as ATen nodes by default; without it and aten_fallback's list, PyTorch runs.
-    if how == "plugins disabled":
-        monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "aten_fallback,op_routing")
-    else:
-        monkeypatch.delenv("ORTCORE_ATEN_FALLBACK_OPS", raising=False)
-        monkeypatch.setenv("ORTCORE_OP_ROUTING", "0")
+def test_without_the_plugin_the_model_falls_back_naming_op_and_plugin(monkeypatch: pytest.MonkeyPatch):
+    # op_routing exports unsupported ops as ATen nodes by default, aten_fallback repairs an export that failed on one;
+    # without both, PyTorch runs.
+    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "aten_fallback,op_routing,region_routing")
     reference = CumulativeNet()
     model = ORTModule(copy.deepcopy(reference))
     x = torch.randn(5, 6)
@@ -179,8 +175,24 @@ def test_without_the_plugin_the_model_falls_back_naming_op_and_plugin(monkeypatc
     assert_outputs_match((out, indices), (out_ref, indices_ref))
 
 
+def test_without_fallback_ops_the_failed_export_is_repaired_naming_the_op(monkeypatch: pytest.MonkeyPatch):
+    # No fallback_ops and op routing off: the export fails on cummax, and this plugin's repair lists it.
+    monkeypatch.delenv("ORTCORE_ATEN_FALLBACK_OPS", raising=False)
+    monkeypatch.setenv("ORTCORE_OP_ROUTING", "0")
+    reference = CumulativeNet()
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(5, 6)
+    out, indices = model(x)
+    assert model.state_machine.counters.fallbacks == 0
+    assert model.state_machine.counters.repairs >= 1
+    assert any("aten::cummax" in t.reason for t in model.state_machine.history if t.action == "repair")
+    assert_outputs_match((out, indices), reference(x))
+
+
 def test_fallback_disabled_error_names_the_option():
-    model = ORTModule(CumulativeNet(), host=make_host(), fallback_policy="FALLBACK_DISABLE")
+    # No plugin at all (so no repair): the core's error names the op and this plugin's option.
+    host = PluginHost(Config.from_table({}, env={}), autoload=False, plugins={})
+    model = ORTModule(CumulativeNet(), host=host, fallback_policy="FALLBACK_DISABLE")
     with pytest.raises(ortcore.UnsupportedModelError, match=r"aten::cummax.*fallback_ops"):
         model(torch.randn(5, 6))
 

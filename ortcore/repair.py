@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger("ortcore")
 
@@ -163,16 +163,36 @@ def _is_complex(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_complex() for t in leaves)
 
 
-class _Recorder(TorchDispatchMode):
+_NAMESPACES = {"torch.fft": "fft_", "torch.linalg": "linalg_", "torch.special": "special_"}
+
+
+def aten_names(func: Any) -> set[str]:
+    """The ``aten::`` names a torch function is known by in errors (``torch.fft.rfft`` is ``aten::fft_rfft``;
+    ``Tensor.index_add_`` is ``aten::index_add_`` and ``aten::index_add``)."""
+    name = getattr(func, "__name__", "")
+    if not name or name.startswith("__"):
+        return set()
+    prefix = _NAMESPACES.get(getattr(func, "__module__", "") or "", "")
+    names = {f"aten::{prefix}{name}", f"aten::{name}"}
+    if name.endswith("_"):
+        names.add(f"aten::{prefix}{name[:-1]}")
+    return names
+
+
+class _Recorder(TorchFunctionMode):
+    """Records torch functions per innermost module. A function mode, not a dispatch mode: torch.cond (and other
+    higher-order ops) run in eager under it, where a dispatch mode leaves torch.compile's state broken for the
+    process."""
+
     def __init__(self, trace: ModuleTrace, stack: list[str]):
         super().__init__()
         self.trace, self.stack = trace, stack
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.stack:
             path = self.stack[-1]
-            self.trace.ops.setdefault(path, set()).add(f"aten::{func._schema.name.split('::')[-1]}")
+            self.trace.ops.setdefault(path, set()).update(aten_names(func))
             if _is_complex(out) or _is_complex(args):
                 self.trace.complex_inside.add(path)
         return out

@@ -263,7 +263,7 @@ def test_failures_are_located_by_op_node_and_module():
     torch.manual_seed(0)
     model = FNetLike()
     trace = trace_modules(model, (torch.randn(2, 16),), {})
-    assert "aten::_fft_r2c" in trace.ops["mix.filter"]
+    assert "aten::fft_rfft" in trace.ops["mix.filter"]
     assert trace.complex_regions() == ["mix.filter"]
     failure = locate("export", "ScalarType ComplexFloat is an unexpected tensor scalar type", model, trace=trace)
     assert failure.modules == ("mix.filter", "mix")
@@ -357,3 +357,25 @@ def test_an_op_the_exporter_cannot_write_is_repaired_into_an_aten_node_before_an
     assert [(r.kind, r.op) for r in wrapped.repairs] == [("op", "aten::cummax")]
     assert wrapped.ortcore_config.plugin_options("aten_fallback").fallback_ops == ("aten::cummax",)
     assert "cummax" in wrapped.explain().routed()
+
+
+def test_locating_leaves_torch_cond_working_for_the_process():
+    """The eager run that locates a failure records torch functions, not dispatched ops: a dispatch mode around
+    torch.cond leaves torch.compile's state broken, and every later torch.cond in the process fails."""
+
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda t: torch.relu(t) * 2, lambda t: torch.tanh(t) - 1, (x,))
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return gated(self.fc(x))
+
+    model = Gated()
+    x = torch.randn(2, 3)
+    trace = trace_modules(model, (x,), {})
+    assert trace.ran and "aten::linear" in trace.ops["fc"]
+    torch.testing.assert_close(gated(x), torch.cond(x.sum() > 0, lambda t: torch.relu(t) * 2, lambda t: torch.tanh(t) - 1, (x,)))

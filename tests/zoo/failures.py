@@ -123,7 +123,7 @@ CATEGORIES: tuple[Category, ...] = (
             "ORT's gradient builder names the gradient of a tensor `<tensor>_grad`; when one tensor reaches a node "
             "by two paths (the same input twice, `x` in `einsum('bsi,ikj,bsj->bsk', x, w, x)`; a shared "
             "`ConstantOfShape`, `Expand` or weight-standardisation `Constant`), it defines that name twice and "
-            "refuses its own graph (`Duplicate definition of name`). In the wide zoo: xlnet, bit, gnn, einsum_heavy."
+            "refuses its own graph (`Duplicate definition of name`)."
         ),
         patterns=(r"Duplicate definition of name",),
     ),

@@ -52,6 +52,7 @@ class Failure:
     onnx_ops: tuple[str, ...] = ()
     nodes: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
+    innermost: tuple[str, ...] = ()  # the modules found holding the failure, before their enclosing ones
 
     def describe(self) -> str:
         where = []
@@ -122,11 +123,13 @@ def onnx_named(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def with_ancestors(paths: Sequence[str]) -> tuple[str, ...]:
-    """Each path, innermost first, followed by its enclosing modules (``a.b.c``, ``a.b``, ``a``), never ``""``."""
+    """The paths themselves first, then their enclosing modules one level up at a time (``a.b.c``, ``x.y``, then
+    ``a.b``, ``x``, then ``a``), never ``""``: every innermost module is tried before any enclosing one."""
+    split = [path.split(".") for path in paths if path]
+    depth = max((len(parts) for parts in split), default=0)
     out: list[str] = []
-    for path in paths:
-        parts = path.split(".") if path else []
-        out.extend(".".join(parts[:n]) for n in range(len(parts), 0, -1))
+    for up in range(depth):
+        out.extend(".".join(parts[: len(parts) - up]) for parts in split if len(parts) > up)
     return _unique(out)
 
 
@@ -302,7 +305,8 @@ def locate(
             modules += trace.modules_calling(op)
         if "omplex" in text or not modules:
             modules += trace.complex_regions()
-    return Failure(stage, text, ops, onnx_ops, nodes, with_ancestors([m for m in modules if m in paths]))
+    innermost = _unique([m for m in modules if m in paths])
+    return Failure(stage, text, ops, onnx_ops, nodes, with_ancestors(innermost), innermost)
 
 
 def _chain_text(error: BaseException) -> str:

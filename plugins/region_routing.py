@@ -307,6 +307,19 @@ def ortcore_repairs(config: Config, failure: Failure) -> list[Repair]:
     """The innermost module that holds the failure runs in PyTorch (never the whole model: that is the fallback)."""
     present = _options(config).modules
     repairs = []
+    # First every innermost module found at once (one failure repeated in every layer is one repair), then each
+    # candidate alone, innermost first.
+    inner = [p for p in failure.innermost if p not in present and not any(p.startswith(q + ".") for q in present)]
+    if len(inner) > 1:
+        kept = [p for p in present if not any(p.startswith(q + ".") for q in inner)]
+        repairs.append(
+            Repair(
+                description=f"modules {', '.join(inner)} run in PyTorch",
+                plugin=NAME,
+                options={"modules": [*kept, *inner]},
+                region=", ".join(inner),
+            )
+        )
     for path in failure.modules:
         if not path or path in present:
             continue

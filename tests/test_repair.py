@@ -379,3 +379,23 @@ def test_locating_leaves_torch_cond_working_for_the_process():
     trace = trace_modules(model, (x,), {})
     assert trace.ran and "aten::linear" in trace.ops["fc"]
     torch.testing.assert_close(gated(x), torch.cond(x.sum() > 0, lambda t: torch.relu(t) * 2, lambda t: torch.tanh(t) - 1, (x,)))
+
+
+class TwoMixers(nn.Module):
+    """The same complex-valued block in two layers: one failure, repeated."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Mixer(), Mixer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_a_failure_repeated_in_every_layer_is_one_repair_of_every_innermost_module(ortcore_host):
+    torch.manual_seed(0)
+    wrapped = assert_matches_torch(TwoMixers(), (torch.randn(3, 16),), host=_host(ortcore_host), rtol=RTOL, atol=ATOL)
+    assert [r.description for r in wrapped.repairs] == ["modules layers.0.filter, layers.1.filter run in PyTorch"]
+    assert wrapped.ortcore_config.plugin_options("region_routing").modules == ("layers.0.filter", "layers.1.filter")

@@ -21,7 +21,8 @@ times as far from eager as that perturbed eager run is.
 
 Also recorded, for every model that ran: the share of the training graph's nodes that run on ORT's kernels
 (``ort_op_share``: nodes other than ``org.pytorch.aten::ATen``, ``com.microsoft::PythonOp`` and ``PythonOpGrad``,
-over all nodes but ``YieldOp``), and, from the op_profiler plugin, the share of kernel time spent in ORT's kernels
+over all nodes but ``YieldOp``; and ``param_share``, the share of parameter elements no PythonOp takes: a region
+routed to PyTorch is one node however much of the model it holds), and, from the op_profiler plugin, the share of kernel time spent in ORT's kernels
 (``ort_time_share``).
 """
 
@@ -200,21 +201,30 @@ def ort_op_share(ort: Any) -> dict[str, Any]:
     model = session.model if session is not None else graph.model
     total = 0
     on_pytorch: Counter = Counter()
+    # A PythonOp is one node however much it runs (a region can hold the whole model): also count the parameters
+    # it takes, by elements. Such a parameter's gradient comes (at least in part) from PyTorch's autograd.
+    params = {n: p.numel() for n, p in ort.module.named_parameters()} if hasattr(ort, "module") else {}
+    in_python_ops: set[str] = set()
     for node in model.graph.node:
         if node.op_type in _STRUCTURAL_NODES:
             continue
         total += 1
+        if node.op_type == "PythonOp":
+            in_python_ops.update(i for i in node.input if i in params)
         if (node.domain, node.op_type) in _PYTORCH_NODES:
             attr = {a.name: a for a in node.attribute}
             key = "operator" if node.op_type == "ATen" else "func_name"
             op = attr[key].s.decode() if key in attr else "?"
             on_pytorch[f"{node.op_type}:{op}"] += 1
     pytorch = sum(on_pytorch.values())
+    all_params = sum(params.values())
     return {
         "share": (total - pytorch) / total if total else None,
         "nodes": total,
         "ort_nodes": total - pytorch,
         "pytorch_nodes": dict(sorted(on_pytorch.items())),
+        "param_share": 1 - sum(params[n] for n in in_python_ops) / all_params if all_params else None,
+        "params_in_python_ops": sorted(in_python_ops)[:20],
     }
 
 

@@ -81,11 +81,16 @@ def test_ort_op_share_counts_aten_and_python_op_nodes_as_pytorch() -> None:
         h.make_node("PythonOpGrad", ["e"], ["f"], domain="com.microsoft", func_name="mod.Fn"),
         h.make_node("Add", ["f", "f"], ["g"]),
     ]
+    nodes.append(h.make_node("PythonOp", ["w", "g"], ["y"], domain="com.microsoft", func_name="RegionFunction"))
     model = h.make_model(h.make_graph(nodes, "g", [], []))
-    ort = types.SimpleNamespace(state_machine=types.SimpleNamespace(current=(None, types.SimpleNamespace(model=model))))
+    module = torch.nn.Module()
+    module.w, module.v = torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(2))
+    session = types.SimpleNamespace(model=model)
+    ort = types.SimpleNamespace(state_machine=types.SimpleNamespace(current=(None, session)), module=module)
     share = ort_op_share(ort)
-    assert share["nodes"] == 4 and share["ort_nodes"] == 2 and share["share"] == 0.5
-    assert share["pytorch_nodes"] == {"ATen:gelu": 1, "PythonOpGrad:mod.Fn": 1}
+    assert share["nodes"] == 5 and share["ort_nodes"] == 2 and share["share"] == 0.4
+    assert share["pytorch_nodes"] == {"ATen:gelu": 1, "PythonOp:RegionFunction": 1, "PythonOpGrad:mod.Fn": 1}
+    assert share["param_share"] == 0.25 and share["params_in_python_ops"] == ["w"]  # a region takes 6 of 8 elements
 
 
 def test_page_documents_every_model_on_every_route() -> None:

@@ -7,7 +7,8 @@ another route each model's status must be the one ``docs/models.md`` shows for t
 model's status must be the one its record (``tests/zoo/records/wide/<route>.json``, rendered in the page's wide
 section) holds. Either way a model that breaks or starts to pass fails the test until the record is regenerated
 (``python -m tests.zoo.report [--catalog wide] --exporter <route>``). A model that passes must also run at least
-half of its training graph's nodes on ORT's kernels (``MIN_ORT_OP_SHARE``): one that runs mostly in PyTorch fails.
+half of its training graph's nodes on ORT's kernels and keep half of its parameters out of PythonOps (a region
+routed to PyTorch is one node however much it holds) (``MIN_ORT_OP_SHARE``): one that runs mostly in PyTorch fails.
 Results are written as JSON to ``$ORTCORE_ZOO_RESULTS/<catalog>`` (default: a pytest temporary directory);
 ``python -m tests.zoo.report [--catalog wide] --exporter <route> --results DIR`` records them and rewrites the page.
 """
@@ -101,11 +102,18 @@ def test_model_trains_like_pytorch(
             f"({describe_failure(result)}); regenerate the page with `{regenerate}` and commit it"
         )
     if result["status"] == "pass":
-        share = (result.get("ort_op_share") or {}).get("share")
+        measured = result.get("ort_op_share") or {}
+        share, params = measured.get("share"), measured.get("param_share")
         assert share is not None and share >= MIN_ORT_OP_SHARE, (
             f"{name} passes but runs mostly in PyTorch: {share if share is None else f'{share:.0%}'} of its training "
             f"graph's nodes on ORT (at least {MIN_ORT_OP_SHARE:.0%} required); on PyTorch: "
-            f"{(result.get('ort_op_share') or {}).get('pytorch_nodes')}"
+            f"{measured.get('pytorch_nodes')}"
+        )
+        # A region routed to PyTorch is one node: the share of parameters it takes says how much of the model it is.
+        assert params is None or params >= MIN_ORT_OP_SHARE, (
+            f"{name} passes but runs mostly in PyTorch: PythonOps (regions, custom Functions) take "
+            f"{1 - params:.0%} of its parameters ({', '.join(measured.get('params_in_python_ops', [])[:5])}, ...); "
+            f"repairs: {result.get('repairs')}"
         )
 
 

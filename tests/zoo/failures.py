@@ -182,14 +182,24 @@ TIMEOUT = Category(
     patterns=(),
 )
 
-BY_KEY = {c.key: c for c in (*CATEGORIES, OTHER, MISMATCH, CRASH, TIMEOUT)}
+MOSTLY_PYTORCH = Category(
+    key="pytorch",
+    label="PyTorch's gradients, but mostly run in PyTorch",
+    cause=(
+        "The model trains like PyTorch, but less than half of its training graph's nodes, or of its parameters, are "
+        "ONNX Runtime's: repairs moved the failing part into a region that holds most of the model."
+    ),
+    patterns=(),
+)
+
+BY_KEY = {c.key: c for c in (*CATEGORIES, OTHER, MISMATCH, CRASH, TIMEOUT, MOSTLY_PYTORCH)}
 
 
 def categorize(result: dict[str, Any]) -> Category | None:
     """The category of a failed result (None for a pass)."""
     if result["status"] == "pass":
         return None
-    special = {"mismatch": MISMATCH, "crash": CRASH, "timeout": TIMEOUT}
+    special = {"mismatch": MISMATCH, "crash": CRASH, "timeout": TIMEOUT, "pytorch": MOSTLY_PYTORCH}
     if result["status"] in special:
         return special[result["status"]]
     err = result.get("error") or {}

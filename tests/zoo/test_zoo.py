@@ -6,10 +6,11 @@ is pytest's ``--exporter`` (default torchscript). In the main zoo on the default
 another route each model's status must be the one ``docs/models.md`` shows for that route. In the wide zoo each
 model's status must be the one its record (``tests/zoo/records/wide/<route>.json``, rendered in the page's wide
 section) holds. Either way a model that breaks or starts to pass fails the test until the record is regenerated
-(``python -m tests.zoo.report [--catalog wide] --exporter <route>``). A model with PyTorch's gradients that runs
-less than half of its training graph's nodes on ORT's kernels, or feeds more than half of its parameters to PythonOps
-(a region routed to PyTorch is one node however much it holds), has the status ``pytorch``, not ``pass``
-(``run_model.MIN_ORT_SHARE``): in the main zoo that fails the test, in the wide zoo its record says so.
+(``python -m tests.zoo.report [--catalog wide] --exporter <route>``). A model with PyTorch's gradients that feeds
+more than half of its parameters to PythonOps (a region routed to PyTorch is one node however much it holds), or,
+with repairs in force, runs less than half of its training graph's nodes on ORT's kernels, has the status
+``pytorch``, not ``pass`` (``run_model.MIN_ORT_SHARE``): in the main zoo that fails the test, in the wide zoo its
+record says so.
 Results are written as JSON to ``$ORTCORE_ZOO_RESULTS/<catalog>`` (default: a pytest temporary directory);
 ``python -m tests.zoo.report [--catalog wide] --exporter <route> --results DIR`` records them and rewrites the page.
 """

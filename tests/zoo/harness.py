@@ -132,11 +132,27 @@ def _failure(name: str, status: str, what: str, stderr: str, catalog: str = DEFA
     }
 
 
+def pytorch_reason(shares: dict[str, Any], repairs: list[str]) -> str:
+    """Why a model with PyTorch's gradients counts as run mostly in PyTorch."""
+    params, nodes = shares.get("param_share"), shares.get("share")
+    held = ", ".join(shares.get("params_in_python_ops", [])[:3])
+    text = f"PyTorch's gradients, but regions hold {1 - params:.0%} of the parameters" if params is not None else ""
+    if held:
+        text += f" ({held})"
+    if nodes is not None:
+        text += f"; {nodes:.0%} of the graph's nodes on ORT"
+    if repairs:
+        text += f"; repairs: {'; '.join(r.split(', because')[0] for r in repairs)}"
+    return text or "PyTorch's gradients, but mostly run in PyTorch"
+
+
 def describe_failure(result: dict[str, Any]) -> str:
     """One line saying why a model did not pass (for assertion messages and the report)."""
     status = result["status"]
     if status == "pass":
         return "pass"
+    if status == "pytorch":
+        return pytorch_reason(result.get("ort_op_share") or {}, result.get("repairs") or [])
     if status == "mismatch":
         checks = result.get("checks", {})
         parts = [f"mismatch in {', '.join(result.get('failed_checks', []))}"]

@@ -242,20 +242,8 @@ class Pipeline:
         cached = self.hooks.load_export(module, fp)
         if cached is not None:
             return cached
-        with self._export_contexts(module), tapping(subscription) if key.taps else contextlib.nullcontext() as tapper:
-            graph = export_graph(
-                module,
-                schema,
-                tensors,
-                exporter=self.exporter,
-                opset=opts.opset,
-                log_level=opts.log_level,
-                deepcopy=opts.deepcopy_before_export,
-                graph_passes=passes,
-                config=self.config,
-                keep_raw=opts.save_onnx,
-                tapper=tapper,
-            )
+        with tapping(subscription) if key.taps else contextlib.nullcontext() as tapper:
+            graph = self._export_graph(module, schema, tensors, passes, tapper, keep_raw=opts.save_onnx)
         self.hooks.export_done(module, fp, graph)
         if opts.save_onnx:
             mode = "training" if graph.training else "eval"
@@ -284,6 +272,18 @@ class Pipeline:
         self, module: torch.nn.Module, schema: InputSchema, tensors: list[torch.Tensor], tapper: Any
     ) -> ExportedGraph:
         """A graph of this call for the gradient audit: exported anew (no export cache), taps from ``tapper``."""
+        return self._export_graph(module, schema, tensors, self.hooks.graph_passes(), tapper)
+
+    def _export_graph(
+        self,
+        module: torch.nn.Module,
+        schema: InputSchema,
+        tensors: list[torch.Tensor],
+        passes: list,
+        tapper: Any,
+        keep_raw: bool = False,
+    ) -> ExportedGraph:
+        """One export, inside the plugins' export contexts (``ortcore_export_context``)."""
         opts = self.options
         with self._export_contexts(module):
             return export_graph(
@@ -294,8 +294,9 @@ class Pipeline:
                 opset=opts.opset,
                 log_level=opts.log_level,
                 deepcopy=opts.deepcopy_before_export,
-                graph_passes=self.hooks.graph_passes(),
+                graph_passes=passes,
                 config=self.config,
+                keep_raw=keep_raw,
                 tapper=tapper,
             )
 

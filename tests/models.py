@@ -620,3 +620,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class FFTFilter(nn.Module):
+    """A learnt spectral filter: complex tensors, which neither exporter can put into an ORT graph (the repair and
+    region tests)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n // 2 + 1, 2) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.fft.rfft(x, dim=-1) * torch.view_as_complex(self.w)
+        return torch.fft.irfft(f, n=x.shape[-1], dim=-1)

@@ -9,6 +9,7 @@ import attrs
 import onnx
 import pytest
 import torch
+from models import FFTFilter
 from torch import nn
 
 from ortcore import ORTModule
@@ -23,16 +24,6 @@ from ortcore.testing import assert_matches_torch
 from ortcore_plugins import autograd_function, region_routing
 
 RTOL, ATOL = 1e-4, 1e-5
-
-
-class FFTFilter(nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(n // 2 + 1, 2) * 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        f = torch.fft.rfft(x, dim=-1) * torch.view_as_complex(self.w)
-        return torch.fft.irfft(f, n=x.shape[-1], dim=-1)
 
 
 class Mixer(nn.Module):

@@ -1097,7 +1097,9 @@ def test_tiny_gpt2_second_process_hits_and_attention_implementation_misses(tmp_p
             config._attn_implementation = sys.argv[2]
             torch.manual_seed(0)
             model = transformers.GPT2LMHeadModel(config)
-            host = make_host({"export_cache": plugin}, env={"ORTMODULE_CACHE_DIR": sys.argv[1]})
+            # The audit off: with GPT-2's dropout it exports a dropout-off variant of its own (never cached).
+            env = {"ORTMODULE_CACHE_DIR": sys.argv[1], "ORTCORE_VERIFY_GRADIENTS": "0"}
+            host = make_host({"export_cache": plugin}, env=env)
             ids = torch.randint(0, 64, (2, 8))
             ORTModule(model, host=host, exporter=Spy())(input_ids=ids, labels=ids).loss.backward()
             print(Spy.calls)

@@ -21,10 +21,9 @@ and why). The decision to re-export belongs to the state machine: repairs are pa
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -85,10 +84,6 @@ class Repair:
     @property
     def key(self) -> tuple:
         return (self.plugin, tuple(sorted((k, repr(v)) for k, v in self.options.items())))
-
-
-class RepairFailed(Exception):
-    """No repair made the failing stage pass; ``tried`` lists the repairs attempted."""
 
 
 # -- locating -------------------------------------------------------------------------------------------------------
@@ -322,13 +317,3 @@ def _chain_text(error: BaseException) -> str:
 def order_repairs(repairs: Sequence[Repair]) -> list[Repair]:
     """Smallest change first: switches, then ops, then regions (innermost first, as plugins listed them)."""
     return sorted(repairs, key=lambda r: KIND_ORDER.get(r.kind, 3))
-
-
-@contextlib.contextmanager
-def suppressed_logging(level: int = logging.ERROR) -> Iterator[None]:
-    previous = logger.level
-    logger.setLevel(max(previous, level))
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)

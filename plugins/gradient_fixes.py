@@ -34,9 +34,6 @@ A second pass, :func:`fix_conv_gradients`, works around two bugs of ORT's CPU ``
 * ``auto_pad`` is ignored (only ``pads`` is read), so ``padding="same"`` (exported as ``SAME_UPPER``) is
   differentiated as an unpadded convolution. ``SAME_UPPER``/``SAME_LOWER`` become the explicit ``pads`` ONNX defines.
 
-A runtime inspector, :class:`EmptyInputGuard`, refuses a training step with an empty input (a batch of 0, an empty
-sequence) before ORT's forward: ORT's CPU ``ConvGrad`` dies of SIGFPE on empty tensors, taking the process with it,
-and the gradients of ``Gemm`` and ``Reshape`` fail on them.
 """
 
 from __future__ import annotations
@@ -49,10 +46,8 @@ import onnx
 from onnx import TensorProto
 
 from ortcore.config import Config
-from ortcore.errors import UnsupportedDataError
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
-from ortcore.inspectors import ForwardInputs, RuntimeInspector
 
 logger = logging.getLogger("ortcore.gradient_fixes")
 
@@ -588,35 +583,6 @@ def _warn_hidden_broadcasts(program: Any, context: PassContext) -> None:
         )
 
 
-# -- empty inputs ---------------------------------------------------------------------------------------------------
-
-EMPTY_INPUT_REASON = (
-    "ONNX Runtime's training kernels cannot run empty tensors: ConvGrad kills the process (SIGFPE), the gradients of "
-    "Gemm and Reshape fail"
-)
-
-
-def empty_input_error(name: str, shape: Sequence[int]) -> UnsupportedDataError:
-    """The error a training step with an empty input gets instead of reaching ORT."""
-    return UnsupportedDataError(
-        f"input {name!r} has a dimension of size 0 (shape {tuple(shape)}) in a training step: {EMPTY_INPUT_REASON}. "
-        "Skip empty batches (there is nothing to learn from them), or run them without ORTModule"
-    )
-
-
-class EmptyInputGuard(RuntimeInspector):
-    """Refuses a training step with an empty input tensor (a batch of 0, an empty sequence) before ORT's forward,
-    with an error that says why: ORT's CPU ``ConvGrad`` dies of SIGFPE on it, taking the process with it."""
-
-    def pre_forward(self, step: int, inputs: ForwardInputs) -> None:
-        session = inputs.session
-        if session is None or not getattr(getattr(session, "request", None), "build_gradient", False):
-            return
-        for name, tensor in inputs.tensors.items():
-            if tensor.numel() == 0 and tensor.dim() > 0:
-                raise empty_input_error(name, tensor.shape)
-
-
 # -- hooks ----------------------------------------------------------------------------------------------------------
 
 
@@ -636,11 +602,6 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 @hookimpl
 def ortcore_program_passes(config: Config) -> list[GraphPass]:
     return [GraphPass(HIDDEN_PASS_NAME, run=_warn_hidden_broadcasts, plugin=NAME)]
-
-
-@hookimpl
-def ortcore_runtime_inspectors(config: Config, module: Any) -> list[RuntimeInspector]:
-    return [EmptyInputGuard()]
 
 
 @hookimpl

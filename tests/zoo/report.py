@@ -195,6 +195,9 @@ def row(result: dict[str, Any], commit: str) -> dict[str, Any]:
         "curve_judged_by_perturbed": any(
             c.get("judged_by") == "perturbed eager" for c in (result.get("checks") or {}).get("curve", [])
         ),
+        "kinks_flipped": len((result.get("kinks") or {}).get("flips", []))
+        if (result.get("kinks") or {}).get("explained")
+        else 0,
         "step": _step(result),
         "step_ratio": result.get("step_ratio"),
         "first_step_s": result.get("ortcore_first_step_s"),
@@ -489,7 +492,11 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
         "share of a step's kernel time spent in ORT's kernels (op_profiler plugin, 2 profiled steps). A model "
         "with batch norm in training mode is also run in float32 eager on its batch with the rows reversed and "
         "every input value moved by one ulp (other summation orders and roundings); a point of its AdamW curve that fails the tolerance passes if "
-        f"ortcore is within {F64_FACTOR:g}× as far from eager as that run is (marked *curve vs perturbed eager*).",
+        f"ortcore is within {F64_FACTOR:g}× as far from eager as that run is (marked *curve vs perturbed eager*). "
+        "A first-step gradient of such a model that fails both checks passes if float64, with a few ReLU inputs "
+        "lying within rounding of zero taken on the other side of the kink (`ortcore.kinks`), comes within "
+        f"{F64_FACTOR:g}× float32 eager's own distance of ortcore's (marked *first step: N ReLU kinks*): batch norm "
+        "spreads one such element's gradient over its whole channel, and which side a float32 run takes is chance.",
         "",
         "`python -m pytest tests/zoo -m slow -k wide` runs it: each model's status must be the one recorded here "
         "(as for the dynamo route above), and a model that passes must run at least "
@@ -524,6 +531,8 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
             status = _status_cell(r).split(":")[0]
             if r.get("curve_judged_by_perturbed"):
                 status += " (curve vs perturbed eager)"
+            if r.get("kinks_flipped"):
+                status += f" (first step: {r['kinks_flipped']} ReLU kinks)"
             if r["status"] == "pass" and _mostly_pytorch(r):
                 status += " ⚠️ mostly in PyTorch"
             lines.append(

@@ -15,9 +15,19 @@ A model with batch norm in training mode is also run a second time in float32 ea
 in reverse order and every input value moved by one unit in the last place (other summation orders in the batch
 statistics and the weight gradients, other roundings: what float32 itself could have computed). Batch
 norm over few values per channel amplifies float32 rounding, and AdamW's first update moves each element by about
-``lr`` whatever its gradient's size, so such a curve leaves eager's after a few steps from rounding alone. Its first
-step is judged as above; a point of its curve that fails the tolerance passes if ortcore is within ``F64_FACTOR``
-times as far from eager as that perturbed eager run is.
+``lr`` whatever its gradient's size, so such a curve leaves eager's after a few steps from rounding alone. A point of
+its curve that fails the tolerance passes if ortcore is within ``F64_FACTOR`` times as far from eager as that perturbed
+eager run is. Its first step is judged as above, with one addition: a ReLU input within rounding of zero lands on
+either side of the kink depending on the float32 run, and batch norm's backward spreads that one element's gradient
+over its whole channel, so on such a batch float32 eager itself is near float64 on one run and percent away on the
+next (densenet121 at 96x96 moves between 0 and 278 of its 364 gradients out of tolerance when the input moves by one
+ulp; at the zoo's batch both float32 eager runs stay near float64 while ortcore's float32 lands on the other side of
+a few such kinks: flipping the one ReLU element of ``denselayer10.relu1`` within 6.2e-7 of zero in a float64 run moves
+that layer's ``norm1.bias`` gradient from 5.1e-4 to 2.1e-5 of ortcore's). There a gradient that fails both checks
+passes if ortcore is within ``F64_FACTOR`` times as far from float64 as the farthest of ``PERTURBED_RUNS`` float32
+eager runs on batches perturbed as above (other random signs), or if ``ortcore.kinks`` explains it: float64 with a
+few ReLU elements within rounding of zero taken on the other side of the kink comes within ``F64_FACTOR`` times
+eager's own distance of ortcore's gradients (``kinks`` in the result lists the flips).
 
 Also recorded, for every model that ran: the share of the training graph's nodes that run on ORT's kernels
 (``ort_op_share``: nodes other than ``org.pytorch.aten::ATen``, ``com.microsoft::PythonOp`` and ``PythonOpGrad``,
@@ -52,6 +62,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from ortcore.kinks import ReluKinks, explain_by_kinks  # noqa: E402
 from tests.zoo.catalog import ZooModel  # noqa: E402
 from tests.zoo.catalogs import CATALOGS, DEFAULT_CATALOG, get  # noqa: E402
 
@@ -64,6 +75,7 @@ TIMED_STEPS = 5
 SEED = 0
 BATCH_SEED = 1234
 PERTURB_SEED = 99
+PERTURBED_RUNS = 3  # float32 eager runs on perturbed batches that measure a batch-norm model's first-step spread
 
 # Ops routed to PyTorch for speed by aten_fallback's default torch_kernels (forward and gradient ATen nodes).
 _SPEED_ROUTED = ("embedding", "gelu", "layer_norm", "cross_entropy")
@@ -75,10 +87,16 @@ _STRUCTURAL_NODES = {"YieldOp"}  # ORT's split between forward and backward: nei
 # -- comparisons ---------------------------------------------------------------------------------------------------
 
 
-def compare(actual: torch.Tensor | None, expected: torch.Tensor | None, exact: torch.Tensor | None) -> dict[str, Any]:
+def compare(
+    actual: torch.Tensor | None,
+    expected: torch.Tensor | None,
+    exact: torch.Tensor | None,
+    perturbed: list[torch.Tensor | None] = (),
+) -> dict[str, Any]:
     """How far ``actual`` (ortcore) is from ``expected`` (eager float32), judged as the module docstring says.
 
-    ``exact`` is the float64 eager value or None when there is none. A missing gradient counts as zeros.
+    ``exact`` is the float64 eager value or None when there is none; ``perturbed`` the perturbed float32 eager run's
+    values (batch-norm models' gradients), if any. A missing gradient counts as zeros.
     """
     if actual is None and expected is None:
         return {"ok": True, "max_abs": 0.0, "max_rel": 0.0, "missing": "both"}
@@ -105,6 +123,12 @@ def compare(actual: torch.Tensor | None, expected: torch.Tensor | None, exact: t
         eager_err = (b - c).abs().max().item()
         entry.update(ortcore_vs_f64=ort_err, eager_vs_f64=eager_err, judged_by="float64")
         entry["ok"] = ort_err <= F64_FACTOR * eager_err
+        others = [p for p in perturbed if p is not None]
+        if not entry["ok"] and others:
+            perturbed_err = max((p.detach().double() - c).abs().max().item() for p in others)
+            entry["perturbed_vs_f64"] = perturbed_err
+            if ort_err <= F64_FACTOR * max(eager_err, perturbed_err):
+                entry.update(ok=True, judged_by="float64 and perturbed eager")
     return entry
 
 
@@ -140,6 +164,16 @@ def train_step(spec: ZooModel, model: torch.nn.Module, batch: dict, opt: torch.o
     loss.backward()
     opt.step()
     return loss.item()
+
+
+def _float64_grads(spec: ZooModel, exact: torch.nn.Module, batch64: dict[str, Any], mode: ReluKinks) -> dict:
+    """The float64 model's gradients on ``batch64`` with ``mode`` active; ``exact`` itself is not changed."""
+    m = copy.deepcopy(exact)
+    m.zero_grad(set_to_none=True)
+    with mode:
+        loss = forward_loss(spec, m, batch64)
+    loss.backward()
+    return grads(m)
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -250,13 +284,13 @@ def has_batch_norm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
 
 
-def perturb(batch: dict[str, Any]) -> dict[str, Any]:
+def perturb(batch: dict[str, Any], seed: int = PERTURB_SEED) -> dict[str, Any]:
     """``batch`` as float32 rounding could have left it: the rows of every tensor with the batch's leading size in
     reverse order (the same examples, summed in another order) and every floating value moved by one unit in the
-    last place, up or down at random (fixed seed)."""
+    last place, up or down at random (``seed``)."""
     sizes = [v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     n = sizes[0] if sizes else 0
-    gen = torch.Generator().manual_seed(PERTURB_SEED)
+    gen = torch.Generator().manual_seed(seed)
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
@@ -332,6 +366,7 @@ def _run(spec: ZooModel, result: dict[str, Any]) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     result["parameters"] = n_params
     ref = copy.deepcopy(model)
+    ref_initial = copy.deepcopy(model) if has_batch_norm(model) else None
     exact = copy.deepcopy(model).double()
     perturbed = copy.deepcopy(model) if has_batch_norm(model) else None
     batch = spec.batch(torch.Generator().manual_seed(BATCH_SEED))
@@ -355,6 +390,13 @@ def _run(spec: ZooModel, result: dict[str, Any]) -> None:
         loss_perturbed = forward_loss(spec, perturbed, batch_perturbed)
         loss_perturbed.backward()
         result["curve_reference"] = "float32 eager on the batch with rows reversed and values moved by 1 ulp"
+    extra_perturbed_grads = []
+    for seed in range(PERTURB_SEED + 1, PERTURB_SEED + PERTURBED_RUNS) if perturbed is not None else ():
+        other = copy.deepcopy(ref_initial)
+        forward_loss(spec, other, perturb(batch, seed)).backward()
+        extra_perturbed_grads.append(grads(other))
+        del other
+    del ref_initial
 
     result["phase"] = "wrap in ORTModule"
     ort = ORTModule(model)
@@ -375,7 +417,25 @@ def _run(spec: ZooModel, result: dict[str, Any]) -> None:
     checks: dict[str, Any] = {"loss": compare(loss, loss_ref, loss_exact)}
     g_ort, g_ref = grads(ort.module), grads(ref)
     g_exact = grads(exact) if exact is not None else {}
-    grad_checks = {n: compare(g_ort.get(n), g_ref[n], g_exact.get(n)) for n in g_ref}
+    g_perturbed = [grads(perturbed)] + extra_perturbed_grads if perturbed is not None else []
+    grad_checks = {n: compare(g_ort.get(n), g_ref[n], g_exact.get(n), [g.get(n) for g in g_perturbed]) for n in g_ref}
+    failing = {n: c for n, c in grad_checks.items() if not c["ok"] and c.get("judged_by", "").startswith("float64")}
+    if failing and perturbed is not None and exact is not None:
+        result["phase"] = "kink check"
+        kinks = explain_by_kinks(
+            lambda mode: _float64_grads(spec, exact, batch64, mode),
+            {n: g_ort[n] for n in failing},
+            {n: F64_FACTOR * c["eager_vs_f64"] for n, c in failing.items()},
+        )
+        result["kinks"] = {
+            "explained": kinks.explained,
+            "flips": [{"relu_call": c, "element": i} for c, i in kinks.flips],
+            "ortcore_vs_flipped": kinks.distances,
+            "candidates": kinks.candidates,
+        }
+        if kinks.explained:
+            for n, c in failing.items():
+                c.update(ok=True, judged_by="float64 with ReLU kinks flipped", ortcore_vs_flipped=kinks.distances[n])
     checks["grads"] = grad_checks
     result["loss"] = {"ortcore": loss.item(), "eager": loss_ref.item()}
     result["routed_ops"] = routed_ops(ort)
@@ -570,9 +630,18 @@ def summary(result: dict[str, Any]) -> str:
         extra = ""
         if w.get("judged_by") == "float64":
             extra = f", vs float64: ortcore {w['ortcore_vs_f64']:.2e} eager {w['eager_vs_f64']:.2e}"
+            if "perturbed_vs_f64" in w:
+                extra += f" perturbed eager {w['perturbed_vs_f64']:.2e}"
         lines.append(
             f"    FAIL {w['name']}: max abs {w.get('max_abs', float('nan')):.2e} "
             f"max rel {w.get('max_rel', float('nan')):.2e}{extra}{' ' + w['error'] if 'error' in w else ''}"
+        )
+    kinks = result.get("kinks")
+    if kinks:
+        verdict = "explain" if kinks["explained"] else "do not explain"
+        lines.append(
+            f"  float32 ReLU kinks: {len(kinks['flips'])} element(s) within rounding of zero taken on the other side "
+            f"in float64 {verdict} ortcore's distance ({', '.join(f'{n} {d:.2e}' for n, d in kinks['ortcore_vs_flipped'].items())})"
         )
     curve = result["curves"]
     lines.append("  AdamW losses ortcore " + " ".join(f"{x:.6g}" for x in curve["ortcore"]))

@@ -1,0 +1,125 @@
+"""Is a difference from PyTorch float32 rounding at a ReLU kink? Test the hypothesis in float64.
+
+A ReLU input within rounding of zero lands on either side of the kink depending on how float32 computed it (another
+summation order in a batch norm is enough). In a batch-norm network that one element's gradient then spreads over its
+whole channel through batch norm's backward and moves weight gradients by percent, while every float32 run is right:
+which side PyTorch's float32 took and which side ONNX Runtime's took is chance. Measured on torchvision's densenet121
+(96x96, batch 4): moving the input by one ulp moves eager float32 between 0 and 278 of its 364 gradients beyond 1% of
+a float64 run.
+
+:func:`explain_by_kinks` reruns the float64 reference with such elements taken on the other side of the kink (the
+ReLU's output mask flipped there), one candidate at a time, nearest to zero first, keeping each flip that brings the
+float64 run clearly closer to the float32 result under test. The difference is explained when, with the flips kept,
+every value is within its allowed distance. A real error (a wrong formula, a lost accumulation) does not go away by
+flipping a handful of elements that are each within a few units in the last place of zero.
+
+Used by the gradient audit (:mod:`ortcore.audit`) and by the model zoo's judge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# The ReLU spellings models use; each reaches __torch_function__ as one of these.
+RELUS = frozenset({F.relu, torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_})
+#: "Within rounding of zero": an input this close to zero, relative to the largest input of its call (16 float32 ulp).
+BAND = 16 * torch.finfo(torch.float32).eps
+#: Float64 forward-and-backward runs the search may spend, at most.
+MAX_CANDIDATES = 24
+#: A flip is kept only when it cuts the summed excess over what each value is allowed by this share.
+MIN_GAIN = 0.05
+
+
+class ReluKinks(TorchFunctionMode):
+    """Numbers the ReLU calls of a run; records each call's inputs near zero (``record``) or flips chosen elements
+    of the output mask (``flips``: call number -> flat element indices)."""
+
+    def __init__(self, flips: Mapping[int, list[int]] | None = None, record: bool = False):
+        super().__init__()
+        self.calls = 0
+        self.flips = dict(flips or {})
+        self.record = record
+        self.candidates: list[tuple[float, int, int]] = []  # (|x| / max|x|, call, flat index)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in RELUS:
+            return func(*args, **kwargs)
+        call, self.calls = self.calls, self.calls + 1
+        x = args[0]
+        if self.record:
+            with torch.no_grad():
+                a = x.detach().abs().flatten()
+                top = float(a.max()) if a.numel() else 0.0
+                if top > 0:
+                    near = (a < BAND * top).nonzero().flatten()[:MAX_CANDIDATES]
+                    self.candidates += [(float(a[i]) / top, call, int(i)) for i in near]
+        if call not in self.flips:
+            return func(*args, **kwargs)
+        mask = (x.detach() > 0).to(x.dtype)
+        flat = mask.view(-1)
+        for i in self.flips[call]:
+            flat[i] = 1 - flat[i]
+        return x * mask  # out of place, also for relu_: callers use the result
+
+
+@attrs.frozen
+class KinkExplanation:
+    """What :func:`explain_by_kinks` found: whether the flips explain every value, the flips kept, each value's
+    distance from the float64 run with those flips, and how many candidates were tried."""
+
+    explained: bool
+    flips: tuple[tuple[int, int], ...]  # (ReLU call number, flat element index)
+    distances: dict[str, float]
+    candidates: int
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.flips)} ReLU input(s) within rounding of zero taken on the other side of the kink in float64 "
+            f"{'explain' if self.explained else 'do not explain'} the difference "
+            f"({', '.join(f'{n}: {d:.3g}' for n, d in self.distances.items())})"
+        )
+
+
+def explain_by_kinks(
+    run: Callable[[ReluKinks], Mapping[str, torch.Tensor]],
+    target: Mapping[str, torch.Tensor],
+    allowed: Mapping[str, float],
+) -> KinkExplanation:
+    """Can flipping near-zero ReLU elements of a float64 run bring it within ``allowed[name]`` (max abs) of every
+    ``target[name]``?
+
+    ``run(mode)`` runs the float64 reference with ``mode`` active (a fresh copy of the model each time: nothing it
+    does may stay) and returns its values by name (gradients, outputs), at least those of ``target``.
+    """
+    names = list(target)
+
+    def distances(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        return {n: float((target[n].detach().double() - values[n].detach().double()).abs().max()) for n in names}
+
+    def excess(d: Mapping[str, float]) -> float:  # how far beyond what is allowed, summed over the values
+        return sum(max(d[n] / max(allowed[n], 1e-300) - 1.0, 0.0) for n in names)
+
+    recorder = ReluKinks(record=True)
+    best = distances(run(recorder))
+    candidates = sorted(recorder.candidates)[:MAX_CANDIDATES]
+    flips: dict[int, list[int]] = {}
+    for _, call, index in candidates:
+        if excess(best) == 0.0:
+            break
+        trial = {c: list(i) for c, i in flips.items()}
+        trial.setdefault(call, []).append(index)
+        d = distances(run(ReluKinks(flips=trial)))
+        if excess(d) < (1 - MIN_GAIN) * excess(best):
+            flips, best = trial, d
+    return KinkExplanation(
+        explained=all(best[n] <= allowed[n] for n in names),
+        flips=tuple((c, i) for c, indices in sorted(flips.items()) for i in indices),
+        distances=best,
+        candidates=len(candidates),
+    )

@@ -53,6 +53,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "efficient_attention",
     "grad_management",
     "gradient_fixes",
+    "kernel_types",
     "op_routing",
     "op_profiler",
     "fused_adam",

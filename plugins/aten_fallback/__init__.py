@@ -12,14 +12,16 @@ Three features, one module each; this module holds the plugin's hooks and re-exp
 * **the unexportable-op fallback** (:mod:`.unexportable_ops`): ops the exporter cannot express at all
   (``torch.cummax``, ``torch.logcumsumexp``, ``torch.special.*``, ...) are run the same way when option
   ``fallback_ops`` (env ``ORTCORE_ATEN_FALLBACK_OPS``) names them, or names ``auto``: each becomes one ATen node
-  running the op, whose gradient re-runs it under ``torch.autograd`` (see :func:`fallback_symbolic`). Off by
+  running the op, whose gradient re-runs it under ``torch.autograd`` with respect to the inputs PyTorch
+  differentiates (:mod:`.differentiability`; see :func:`fallback_symbolic`). Off by
   default: without it such a model falls back to PyTorch, as without the plugin. On the dynamo route the listed ops,
   and with ``auto`` the ops the exporter cannot translate, are found in ``torch.export``'s program instead
   (:func:`.unexportable_ops.program_pass`); kernel routing covers embedding, GELU, LayerNorm and cross-entropy
   there (:func:`.kernel_routing.translations_for`, :func:`.kernel_routing.program_kernels`), not ``linear`` or
   ``auto`` (said once at INFO).
-* **repairs** (:mod:`.repairs`): when an export fails on an op the exporter cannot write for those inputs, the
-  plugin offers to list it in ``fallback_ops`` (``ortcore_repairs``), the smallest repair there is.
+* **repairs** (:mod:`.repairs`): when an export fails on an op the exporter cannot write for those inputs, or the
+  session on an ONNX node ORT has no kernel for in its types, the plugin offers to list the op in ``fallback_ops``
+  (``ortcore_repairs``), the smallest repair there is.
 * **graph passes** (:mod:`.graph_passes`): the written-out tanh-GELU becomes one ATen gelu node, and ATen outputs get
   types ORT can use.
 
@@ -222,7 +224,8 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
 
 @hookimpl
 def ortcore_repairs(config: Config, failure: Any) -> list[Any]:
-    """An op the export failed on becomes an ATen node (``fallback_ops``): see :mod:`.repairs`."""
+    """An op the export failed on, or one exported as a node ORT has no kernel for, becomes an ATen node
+    (``fallback_ops``): see :mod:`.repairs`."""
     return repairs_for(config, failure)
 
 

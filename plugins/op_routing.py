@@ -638,13 +638,15 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
     return symbolic
 
 
-def _may_need_grad(value: Any) -> bool:
+def _may_need_grad(value: Any, any_build: bool = False) -> bool:
     """May ORT be asked for this input's gradient: does a floating-point path lead to it from a graph input traced
     with ``requires_grad`` (a trained parameter, an input that requires grad)?
 
     Read from the graph being exported (values earlier symbolics made carry no requires_grad flag of their own): a
     constant, a user's input traced without requires_grad, or a value computed only from those or through integers
-    (an RNN's zero initial state, built from the input's shape) needs none.
+    (an RNN's zero initial state, built from the input's shape) needs none. With ``any_build``, in any build of this
+    export (which inputs and parameters require grad is decided per build): only a constant, or a value computed from
+    constants and sizes, never does.
     """
     seen: set[str] = set()
     stack = [value]
@@ -665,7 +667,7 @@ def _may_need_grad(value: Any) -> bool:
         if kind in ("onnx::Constant", "prim::Constant"):
             continue
         if kind == "prim::Param":
-            if requires_grad(v) is not False:
+            if any_build or requires_grad(v) is not False:
                 return True
             continue
         stack.extend(node.inputs())
@@ -705,7 +707,10 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
         if f.kind == "Tensor" and is_none(f.value):
             raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: a tensor argument is None")
     ordered = [flat[i] for i in order]
-    float_inputs = tuple(k for k, i in enumerate(order) if i in floats)
+    # ORT writes the gradient of every input a definition names (<input>_grad), needed or not: a constant gets none.
+    float_inputs = tuple(
+        k for k, i in enumerate(order) if i in floats and _may_need_grad(flat[i].value, any_build=True)
+    )
     # An output nothing reads gets no gradient from ORT: the gradient definition must not ask for it (an RNN's h_n).
     differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES and v.uses())
     # Always a wrapper op: its name carries this call's signature, so its gradient definition (registered once per

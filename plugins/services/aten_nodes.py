@@ -4,10 +4,11 @@ Used from TorchScript symbolics (``aten_fallback``'s unexportable-op fallback, `
 
 * :func:`aten_node` emits the node, its outputs typed as traced; :func:`constant_argument` turns a non-tensor
   argument into the graph value the executor (:mod:`ortcore_plugins.services.aten_executor`) converts back;
-* :func:`register_vjp_gradient` gives the op a gradient definition: one helper op per floating-point tensor input,
-  ``ortcore_aten::fallback_grad__<op>__<overload>__<i>``, that re-runs the op under ``torch.autograd`` on the forward
-  inputs and returns the vector-Jacobian product for input i (ORT keeps one output per gradient node). Integer
-  outputs take no gradient; integer tensor inputs get none either;
+* :func:`register_vjp_gradient` gives the op a gradient definition: one helper op per floating-point tensor input
+  that can carry a gradient, ``ortcore_aten::fallback_grad__<op>__<overload>__<i>``, that re-runs the op under
+  ``torch.autograd`` on the forward inputs and returns the vector-Jacobian product for input i (ORT keeps one output
+  per gradient node). Integer outputs take no gradient; integer tensor inputs and constants get none either
+  (:func:`gradient_inputs` says which inputs a definition writes a gradient of);
 * :func:`define_wrapper`: the ``ortcore_route::`` wrapper op a routed call is exported as (an input that needs a
   gradient first, tensor lists spread, views copied), shared by both exporters' routes (the dynamo route's side is
   :mod:`ortcore_plugins.services.aten_program`);
@@ -330,6 +331,15 @@ def make_vjp(
 
 _vjp_lock = threading.Lock()
 _vjp_gradients: set[tuple[str, str]] = set()
+# Which inputs each registered VJP gradient definition writes a gradient of, by gradient key.
+_gradient_inputs: dict[str, frozenset[int]] = {}
+
+
+def gradient_inputs(key: str) -> frozenset[int] | None:
+    """The inputs whose gradient (``<input>_grad``) the VJP gradient definition registered under ``key`` writes, or
+    None for a key :func:`register_vjp_gradient` did not register (another definition, or none)."""
+    with _vjp_lock:
+        return _gradient_inputs.get(key)
 
 
 def register_vjp_gradient(
@@ -371,6 +381,7 @@ def register_vjp_gradient(
         key = gradient_key(operator, overload)
         if nodes:
             C.register_gradient_definition(key, to_gradient_definition(nodes))
+        _gradient_inputs[key] = frozenset(float_inputs)
         tensor_inputs = {
             k for k, a in enumerate(schema.arguments) if schema_type(a.type, operator, a.name) in ("Tensor", "Tensor?")
         }

@@ -20,6 +20,7 @@ program's FX graph and hands each to :func:`route_call`, which
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import operator
 import threading
@@ -28,7 +29,15 @@ from typing import Any
 
 import torch
 
-from .aten_nodes import WRAPPER_NAMESPACE, define_wrapper, op_packet, prepare, register_vjp_gradient
+from .aten_nodes import (
+    WRAPPER_NAMESPACE,
+    define_wrapper,
+    gradient_inputs,
+    gradient_key,
+    op_packet,
+    prepare,
+    register_vjp_gradient,
+)
 
 logger = logging.getLogger("ortcore.aten")
 
@@ -106,6 +115,10 @@ class GradientReach:
     layout). A value computed in floating point from a parameter that requires grad certainly does
     (:data:`CERTAIN`); from a floating-point model input possibly (:data:`POSSIBLE`: the input may require grad);
     an integer or boolean value, a constant, or a value computed only from those or from frozen tensors does not.
+
+    :meth:`can_carry` answers for every build of the graph instead: freezing a parameter or an input's
+    ``requires_grad`` does not export again, so only a constant, or a value computed from constants and sizes, never
+    carries one.
     """
 
     def __init__(self, program: torch.export.ExportedProgram, module: torch.nn.Module | None):
@@ -119,10 +132,12 @@ class GradientReach:
         n_inputs = len(user) - len(state) if len(user) >= len(state) else len(user)
         placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
         self.levels: dict[torch.fx.Node, int] = {}
+        self.carriers: set[torch.fx.Node] = set()
         for k, name in enumerate(user):
             node = placeholders.get(name)
             if node is None or not _carries_float(_val(node)):
                 continue
+            self.carriers.add(node)
             if k < n_inputs:
                 self.levels[node] = POSSIBLE
             else:
@@ -133,9 +148,16 @@ class GradientReach:
             if _name_of(node.target) in _NO_GRADIENT:
                 continue  # its values do not depend on its inputs' (zeros_like(h)): ORT gives it no gradient
             self.levels[node] = max((self.levels.get(i, NONE) for i in node.all_input_nodes), default=NONE)
+            if any(i in self.carriers for i in node.all_input_nodes):
+                self.carriers.add(node)
 
     def of(self, node: Any) -> int:
         return self.levels.get(node, NONE) if isinstance(node, torch.fx.Node) else NONE
+
+    def can_carry(self, node: Any) -> bool:
+        """May the value carry a gradient in some build of this graph: is it computed in floating point from a graph
+        input (a model input, a parameter or a buffer, whatever its ``requires_grad``)?"""
+        return node in self.carriers
 
 
 # -- can the exporter write an op ----------------------------------------------------------------------------------
@@ -319,7 +341,10 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
     if max(levels, default=NONE) > NONE:
         # ORT builds an ATen node's gradient only when its first input needs one: the surest such input goes first.
         inputs.insert(0, inputs.pop(levels.index(max(levels))))
-    float_inputs = tuple(j for j, (kind, v, _) in enumerate(inputs) if kind == "Tensor" and v in floats)
+    # ORT writes the gradient of every input a definition names (<input>_grad), needed or not: a constant gets none.
+    float_inputs = tuple(
+        j for j, (kind, v, _) in enumerate(inputs) if kind == "Tensor" and v in floats and reach.can_carry(v)
+    )
     val = _val(node)
     results = list(val) if isinstance(val, tuple | list) else [val]
     used = _used_outputs(node, len(schema.returns))
@@ -475,44 +500,117 @@ def distinct_aten_inputs(model: Any, context: Any = None) -> int:
     return added
 
 
+# ONNX element types ORT differentiates (float, float16, double, bfloat16).
+_GRADIENT_ELEMENT_TYPES = frozenset({1, 10, 11, 16})
+# ONNX-domain ops ORT's common-subexpression elimination never merges.
+_NONDETERMINISTIC = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"})
+_IDENTITY = ("ai.onnx", "Identity", ())
+
+
+class _ValueNumbers:
+    """A number per value of a graph such that two values ORT's pre-gradient optimizers may merge into one (common
+    subexpressions, equal constants) get the same number: graph inputs are distinct; nodes of the ONNX or Microsoft
+    domain with the same op, attributes and numbered inputs (in any order) compute the same values; a node of another
+    domain (an ATen node) computes values of its own. Merges more than ORT does, never less."""
+
+    def __init__(self, graph: Any):
+        from onnx import numpy_helper
+
+        self._numbers: dict[Any, int] = {}
+        self.of: dict[str, int] = {"": -1}
+        for value in graph.input:
+            self.of[value.name] = self._number(("input", value.name))
+        for tensor in graph.initializer:
+            array = numpy_helper.to_array(tensor)
+            digest = hashlib.sha256(array.tobytes()).hexdigest()
+            self.of.setdefault(tensor.name, self._number(("constant", str(array.dtype), array.shape, digest)))
+        for position, node in enumerate(graph.node):
+            inputs = [self.of.setdefault(name, self._number(("unknown", name))) for name in node.input]
+            while inputs and inputs[-1] == -1:
+                inputs.pop()  # missing optional inputs at the end
+            if node.domain in ("", "ai.onnx", "com.microsoft") and node.op_type not in _NONDETERMINISTIC:
+                attributes = tuple(sorted((a.name, a.SerializeToString()) for a in node.attribute))
+                operation: tuple = (node.domain or "ai.onnx", node.op_type, attributes, tuple(sorted(inputs)))
+            else:
+                operation = ("node", position)
+            for k, name in enumerate(node.output):
+                if name:
+                    self.of[name] = self._number((*operation, k))
+
+    def _number(self, key: Any) -> int:
+        return self._numbers.setdefault(key, len(self._numbers))
+
+    def identity(self, number: int) -> int:
+        """The number of an ``Identity`` of a value numbered ``number``."""
+        return self._number((*_IDENTITY, (number,), 0))
+
+
+def _gradient_slots(node: Any, element_types: dict[str, int]) -> list[int]:
+    """The inputs of an ATen node whose gradient its definition writes (``<input>_grad``, needed or not): those its
+    VJP definition names, or for another definition every input not known to be of a type ORT gives no gradient."""
+    attributes = {a.name: a.s.decode() for a in node.attribute if a.name in ("operator", "overload_name")}
+    slots = gradient_inputs(gradient_key(attributes.get("operator", ""), attributes.get("overload_name", "")))
+    if slots is not None:
+        return [k for k in sorted(slots) if k < len(node.input) and node.input[k]]
+    return [
+        k
+        for k, name in enumerate(node.input)
+        if name and element_types.get(name, 1) in _GRADIENT_ELEMENT_TYPES  # unknown: maybe
+    ]
+
+
 def separate_shared_aten_inputs(model: Any, context: Any = None) -> int:
-    """Give each ATen node after the first that reads a value its own ``Identity`` of it; returns how many (an ONNX
-    graph pass, for both exporters).
+    """Give every ATen node input whose gradient the node's definition writes a value no other such input has, also
+    after ORT's optimizers merge equal values; returns how many ``Identity`` nodes it added (an ONNX graph pass, for
+    both exporters; running it again adds none).
 
     ORT writes an ATen node's input gradients under the inputs' names (``<value>_grad``), also for a value that needs
-    no gradient (a buffer, an input without ``requires_grad``, a frozen parameter), and only sums the gradients of
-    values it differentiates: two ATen nodes reading one such value define its gradient twice ("Duplicate definition
-    of name"). Which values need gradients is decided per build (freezing a parameter does not export again), so
-    every shared value is separated; an ``Identity``'s gradient passes a needed gradient on unchanged.
+    no gradient in this build (a buffer, an input without ``requires_grad``, a frozen parameter), and sums only the
+    gradients of values it differentiates: two ATen nodes reading one such value define its gradient twice ("Duplicate
+    definition of name"). Which values need gradients is decided per build (freezing a parameter does not export
+    again), so every shared value is separated: an ``Identity``'s gradient passes a needed gradient on unchanged, and
+    ORT sums the gradients of a value it differentiates. ORT merges common subexpressions before it builds gradients
+    (two ``Identity`` nodes of one value, two ``ConstantOfShape`` of one shape), so values are compared as it may merge
+    them (:class:`_ValueNumbers`), and an input whose value an earlier one has reads a chain of ``Identity`` nodes that
+    no merge makes a value another such input reads.
     """
     import onnx
 
     graph = model.graph
     taken = {name for node in graph.node for name in (*node.input, *node.output)}
     taken.update(v.name for v in graph.input)
-    readers: dict[str, int] = {}
+    element_types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in (*graph.input, *graph.value_info, *graph.output)
+        if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type
+    }
+    element_types.update((t.name, t.data_type) for t in graph.initializer)
+    numbers = _ValueNumbers(graph)
+    read: set[int] = set()  # the value numbers such inputs read so far
+    copies: dict[str, str] = {}  # the Identity nodes added: input -> output
     nodes = []
-    added = 0
     for node in graph.node:
         if node.op_type == "ATen" and node.domain == ATEN_DOMAIN:
-            for k, name in enumerate(node.input):
-                if not name:
-                    continue
-                if name in readers:
-                    copy = f"{name}_ortcore_shared"
-                    n = 1
-                    while copy in taken:
-                        copy, n = f"{name}_ortcore_shared{n}", n + 1
-                    taken.add(copy)
-                    nodes.append(onnx.helper.make_node("Identity", [name], [copy], name=f"{copy}_Identity"))
-                    node.input[k] = copy
-                    added += 1
-                readers[name] = readers.get(name, 0) + 1
+            for k in _gradient_slots(node, element_types):
+                value, number = node.input[k], numbers.of[node.input[k]]
+                while number in read:
+                    number = numbers.identity(number)
+                    if value not in copies:
+                        copy = f"{node.input[k]}_ortcore_shared"
+                        n = 1
+                        while copy in taken:
+                            copy, n = f"{node.input[k]}_ortcore_shared{n}", n + 1
+                        taken.add(copy)
+                        nodes.append(onnx.helper.make_node("Identity", [value], [copy], name=f"{copy}_Identity"))
+                        copies[value] = copy
+                    value = copies[value]
+                read.add(number)
+                node.input[k] = value
         nodes.append(node)
-    if added:
+    if copies:
         del graph.node[:]
         graph.node.extend(nodes)
-    return added
+    return len(copies)
 
 
 # -- translations -----------------------------------------------------------------------------------------------------

@@ -35,6 +35,34 @@ class UnsupportedModelError(ORTCoreError, TypeError):
         self.raised_in_forward = raised_in_forward
 
 
+class BufferWriteError(UnsupportedModelError):
+    """The forward writes buffers in place (``buf.mul_(0.9).add_(...)``, ``copy_``, ``out=``) other than batch
+    norm's statistics: the exported graph computes the new values but nothing writes them back to the model, so
+    every later step would read stale buffers. ``buffers`` names them, ``modules`` their owners (the modules a repair
+    runs in PyTorch, where the writes happen as in eager)."""
+
+    def __init__(self, buffers: list[str], modules: list[str], exporter: str):
+        self.buffers = list(buffers)
+        self.modules = list(modules)
+        owners = ", ".join(repr(m) if m else "the model itself" for m in self.modules)
+        super().__init__(
+            f"the {exporter} exporter traced a forward that writes buffer(s) {', '.join(map(repr, self.buffers))} in "
+            f"place (in module {owners}); ONNX Runtime's graph cannot write them back, so later steps would read "
+            "stale values. ortcore runs such a module in PyTorch (region_routing) when it can; otherwise move the "
+            "update out of forward (into a training-loop hook) or wrap the model only below that module"
+        )
+
+
+def buffer_owners(names: list[str]) -> list[str]:
+    """The module paths that own the buffers ``names`` (dotted, as ``named_buffers`` gives them), in order, once."""
+    owners: list[str] = []
+    for name in names:
+        owner = name.rpartition(".")[0]
+        if owner not in owners:
+            owners.append(owner)
+    return owners
+
+
 class UnsupportedDeviceError(ORTCoreError, RuntimeError):
     """Inputs and parameters on a device the session cannot serve."""
 

@@ -92,11 +92,14 @@ def _diff(g, input, n, dim, prepend, append):
     return x
 
 
-def _max_pool(rank: int):
+def _max_pool(rank: int, with_indices: bool = False):
     """Max pooling as MaxPool's indices plus a Gather from the flattened input.
 
     ORT's CPU MaxPoolGrad reads static output shapes and crashes on dynamic axes; Gather's gradient has no such
-    limit, and gathering at the argmax indices gives exactly torch's values and gradient.
+    limit, and gathering at the argmax indices gives exactly torch's values and gradient. ``with_indices``
+    (``return_indices=True``, ``max_pool<n>d_with_indices``) also returns torch's indices: MaxPool's flat index
+    modulo the size of one (batch, channel) plane. Without it torch's own symbolic would write MaxPool + MaxPoolGrad,
+    and the process dies.
     """
 
     def symbolic(g, input, kernel_size, stride, padding, dilation, ceil_mode):
@@ -121,7 +124,16 @@ def _max_pool(rank: int):
             outputs=2,
         )
         flat = g.op("Reshape", input, g.op("Constant", value_t=torch.tensor([-1], dtype=torch.int64)))
-        return g.op("Gather", flat, indices, axis_i=0)
+        values = g.op("Gather", flat, indices, axis_i=0)
+        if not with_indices:
+            return values
+        spatial = g.op(
+            "Slice",
+            g.op("Shape", input),
+            g.op("Constant", value_t=torch.tensor([2], dtype=torch.int64)),
+            g.op("Constant", value_t=torch.tensor([2**62], dtype=torch.int64)),
+        )
+        return values, g.op("Mod", indices, g.op("ReduceProd", spatial, keepdims_i=1))
 
     return symbolic
 
@@ -486,9 +498,7 @@ def _cross_entropy_loss(g, self, target, weight, reduction, ignore_index, label_
     from torch.onnx._internal.torchscript_exporter import symbolic_opset12
 
     if sh._is_constant(ignore_index) or sh._maybe_get_const(label_smoothing, "f") != 0.0:
-        return symbolic_opset12.cross_entropy_loss(
-            g, self, target, weight, reduction, ignore_index, label_smoothing
-        )
+        return symbolic_opset12.cross_entropy_loss(g, self, target, weight, reduction, ignore_index, label_smoothing)
     reduction_name = ("none", "mean", "sum")[sh._maybe_get_const(reduction, "i")]
     ignore_index = g.op("Cast", ignore_index, to_i=onnx.TensorProto.INT64)
     loss, _log_prob = g.op(
@@ -669,6 +679,9 @@ _SYMBOLICS = {
     "::max_pool1d": _max_pool(1),
     "::max_pool2d": _max_pool(2),
     "::max_pool3d": _max_pool(3),
+    "::max_pool1d_with_indices": _max_pool(1, with_indices=True),
+    "::max_pool2d_with_indices": _max_pool(2, with_indices=True),
+    "::max_pool3d_with_indices": _max_pool(3, with_indices=True),
     "::avg_pool1d": _avg_pool(1),
     "::avg_pool2d": _avg_pool(2),
     "::avg_pool3d": _avg_pool(3),

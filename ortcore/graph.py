@@ -20,7 +20,7 @@ import attrs
 import onnx
 import torch
 
-from .errors import UnsupportedDataError, UnsupportedModelError
+from .errors import BufferWriteError, UnsupportedDataError, UnsupportedModelError, buffer_owners
 from .exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN, Exporter
 from .graph_passes import GraphPass, PassContext
 from .options import LogLevel
@@ -202,6 +202,22 @@ def _preserved_state(module: torch.nn.Module) -> Iterator[None]:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def written_buffers(module: torch.nn.Module, versions: dict[str, int]) -> list[str]:
+    """The buffers of ``module`` whose version counter moved since ``versions`` was taken (written in place), less
+    batch norm's running statistics, which ortcore updates itself (:class:`BatchNormStats`)."""
+    batch_norm = {
+        f"{path}.{name}" if path else name
+        for path, m in module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        for name, _ in m.named_buffers(recurse=False)
+    }
+    return [
+        name
+        for name, b in module.named_buffers()
+        if name in versions and b._version != versions[name] and name not in batch_norm
+    ]
 
 
 def _rename_inputs(model: onnx.ModelProto, renames: dict[str, str]) -> None:
@@ -646,6 +662,7 @@ def export_graph(
     user_names = [n if n not in state_names else f"input.{n}" for n in schema.names]
     with _preserved_state(module):
         target = copy.deepcopy(module) if deepcopy else module
+        versions = {name: b._version for name, b in target.named_buffers()}
         flat = _FlatModule(target, schema, tapper)
         flat.training = training  # not .train(): submodules keep their own modes (a frozen batch norm, say)
         example = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
@@ -661,9 +678,14 @@ def export_graph(
                 log_level=log_level,
             )
         except UnsupportedModelError as e:
+            if isinstance(e, BufferWriteError):
+                raise
             raise UnsupportedModelError(
                 str(e).replace("_FlatModule", type(module).__name__), raised_in_forward=e.raised_in_forward
             ) from e.__cause__
+        written = written_buffers(target, versions)
+        if written:
+            raise BufferWriteError(written, buffer_owners(written), exporter.name)
     output_schema = flat.output_schema
     raw_model = onnx.ModelProto.FromString(model.SerializeToString()) if keep_raw else None
     # Outputs get the user's names; parameters and buffers lose the wrapper's "module." prefix.

@@ -292,6 +292,8 @@ def locate(
     if onnx_model is not None and onnx_ops and not nodes:
         nodes = _unique([n.name for n in onnx_model.graph.node if n.op_type in onnx_ops])
     modules: list[str] = [module] if module else []
+    if not isinstance(error, str):
+        modules += [m for m in getattr(error, "modules", ()) or () if isinstance(m, str)]  # BufferWriteError's owners
     modules += _node_modules(nodes, paths)
     if not isinstance(error, str):
         modules += modules_in_traceback(error, model)

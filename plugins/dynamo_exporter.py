@@ -53,7 +53,7 @@ import onnx
 import onnx.numpy_helper
 import torch
 
-from ortcore.errors import UnsupportedModelError
+from ortcore.errors import BufferWriteError, UnsupportedModelError, buffer_owners
 from ortcore.exporter import (
     AUTOGRAD_FUNCTION_PLUGIN,
     DYNAMO,
@@ -97,7 +97,12 @@ class _ParametersAsInputs(torch.nn.Module):
 
     def forward(self, *args: torch.Tensor) -> Any:
         inputs, state = args[: self.n_inputs], args[self.n_inputs :]
-        return torch.func.functional_call(self.target, dict(zip(self.state_names, state)), inputs)
+        versions = [t._version for t in state]
+        result = torch.func.functional_call(self.target, dict(zip(self.state_names, state)), inputs)
+        # What the forward wrote in place (torch.export's training IR keeps in-place ops in the graph and does not
+        # list them in the signature; the traced tensors' version counters tell).
+        self.written = [n for n, t, v in zip(self.state_names, state, versions) if t._version != v]
+        return result
 
 
 def _missing_package() -> str | None:
@@ -609,6 +614,18 @@ def add_required_outputs(model: onnx.ModelProto) -> int:
     return added
 
 
+def _written_buffers(written: list[str], module: torch.nn.Module) -> list[str]:
+    """Of the state ``written`` in place while tracing, the buffers, less batch norm's running statistics (ortcore
+    updates those itself); without the wrapper's ``module.`` prefix."""
+    buffers = dict(module.named_buffers())
+    modules = dict(module.named_modules())
+    return [
+        n.removeprefix("module.")
+        for n in written
+        if n in buffers and not isinstance(modules.get(n.rpartition(".")[0]), torch.nn.modules.batchnorm._BatchNorm)
+    ]
+
+
 class DynamoExporter:
     """``torch.onnx.export(dynamo=True)`` with parameters as inputs; see the module docstring."""
 
@@ -739,6 +756,10 @@ class DynamoExporter:
                 ):
                     program = _capture(wrapper, tuple(args) + values, (dims + (None,) * len(values),))
                 captured = time.perf_counter()
+                written = _written_buffers(getattr(wrapper, "written", []), module)
+                if written:
+                    owners = buffer_owners(written)
+                    raise BufferWriteError(written, [o.removeprefix("module.") for o in owners], DYNAMO)
                 ranges = input_ranges(program, list(input_names))
                 if self.hooks is not None:
                     context = PassContext(

@@ -158,6 +158,25 @@ CASES: dict[str, tuple[Callable[[], nn.Module], list[tuple[int, ...]], str]] = {
         [(2, 3, 4, 8, 7), (1, 3, 3, 5, 5)],
         "ort",
     ),
+    # return_indices=True: max_pool<n>d_with_indices (torch's own symbolic writes MaxPoolGrad: the process died)
+    "max_pool2d_indices": (lambda: _with_indices(F.max_pool2d, 2), [(2, 3, 8, 8), (1, 3, 6, 10)], "ort"),
+    "max_pool1d_indices": (
+        lambda: Lambda(lambda x: (lambda v, i: v * 2 + i.to(v.dtype))(*F.max_pool1d(x, 3, 2, 1, return_indices=True))),
+        [(2, 3, 9), (1, 3, 7)],
+        "ort",
+    ),
+    "max_pool3d_indices_ceil": (
+        lambda: Lambda(
+            lambda x: (lambda v, i: v * 2 + i.to(v.dtype))(*F.max_pool3d(x, 2, 2, 0, 1, True, return_indices=True))
+        ),
+        [(2, 3, 5, 4, 5), (1, 3, 3, 5, 4)],
+        "ort",
+    ),
+    "max_unpool": (
+        lambda: Lambda(lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2) * 3),
+        [(2, 3, 8, 8), (1, 3, 6, 4)],
+        "either",
+    ),
     # ceil mode
     "max_pool2d_ceil": (lambda: Sandwich(nn.MaxPool2d(3, 2, ceil_mode=True)), [(2, 3, 8, 8), (1, 3, 7, 9)], "ort"),
     # zero-size dimensions

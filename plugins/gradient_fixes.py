@@ -739,6 +739,8 @@ def mark_stop_gradients(program: Any, context: PassContext | None = None) -> int
         if node.op != "call_function":
             continue
         if node.target is torch.ops.aten.detach.default:
+            if any(_writes(user, node) for user in node.users):
+                continue  # an alias written in place (F.embedding's max_norm renormalises the weight through one)
             stop = stop or stop_gradient_op()
             node.target = stop
             marked += 1
@@ -758,6 +760,17 @@ def mark_stop_gradients(program: Any, context: PassContext | None = None) -> int
     if marked:
         program.graph_module.recompile()
     return marked
+
+
+def _writes(user: Any, value: Any) -> bool:
+    """Whether the call ``user`` writes in place into its argument ``value`` (the schema marks it ``Tensor(a!)``)."""
+    schema = getattr(user.target, "_schema", None)
+    if user.op != "call_function" or schema is None:
+        return False
+    for argument, given in zip(schema.arguments, user.args):
+        if given is value and argument.alias_info is not None and argument.alias_info.is_write:
+            return True
+    return False
 
 
 def _run_stop_gradients(program: Any, context: PassContext) -> None:

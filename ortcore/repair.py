@@ -302,8 +302,14 @@ def locate(
             modules += trace.modules_calling(op)
         if "omplex" in text or not modules:
             modules += trace.complex_regions()
-    innermost = _unique([m for m in modules if m in paths])
-    return Failure(stage, text, ops, onnx_ops, nodes, with_ancestors(innermost), innermost)
+    found = _unique([m for m in modules if m in paths])
+    innermost = [m for m in found if not any(_encloses(m, other) for other in found)]
+    return Failure(stage, text, ops, onnx_ops, nodes, with_ancestors(innermost), tuple(innermost))
+
+
+def _encloses(path: str, other: str) -> bool:
+    """Whether module ``path`` strictly encloses module ``other`` (``""`` is the model itself)."""
+    return other != path and (path == "" or other.startswith(path + "."))
 
 
 def _chain_text(error: BaseException) -> str:

@@ -38,11 +38,12 @@ A second pass, :func:`fix_conv_gradients`, works around two bugs of ORT's CPU ``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import onnx
@@ -52,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ortcore.config import Config
+from ortcore.exporter import function_apply_replaced
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 
@@ -664,9 +666,13 @@ class NoGradInputsDetached(TorchFunctionMode):
     came out 1.5% off). Values are unchanged; only where gradients may flow is.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_function = 0  # inside a custom autograd Function's forward, which torch runs with gradients off
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.is_grad_enabled() or func in _DETACHING:
+        if torch.is_grad_enabled() or self.in_function or func in _DETACHING:
             return func(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
@@ -677,6 +683,23 @@ class NoGradInputsDetached(TorchFunctionMode):
 
 
 _DETACHING = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.detach_, torch.Tensor.requires_grad_})
+
+
+@contextlib.contextmanager
+def no_grad_inputs_detached() -> Iterator[None]:
+    """:class:`NoGradInputsDetached` for one trace, idle inside custom autograd Functions (their forward runs with
+    gradients off by torch's design, and their body is the Function's handler's business)."""
+    mode = NoGradInputsDetached()
+
+    def apply(cls: type, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        mode.in_function += 1
+        try:
+            return original(cls, *args, **kwargs)
+        finally:
+            mode.in_function -= 1
+
+    with function_apply_replaced(apply), mode:
+        yield
 
 
 # -- detach and no_grad regions on the dynamo route ------------------------------------------------------------------
@@ -805,7 +828,7 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 def ortcore_export_context(config: Config, module: torch.nn.Module) -> Any:
     # torch.export records no_grad blocks itself (set_grad_enabled in the program): only the tracer needs this.
     # The dynamo route sees no_grad blocks in the exported program instead (mark_stop_gradients).
-    return NoGradInputsDetached() if config.core.exporter == "torchscript" else None
+    return no_grad_inputs_detached() if config.core.exporter == "torchscript" else None
 
 
 @hookimpl

@@ -3,8 +3,8 @@
 One op that ORT cannot handle should not send the whole model back to PyTorch. This plugin decides, while the model
 is exported, which ops ORT cannot serve on the model's device, and exports each of them as an
 ``org.pytorch.aten::ATen`` node that the ATen executor (:mod:`ortcore_plugins.services.aten_executor`) runs with PyTorch's
-kernel; its gradient is PyTorch's autograd gradient (a VJP node per differentiable input). Everything else stays in
-ORT. Three sources of decisions:
+kernel; its gradient is PyTorch's autograd gradient (a VJP node per floating-point input PyTorch differentiates,
+:mod:`ortcore_plugins.services.differentiability`). Everything else stays in ORT. Three sources of decisions:
 
 * **ORT gaps** (:data:`ROUTES`): ops whose ONNX form ORT 1.19.2 has no gradient builder for (HardSwish, Einsum,
   CumSum, InstanceNormalization, ReduceMax, Softplus, PRelu, DepthToSpace, GridSample, RNN, ...), no CPU kernel for
@@ -68,6 +68,7 @@ from ortcore_plugins.services.aten_nodes import (
     requires_grad,
     schema_type,
 )
+from ortcore_plugins.services.differentiability import differentiates
 
 logger = logging.getLogger("ortcore.op_routing")
 
@@ -689,7 +690,14 @@ def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
         raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: it returns non-tensors")
     flat = _flatten_call(op, schema, args)
     tensors = [i for i, f in enumerate(flat) if f.kind in ("Tensor", "Tensor?")]
-    floats = [i for i in tensors if not is_none(flat[i].value) and flat[i].value.type().scalarType() in FLOAT_TYPES]
+    # Floating-point inputs PyTorch differentiates (fractional_max_pool2d's float random_samples it refuses to).
+    floats = [
+        i
+        for i in tensors
+        if not is_none(flat[i].value)
+        and flat[i].value.type().scalarType() in FLOAT_TYPES
+        and differentiates(schema, flat[i].argument)
+    ]
     needs = [i for i in floats if _may_need_grad(flat[i].value)]
     order = [i for i, f in enumerate(flat) if f.kind != ABSENT]
     if needs and order[0] not in needs:

@@ -13,8 +13,8 @@ Three features, one module each; this module holds the plugin's hooks and re-exp
   (``torch.cummax``, ``torch.logcumsumexp``, ``torch.special.*``, ...) are run the same way when option
   ``fallback_ops`` (env ``ORTCORE_ATEN_FALLBACK_OPS``) names them, or names ``auto``: each becomes one ATen node
   running the op, whose gradient re-runs it under ``torch.autograd`` with respect to the inputs PyTorch
-  differentiates (:mod:`.differentiability`; see :func:`fallback_symbolic`). Off by
-  default: without it such a model falls back to PyTorch, as without the plugin. On the dynamo route the listed ops,
+  differentiates (:mod:`ortcore_plugins.services.differentiability`; see :func:`fallback_symbolic`). Off by default:
+  without it such a model falls back to PyTorch, as without the plugin. On the dynamo route the listed ops,
   and with ``auto`` the ops the exporter cannot translate, are found in ``torch.export``'s program instead
   (:func:`.unexportable_ops.program_pass`); kernel routing covers embedding, GELU, LayerNorm and cross-entropy
   there (:func:`.kernel_routing.translations_for`, :func:`.kernel_routing.program_kernels`), not ``linear`` or

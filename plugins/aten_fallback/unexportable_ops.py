@@ -4,8 +4,8 @@ An op without an ONNX symbolic (``torch.cummax``, ``torch.logcumsumexp``, ``torc
 one ATen node running the op itself (:func:`fallback_symbolic`), when option ``fallback_ops`` names it
 (:func:`fallback_symbolics`) or names ``auto`` (:class:`FallbackExporter` finds such ops from the exporter's error).
 Its gradient re-runs the op under ``torch.autograd`` (:func:`ortcore_plugins.services.aten_nodes.register_vjp_gradient`)
-with respect to the floating-point inputs PyTorch differentiates (:mod:`.differentiability`); the others become
-stop-gradient edges.
+with respect to the floating-point inputs PyTorch differentiates (:mod:`ortcore_plugins.services.differentiability`);
+the others become stop-gradient edges.
 
 On the dynamo route, :func:`program_pass` does the same in ``torch.export``'s program: calls of the listed ops, and
 with ``auto`` every op the exporter has no onnxscript translation (nor decomposition) for, become wrapper ops written
@@ -35,8 +35,8 @@ from ortcore_plugins.services.aten_nodes import (
     requires_grad,
     schema_type,
 )
+from ortcore_plugins.services.differentiability import differentiates
 
-from .differentiability import differentiable_arguments
 from .kernel_routing import prepare_runtime
 from .options import AUTO
 
@@ -72,13 +72,10 @@ def fallback_symbolic(op: str) -> Callable[..., Any]:
             raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: it returns non-tensors")
         tensor_args = [k for k, kind in enumerate(kinds) if kind in ("Tensor", "Tensor?")]
         # Float tensors PyTorch differentiates (fractional_max_pool2d's random_samples is a float it refuses to).
-        differentiated = differentiable_arguments(parsed)
         float_inputs = tuple(
             k
             for k in tensor_args
-            if not is_none(args[k])
-            and args[k].type().scalarType() in FLOAT_TYPES
-            and (differentiated is None or parsed.arguments[k].name in differentiated)
+            if not is_none(args[k]) and args[k].type().scalarType() in FLOAT_TYPES and differentiates(parsed, k)
         )
         differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES)
         needs = [k for k in float_inputs if requires_grad(args[k]) is not False]

@@ -23,6 +23,13 @@ plugins, built-in or third-party: names without a leading underscore are support
     translations of those wrappers to ``ortcore_export_translations``. Used by ``op_routing``, ``aten_fallback`` and
     ``control_flow``.
 
+``differentiability``
+    Which arguments of an ATen op PyTorch's autograd differentiates, read from the table its autograd kernels are
+    generated from (``derivatives.yaml``, shipped in ``torchgen``):
+    :func:`~ortcore_plugins.services.differentiability.differentiates`. A VJP gradient gives a gradient only to those
+    (``fractional_max_pool2d``'s float ``random_samples`` gets none). Used by ``aten_fallback``, ``op_routing`` and
+    ``aten_program``.
+
 ``python_op``
     Runs ``com.microsoft::PythonOp`` / ``PythonOpGrad`` nodes through PyTorch: the node's op type and domain
     (``PYTHON_OP``, ``PYTHON_OP_DOMAIN``), the registry of autograd Functions the nodes name, and

@@ -8,7 +8,8 @@ program's FX graph and hands each to :func:`route_call`, which
   (:func:`~ortcore_plugins.services.aten_nodes.define_wrapper`): an input that may need a gradient first (ORT builds
   an ATen node's gradient only then), tensor lists spread over separate inputs, a tensor passed twice given once;
 * makes the FX node call the wrapper instead (the same node: its name, value metadata and users stay);
-* registers the wrapper's VJP gradient definition (:func:`~ortcore_plugins.services.aten_nodes.register_vjp_gradient`);
+* registers the wrapper's VJP gradient definition (:func:`~ortcore_plugins.services.aten_nodes.register_vjp_gradient`)
+  for the floating-point inputs PyTorch differentiates (:mod:`ortcore_plugins.services.differentiability`);
 * and keeps the onnxscript translation that writes the wrapper as one ``org.pytorch.aten::ATen`` node, which
   :func:`translations` hands to ``ortcore_export_translations`` (an op in that table is not decomposed).
 
@@ -38,6 +39,7 @@ from .aten_nodes import (
     prepare,
     register_vjp_gradient,
 )
+from .differentiability import differentiates
 
 logger = logging.getLogger("ortcore.aten")
 
@@ -336,7 +338,13 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
             elif not isinstance(value, bool | int | float | str | list | tuple | torch.fx.Node):
                 raise Unroutable(f"argument {a.name!r} is {value!r}, which the ATen executor cannot pass")
             inputs.append((kind, value, [(k, None)]))
-    floats = {v for kind, v, _ in inputs if kind == "Tensor" and _val(v).dtype in FLOAT_DTYPES}
+    # Floating-point inputs PyTorch differentiates (fractional_max_pool2d's float random_samples it refuses to); a
+    # tensor passed as several arguments counts if one of them does.
+    floats = {
+        v
+        for kind, v, places in inputs
+        if kind == "Tensor" and _val(v).dtype in FLOAT_DTYPES and any(differentiates(schema, k) for k, _ in places)
+    }
     levels = [reach.of(v) if kind == "Tensor" and v in floats else NONE for kind, v, _ in inputs]
     if max(levels, default=NONE) > NONE:
         # ORT builds an ATen node's gradient only when its first input needs one: the surest such input goes first.

@@ -5,6 +5,8 @@ or not the input needs a gradient in that build, and sums the gradients only of 
 routed ops reading one value must not define its gradient twice ("Duplicate definition of name"), also where ORT's
 own optimizers merge equal values before building gradients (two ``zeros_like`` of one tensor, two ``Identity`` of
 one input, ``y.t()`` computed twice), and a value that does need a gradient must get the sum of every op's part.
+A float value PyTorch does not differentiate (``fractional_max_pool2d``'s ``random_samples``) gets no gradient
+definition at all, so two ops read it as it is.
 
 Each model trains through ``ORTModule`` with ``FALLBACK_DISABLE`` on both exporters and is compared with
 ``torch.autograd`` on a deep copy: outputs, the loss and every parameter's gradient (and an input's, where it
@@ -17,6 +19,7 @@ from __future__ import annotations
 import onnx
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ortcore import ORTModule
@@ -179,6 +182,38 @@ def test_shared_constant_gets_no_gradient_definition(exporter: str):
     constants.update(t.name for t in training.graph.initializer)
     written = {o for n in training.graph.node for o in n.output}
     assert not {f"{c}_grad" for c in constants} & written
+
+
+class SharedSamples(nn.Module):
+    """One fixed-samples buffer read by two ``fractional_max_pool2d`` calls: a float value PyTorch does not
+    differentiate (``random_samples``), so neither routed op's gradient definition writes its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.register_buffer("samples", torch.rand(2, 4, 2, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.conv(x)
+        return (
+            F.fractional_max_pool2d(h, 2, output_size=(5, 5), _random_samples=self.samples),
+            F.fractional_max_pool2d(h.tanh(), 3, output_size=(4, 4), _random_samples=self.samples),
+        )
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_shared_input_pytorch_does_not_differentiate_is_a_stop_gradient_edge(exporter: str):
+    torch.manual_seed(0)
+    wrapped, ref = ort_and_torch(SharedSamples(), exporter=_exporter(exporter))
+    x = torch.randn(2, 3, 12, 12)
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    _step(wrapped, ref, (xo,), (xr,))
+    assert_close(xo.grad, xr.grad, "gradient of x", "grads")
+    graph = wrapped.state_machine.current[1].model.graph
+    pools = [n for n in graph.node if n.op_type == "ATen" and "fractional_max_pool2d" in _operator(n)]
+    assert len(pools) == 4, [_operator(n) for n in pools]  # two forward nodes, a VJP helper each
+    assert all("samples" in n.input for n in pools)  # read as it is: no Identity separates it
+    assert not [o for n in graph.node for o in n.output if o.startswith("samples") and o != "samples"]
 
 
 def test_ort_sums_the_gradient_of_a_value_two_aten_nodes_read(monkeypatch: pytest.MonkeyPatch):

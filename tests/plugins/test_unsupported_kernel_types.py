@@ -7,8 +7,11 @@
   AdamW curve; without the plugin ORT refuses the session.
 * aten_fallback's repair: an op in a type no wider type serves (an int64 ``ArgMax``) fails session creation naming
   the ONNX node; the repair routes its ``aten::`` op to PyTorch, and the model trains with PyTorch's numbers.
-* aten_fallback's fallback gradient differentiates an op only with respect to the inputs PyTorch does:
-  ``fractional_max_pool2d``'s ``random_samples`` is a float tensor PyTorch refuses to differentiate.
+* the fallback gradient of an op run by PyTorch differentiates it only with respect to the inputs PyTorch does, on
+  both exporters: ``fractional_max_pool2d``'s ``random_samples`` (through aten_fallback's listed and ``auto`` ops and
+  through op_routing) and ``binary_cross_entropy``'s ``weight`` (through op_routing's wrapper op) are float tensors
+  PyTorch refuses to differentiate. Outputs, loss, every parameter's gradient and the input's are compared with
+  ``torch.autograd``, then a short AdamW curve.
 
 Tolerances are the parity suite's (``tests/models.py``): outputs and gradients ``rtol=1e-4, atol=1e-5``, losses and
 curves ``rtol=1e-4``. The masks and integer values themselves are exact, so they agree to the last bit.
@@ -25,18 +28,27 @@ import onnxruntime
 import pytest
 import torch
 import torch.nn.functional as F
-from models import check_step_and_training, make_batches, ort_and_torch
+from models import (
+    assert_close,
+    assert_grads_match,
+    assert_losses_match,
+    assert_outputs_match,
+    check_step_and_training,
+    make_batches,
+    ort_and_torch,
+)
 from onnx import TensorProto, helper
 from torch import nn
 
 import ortcore_plugins.aten_fallback as aten_fallback
 import ortcore_plugins.dynamo_exporter as dynamo_exporter
 import ortcore_plugins.kernel_types as kernel_types
+import ortcore_plugins.op_routing as op_routing
 from ortcore.errors import GraphBuildError
 from ortcore.repair import Failure
 from ortcore.testing import make_host
-from ortcore_plugins.aten_fallback.differentiability import differentiable_arguments, parse_derivatives
 from ortcore_plugins.aten_fallback.repairs import repairs_for, unrunnable_nodes
+from ortcore_plugins.services.differentiability import differentiable_arguments, differentiates, parse_derivatives
 
 # -- models: a narrow-type computation on a Linear's output, whose result scales that output ---------------------------
 
@@ -332,7 +344,47 @@ def test_build_failure_on_a_node_without_kernel_offers_its_aten_ops() -> None:
     assert repairs_for(config, Failure("audit", message)) == []
 
 
-# -- aten_fallback's fallback gradient: only the inputs PyTorch differentiates -------------------------------------
+# -- the fallback gradient: only the inputs PyTorch differentiates, on both exporters ---------------------------------
+
+
+def check_every_gradient(ort: Any, ref: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], input_grad: bool) -> None:
+    """One step of each side on ``batch``: outputs, loss, every parameter's gradient and, with ``input_grad``, the
+    gradient of the input (which then requires grad: another build of the same export)."""
+    x, y = batch
+    x_ort, x_ref = (x.clone().requires_grad_(input_grad) for _ in range(2))
+    out, out_ref = ort(x_ort), ref(x_ref)
+    assert_outputs_match(out, out_ref)
+    loss, loss_ref = F.mse_loss(out, y), F.mse_loss(out_ref, y)
+    assert_losses_match(loss, loss_ref)
+    loss.backward()
+    loss_ref.backward()
+    assert_grads_match(ort, ref)
+    if input_grad:
+        assert_close(x_ort.grad, x_ref.grad, "gradient of x", "grads")
+    ort.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+
+def gradient_helpers(model: Any, op: str) -> set[int]:
+    """The inputs of ``op``'s ATen node the training graph's VJP helper nodes differentiate (``..._<i>``)."""
+    found = set()
+    for node in graph_nodes(model):
+        operator = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+        if node.op_type == "ATen" and operator.startswith("ortcore_aten::fallback_grad__") and f"__{op}__" in operator:
+            found.add(int(operator.rpartition("__")[2]))
+    return found
+
+
+def fallback_host(exporter: str, plugin: str, fallback_ops: list[str] | None = None) -> Any:
+    """A host with ``plugin`` alone (and the dynamo exporter on that route), ``fallback_ops`` set if given."""
+    plugins: dict[str, Any] = (
+        {aten_fallback.NAME: aten_fallback} if plugin == "aten_fallback" else {op_routing.NAME: op_routing}
+    )
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+        plugins[dynamo_exporter.NAME] = dynamo_exporter
+    table = {"plugins": {"aten_fallback": {"fallback_ops": fallback_ops}}} if fallback_ops else None
+    return make_host(plugins, table=table)
 
 
 class FractionalPool(nn.Module):
@@ -353,19 +405,64 @@ def pool_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 3, 12, 12, generator=gen), torch.randn(2, 3, generator=gen)
 
 
-@pytest.mark.parametrize("fallback_ops", [["fractional_max_pool2d"], ["auto"]])
-def test_fallback_gradient_leaves_inputs_pytorch_does_not_differentiate(fallback_ops: list[str]) -> None:
+# (exporter, plugin, fallback_ops): aten_fallback's listed and auto ops on each route (TorchScript: its symbolic; dynamo:
+# its program pass through services.aten_program), and op_routing alone (dynamo: the call it finds without a
+# translation, as in the wide zoo's unusual_max_pool; TorchScript: aten_fallback's auto exporter it uses).
+POOL_ROUTES = [
+    pytest.param("torchscript", "aten_fallback", ["fractional_max_pool2d"], id="torchscript-listed"),
+    pytest.param("torchscript", "aten_fallback", ["auto"], id="torchscript-auto"),
+    pytest.param("torchscript", "op_routing", None, id="torchscript-op_routing"),
+    pytest.param("dynamo", "aten_fallback", ["fractional_max_pool2d"], id="dynamo-listed"),
+    pytest.param("dynamo", "aten_fallback", ["auto"], id="dynamo-auto"),
+    pytest.param("dynamo", "op_routing", None, id="dynamo-op_routing"),
+]
+
+
+@pytest.mark.parametrize(("exporter", "plugin", "fallback_ops"), POOL_ROUTES)
+def test_fallback_gradient_leaves_inputs_pytorch_does_not_differentiate(
+    exporter: str, plugin: str, fallback_ops: list[str] | None
+) -> None:
     torch.manual_seed(0)
-    host = make_host(
-        {aten_fallback.NAME: aten_fallback}, table={"plugins": {"aten_fallback": {"fallback_ops": fallback_ops}}}
-    )
-    ort, ref = ort_and_torch(FractionalPool(), host=host)
-    check_step_and_training(ort, ref, make_batches(pool_batch, 4), regression_step, steps=3)
-    helpers = {
-        next(a.s.decode() for a in n.attribute if a.name == "operator") for n in graph_nodes(ort) if n.op_type == "ATen"
-    }
-    assert "ortcore_aten::fallback_grad__fractional_max_pool2d__default__0" in helpers, helpers
-    assert not [h for h in helpers if h.startswith("ortcore_aten::fallback_grad__fractional_max_pool2d__default__3")]
+    ort, ref = ort_and_torch(FractionalPool(), host=fallback_host(exporter, plugin, fallback_ops), exporter=exporter)
+    batches = make_batches(pool_batch, 6)
+    check_every_gradient(ort, ref, batches[0], input_grad=True)
+    check_every_gradient(ort, ref, batches[1], input_grad=False)
+    check_step_and_training(ort, ref, batches[2:], regression_step, steps=3)
+    # One VJP helper, for the pooled input (first on both routes); none for random_samples.
+    assert gradient_helpers(ort, "fractional_max_pool2d") == {0}
+    assert ort.repairs == []
+
+
+class WeightedBCE(nn.Module):
+    """``binary_cross_entropy(sigmoid(x), sigmoid(fc(x)), weight)``: a float ``weight`` buffer PyTorch does not
+    differentiate, and a first input that needs no gradient unless ``x`` requires grad, so on the TorchScript route
+    the call is op_routing's wrapper (``emit_wrapped``), which takes ``target`` first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("weight", torch.rand(4, 6, generator=torch.Generator().manual_seed(5)) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(self.fc(x)), self.weight, reduction="none")
+
+
+def bce_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_routed_wrapper_leaves_inputs_pytorch_does_not_differentiate(exporter: str) -> None:
+    torch.manual_seed(0)
+    host = fallback_host(exporter, "aten_fallback", ["binary_cross_entropy"])
+    ort, ref = ort_and_torch(WeightedBCE(), host=host, exporter=exporter)
+    batches = make_batches(bce_batch, 6)
+    check_every_gradient(ort, ref, batches[0], input_grad=False)
+    check_every_gradient(ort, ref, batches[1], input_grad=True)
+    check_step_and_training(ort, ref, batches[2:], regression_step, steps=3)
+    # The wrapper takes target, then self, then weight: helpers for the first two only.
+    assert gradient_helpers(ort, "binary_cross_entropy") == {0, 1}
+    assert ort.repairs == []
 
 
 def test_differentiable_arguments_follow_pytorchs_autograd_table() -> None:
@@ -375,6 +472,13 @@ def test_differentiable_arguments_follow_pytorchs_autograd_table() -> None:
     assert differentiable_arguments(aten.gather.default._schema) == {"self"}  # not the int64 index
     assert differentiable_arguments(aten.logaddexp.default._schema) == {"self", "other"}
     assert differentiable_arguments(aten.lu_solve.default._schema) is None  # composite: not in the table
+    other = torch._C.parse_schema("mylib::fractional_max_pool2d(Tensor self, int[2] k, int[2] o, Tensor r) -> Tensor")
+    assert differentiable_arguments(other) is None  # another namespace: its own autograd
+    pool = aten.fractional_max_pool2d.default._schema
+    assert [differentiates(pool, k) for k in range(4)] == [True, False, False, False]
+    assert [differentiates(other, k) for k in range(4)] == [True, True, True, True]
+    bce = aten.binary_cross_entropy.default._schema
+    assert [a.name for k, a in enumerate(bce.arguments) if not differentiates(bce, k)] == ["weight", "reduction"]
 
 
 def test_derivatives_table_reads_dispatch_defaults_and_non_differentiable_entries() -> None:

@@ -1,13 +1,16 @@
-"""Which tensor arguments of an ATen op PyTorch's autograd differentiates.
+"""Which tensor arguments of an ATen op PyTorch's autograd differentiates: a service for every plugin that gives an
+op run by PyTorch a gradient (``aten_fallback``'s unexportable-op fallback, ``op_routing``'s routed calls, on both
+exporters' routes).
 
-A floating-point tensor argument is not always differentiable: ``fractional_max_pool2d``'s ``random_samples`` is a
-float tensor, yet its autograd kernel raises ("not differentiable with respect to argument 'random_samples'") when
-it requires grad. A gradient that re-runs such an op under ``torch.autograd`` must leave those arguments alone.
+A floating-point tensor argument is not always differentiable: ``fractional_max_pool2d``'s ``random_samples`` and
+``binary_cross_entropy``'s ``weight`` are float tensors, yet their autograd kernels raise ("not differentiable with
+respect to argument 'random_samples'") when they require grad. A gradient that re-runs such an op under
+``torch.autograd`` must leave those arguments alone.
 
 PyTorch's autograd kernels are generated from ``derivatives.yaml``, which torch ships in ``torchgen``: an op listed
 there is differentiable with respect to exactly the arguments its entry gives a formula for (``non_differentiable``
-is no formula). An op not listed (a composite op, differentiated through what it calls) is taken to be
-differentiable with respect to every floating-point tensor argument, as before.
+is no formula). An op not listed (a composite op, differentiated through what it calls), or not of the ``aten``
+namespace, is taken to be differentiable with respect to every floating-point tensor argument.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("ortcore.aten_fallback")
+logger = logging.getLogger("ortcore.aten")
 
 _ENTRY = re.compile(r"^- name: ([A-Za-z0-9_]+)(?:\.([A-Za-z0-9_]+))?\(")
 _KEY = re.compile(r"^( +)([A-Za-z_][A-Za-z0-9_, ]*):\s*(.*)$")
@@ -76,14 +79,31 @@ def _table() -> dict[tuple[str, str], frozenset[str]]:
 
 def differentiable_arguments(schema: Any) -> frozenset[str] | None:
     """The names of the arguments of the ATen op with ``schema`` (a ``torch.FunctionSchema``) that PyTorch's autograd
-    has a gradient formula for, or None when its autograd table does not list the op (then any floating-point tensor
-    argument may be differentiable).
+    has a gradient formula for, or None when its autograd table does not list the op, or the op is not of the ``aten``
+    namespace (then any floating-point tensor argument may be differentiable).
 
     >>> import torch
     >>> sorted(differentiable_arguments(torch.ops.aten.fractional_max_pool2d.default._schema))
     ['self']
     """
-    names = _table().get((schema.name.rpartition("::")[2], schema.overload_name or "default"))
+    namespace, _, name = schema.name.rpartition("::")
+    if namespace != "aten":
+        return None  # the table is aten's (a custom op, a wrapper op: its own autograd)
+    names = _table().get((name, schema.overload_name or "default"))
     if names is None:
         return None
     return frozenset(a.name for a in schema.arguments) & names
+
+
+def differentiates(schema: Any, argument: int) -> bool:
+    """May PyTorch's autograd differentiate the ATen op with ``schema`` with respect to its argument number
+    ``argument``: has its table a formula for it, or does the table not list the op? (Whether the argument is a
+    floating-point tensor is the caller's to check.)
+
+    >>> import torch
+    >>> schema = torch.ops.aten.fractional_max_pool2d.default._schema
+    >>> [differentiates(schema, k) for k in range(len(schema.arguments))]
+    [True, False, False, False]
+    """
+    names = differentiable_arguments(schema)
+    return names is None or schema.arguments[argument].name in names

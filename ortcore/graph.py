@@ -216,8 +216,17 @@ def written_buffers(module: torch.nn.Module, versions: dict[str, int]) -> list[s
     return [
         name
         for name, b in module.named_buffers()
-        if name in versions and b._version != versions[name] and name not in batch_norm
+        if name in versions and _version(b) != versions[name] and name not in batch_norm
     ]
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s version counter (bumped by each in-place write), or None for an inference tensor, which has none
+    (and cannot be written in place outside inference mode)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 def _rename_inputs(model: onnx.ModelProto, renames: dict[str, str]) -> None:
@@ -662,7 +671,7 @@ def export_graph(
     user_names = [n if n not in state_names else f"input.{n}" for n in schema.names]
     with _preserved_state(module):
         target = copy.deepcopy(module) if deepcopy else module
-        versions = {name: b._version for name, b in target.named_buffers()}
+        versions = {name: v for name, b in target.named_buffers() if (v := _version(b)) is not None}
         flat = _FlatModule(target, schema, tapper)
         flat.training = training  # not .train(): submodules keep their own modes (a frozen batch norm, say)
         example = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)

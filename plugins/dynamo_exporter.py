@@ -97,12 +97,19 @@ class _ParametersAsInputs(torch.nn.Module):
 
     def forward(self, *args: torch.Tensor) -> Any:
         inputs, state = args[: self.n_inputs], args[self.n_inputs :]
-        versions = [t._version for t in state]
+        versions = [_version(t) for t in state]
         result = torch.func.functional_call(self.target, dict(zip(self.state_names, state)), inputs)
         # What the forward wrote in place (torch.export's training IR keeps in-place ops in the graph and does not
         # list them in the signature; the traced tensors' version counters tell).
-        self.written = [n for n, t, v in zip(self.state_names, state, versions) if t._version != v]
+        self.written = [n for n, t, v in zip(self.state_names, state, versions) if v is not None and _version(t) != v]
         return result
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
 
 
 def _missing_package() -> str | None:

@@ -33,6 +33,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 from .errors import GraphBuildError
+from .exporter import EXPORT_LOCK
 from .files import atomic_write
 from .graph import ExportedGraph, export_graph
 from .hooks._subscribers import tapping
@@ -302,9 +303,11 @@ class Pipeline:
 
     @contextlib.contextmanager
     def _export_contexts(self, module: torch.nn.Module):
-        """Plugins' contexts around tracing (``ortcore_export_context``: region routing's submodule replacement)."""
-        with contextlib.ExitStack() as stack:
-            for context in self.hooks.export_contexts(module):
+        """Plugins' contexts around tracing (``ortcore_export_context``: region routing's submodule replacement), under
+        :data:`EXPORT_LOCK` like the trace itself: a context may patch process-wide state (torch functions), and one
+        thread's contexts must not interleave with another's."""
+        with EXPORT_LOCK, contextlib.ExitStack() as stack:
+            for context in self.hooks.export_contexts(module, self.config):
                 stack.enter_context(context)
             yield
 

@@ -536,9 +536,11 @@ class Hooks:
     def optimizers(self) -> dict[str, type]:
         return self._merged("ortcore_optimizers", "offer an optimizer", config=self.config)
 
-    def export_contexts(self, module: Any) -> list[Any]:
-        """The context managers plugins enter around tracing ``module`` (``ortcore_export_context``)."""
-        return [c for _, c in self._collect("ortcore_export_context", config=self.config, module=module) if c]
+    def export_contexts(self, module: Any, config: Any = None) -> list[Any]:
+        """The context managers plugins enter around tracing ``module`` (``ortcore_export_context``), asked with
+        ``config``: the ORTModule's own (its keyword options, such as ``exporter=``), else the host's."""
+        config = config if config is not None else self.config
+        return [c for _, c in self._collect("ortcore_export_context", config=config, module=module) if c]
 
     def repairs(self, failure: Any) -> list[Any]:
         """Every plugin's repairs of ``failure`` (``ortcore_repairs``), in the order plugins answered."""

@@ -268,6 +268,21 @@ def _may_be_the_models_error(error: Exception) -> bool:
     return isinstance(error, UnsupportedDataError) and isinstance(error.__cause__, TypeError)
 
 
+def _unroutable_hint(failure: Any) -> str:
+    """What the user can change when the failure lies in the model's own forward, where no module can be routed."""
+    if failure.innermost:
+        return ""
+    if "omplex" in failure.message:
+        return (
+            ". The complex-valued code is in the model's own forward: moved into a submodule (an nn.Module that takes "
+            "and returns real tensors), it runs in PyTorch inside the ORT graph and the rest stays in ONNX Runtime"
+        )
+    return (
+        ". The failure is in the model's own forward, where nothing smaller than the whole model can run in "
+        "PyTorch: code moved into a submodule can be routed on its own"
+    )
+
+
 class ORTModule(torch.nn.Module):
     """Wrap a ``torch.nn.Module`` so that its forward and backward run in ONNX Runtime.
 
@@ -501,6 +516,7 @@ class ORTModule(torch.nn.Module):
                     e.add_note(
                         f"ortcore could not repair this by routing ({failure.describe()}); "
                         + (f"repairs in force: {tried}" if tried else "no plugin offered a repair")
+                        + _unroutable_hint(failure)
                     )
                     raise
                 key = attrs.evolve(key, repairs=rt.repairs_key)

@@ -390,3 +390,27 @@ def test_a_failure_repeated_in_every_layer_is_one_repair_of_every_innermost_modu
     wrapped = assert_matches_torch(TwoMixers(), (torch.randn(3, 16),), host=_host(ortcore_host), rtol=RTOL, atol=ATOL)
     assert [r.description for r in wrapped.repairs] == ["modules layers.0.filter, layers.1.filter run in PyTorch"]
     assert wrapped.ortcore_config.plugin_options("region_routing").modules == ("layers.0.filter", "layers.1.filter")
+
+
+def test_a_failure_in_the_models_own_forward_says_how_to_make_it_routable(ortcore_host):
+    """Complex code in the root's forward has no module below the model to run in PyTorch: the error says to move it
+    into a submodule; a traceback frame or an ancestor found with the failure never makes the whole model a region."""
+    model = FFTFilter(16)
+    wrapped = ORTModule(model, host=_host(ortcore_host), fallback_policy="FALLBACK_DISABLE")
+    with pytest.raises(Exception) as raised:
+        wrapped(torch.randn(2, 16))
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "could not repair this by routing" in notes
+    assert "moved into a submodule" in notes
+    assert wrapped.repairs == []
+
+
+def test_only_the_innermost_of_the_modules_found_is_routed_first():
+    """Traceback frames name every module on the call path (``mix``, ``mix.filter``): the innermost is the one that
+    holds the failure; the others are enclosing candidates, tried later."""
+    model = FNetLike()
+    error = RuntimeError("boom")
+    error.modules = ["mix", "mix.filter"]
+    failure = locate("export", error, model)
+    assert failure.innermost == ("mix.filter",)
+    assert failure.modules == ("mix.filter", "mix")

@@ -38,12 +38,12 @@ A second pass, :func:`fix_conv_gradients`, works around two bugs of ORT's CPU ``
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import operator
+import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import onnx
@@ -53,7 +53,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ortcore.config import Config
-from ortcore.exporter import function_apply_replaced
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
 
@@ -664,42 +663,52 @@ class NoGradInputsDetached(TorchFunctionMode):
     differentiates through them: spectral norm's power iteration (``F.normalize(W @ v, out=u)`` under no_grad, then
     ``sigma = u . (W v)``) gets a gradient through ``u`` and ``v`` that torch never computes (the weight's gradient
     came out 1.5% off). Values are unchanged; only where gradients may flow is.
+
+    Not inside a custom autograd Function's forward: torch runs it with gradients off by design, and its gradient is
+    the Function's backward, which ORT reproduces by differentiating the traced forward (Reformer's reversible layers
+    compute their whole forward under no_grad and recompute it in backward).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.in_function = 0  # inside a custom autograd Function's forward, which torch runs with gradients off
+        self._forwards: frozenset | None = None  # code objects of every autograd Function's forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.is_grad_enabled() or self.in_function or func in _DETACHING:
+        if torch.is_grad_enabled() or func in _DETACHING:
             return func(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
-        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves) or self._in_function_forward():
             return func(*args, **kwargs)
         leaves = [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in leaves]
         args, kwargs = tree_unflatten(leaves, spec)
         return func(*args, **kwargs)
 
+    def _in_function_forward(self) -> bool:
+        if self._forwards is None:
+            self._forwards = _function_forwards()
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code in self._forwards:
+                return True
+            frame = frame.f_back
+        return False
+
+
+def _function_forwards() -> frozenset:
+    """The code objects of the ``forward`` of every ``torch.autograd.Function`` subclass defined so far."""
+    codes, classes = set(), [torch.autograd.Function]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        forward = cls.__dict__.get("forward")
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return frozenset(codes)
+
 
 _DETACHING = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.detach_, torch.Tensor.requires_grad_})
-
-
-@contextlib.contextmanager
-def no_grad_inputs_detached() -> Iterator[None]:
-    """:class:`NoGradInputsDetached` for one trace, idle inside custom autograd Functions (their forward runs with
-    gradients off by torch's design, and their body is the Function's handler's business)."""
-    mode = NoGradInputsDetached()
-
-    def apply(cls: type, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        mode.in_function += 1
-        try:
-            return original(cls, *args, **kwargs)
-        finally:
-            mode.in_function -= 1
-
-    with function_apply_replaced(apply), mode:
-        yield
 
 
 # -- detach and no_grad regions on the dynamo route ------------------------------------------------------------------
@@ -828,7 +837,7 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
 def ortcore_export_context(config: Config, module: torch.nn.Module) -> Any:
     # torch.export records no_grad blocks itself (set_grad_enabled in the program): only the tracer needs this.
     # The dynamo route sees no_grad blocks in the exported program instead (mark_stop_gradients).
-    return no_grad_inputs_detached() if config.core.exporter == "torchscript" else None
+    return NoGradInputsDetached() if config.core.exporter == "torchscript" else None
 
 
 @hookimpl

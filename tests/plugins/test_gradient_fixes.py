@@ -712,3 +712,49 @@ def test_no_grad_blocks_and_detach_carry_no_gradient(exporter: str, monkeypatch:
         out_ref.pow(2).sum().backward()
         torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=RTOL, atol=ATOL * 10)
         opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+
+
+class _NoGradForward(torch.autograd.Function):
+    """A Function whose forward runs under no_grad (as torch runs every Function's forward, and as Reformer's
+    reversible layers write it) and whose backward recomputes it: its gradient is the backward's, not nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        with torch.no_grad():
+            return torch.tanh(x @ w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        with torch.enable_grad():
+            x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+            return torch.autograd.grad(torch.tanh(x @ w), (x, w), grad)
+
+
+class TracedThroughFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NoGradForward.apply(x, self.w) * 2
+
+
+def test_a_function_traced_through_keeps_its_gradient_though_its_forward_runs_without_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 traces Functions through: ORT differentiates the forward's ops, which the
+    no_grad fix must leave alone inside a Function (it cut Reformer's every gradient)."""
+    monkeypatch.setenv("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "0")
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    monkeypatch.setenv("ORTCORE_VERIFY_GRADIENTS", "0")
+    torch.manual_seed(0)
+    model = TracedThroughFunction()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 3)
+    out, out_ref = ORTModule(model)(x), reference(x)
+    torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
+    out.square().sum().backward()
+    out_ref.square().sum().backward()
+    torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=RTOL, atol=ATOL)

@@ -145,7 +145,10 @@ CATEGORIES: tuple[Category, ...] = (
         cause=(
             "The model computes with complex tensors (`torch.view_as_complex`, `torch.fft.rfft`, `torch.polar`); "
             "ONNX has no complex type and the TorchScript exporter stops at the first one (`ScalarType "
-            "ComplexFloat is an unexpected tensor scalar type`). No op route or region took the module over."
+            "ComplexFloat is an unexpected tensor scalar type`). Here the complex code is in the model's own "
+            "`forward`, so there is no module smaller than the whole model to run in PyTorch; the error says to move "
+            "it into a submodule, which then runs in PyTorch as one node of the ORT graph (as FNet-like models' "
+            "filters do: `tests/test_repair.py`)."
         ),
         patterns=(r"ScalarType ComplexFloat is an unexpected", r"ScalarType Complex\w+ is an unexpected"),
     ),

@@ -4,6 +4,7 @@ setting, whose losses must agree with PyTorch's."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,31 @@ def test_recompute_bench_level_1_trains_as_pytorch_does(recompute_bench: ModuleT
     torch_loss, ort_loss = (r["loss"] for r in results)
     assert abs(ort_loss - torch_loss) <= 1e-4 * abs(torch_loss), results  # the first step's loss, same seed and data
     assert all(r["peak_rss_mib"] > 0 and r["step_s"] > 0 for r in results), results
+
+
+# -- before_after ---------------------------------------------------------------------------------------------------
+
+
+def test_before_after_refuses_an_env_that_is_not_name_value(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("before_after")
+    with pytest.raises(SystemExit):
+        bench.main(["--before", ".", "--env", "ORTCORE_VERIFY_GRADIENTS"])
+    assert "'ORTCORE_VERIFY_GRADIENTS' is not NAME=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two fresh processes, each exporting and training BERT for a few steps
+def test_before_after_of_a_tree_against_itself_reports_both_sides_and_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    root = str(BENCHMARKS.parent)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "before_after.py"), "--before", root, "--after", root]
+        + ["--models", "bert", "--rounds", "1", "--steps", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CPU: " in done.stdout and "bert   after/before: first step x" in done.stdout
+    summary = json.loads(out.read_text())["summary"]["bert"]
+    assert set(summary) == {"before", "after"}
+    assert all(side["steady_ms"] > 0 and side["first_step_s"] > 0 for side in summary.values())

@@ -39,12 +39,19 @@ import attrs
 import onnx
 import torch
 
-from ortcore.config import Config, option
-from ortcore.errors import OptionError, UnsupportedModelError
-from ortcore.exporter import INLINE, function_name, python_op_symbolic
-from ortcore.graph_passes import GraphPass, PassContext
-from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
+from ortcore.api import (
+    INLINE,
+    Config,
+    GraphPass,
+    OptionError,
+    PassContext,
+    UnsupportedModelError,
+    function_name,
+    hookimpl,
+    option,
+    parse_bool,
+    python_op_symbolic,
+)
 from ortcore_plugins.services.python_op import (
     PYTHON_OP,
     PYTHON_OP_DOMAIN,

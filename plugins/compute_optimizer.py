@@ -30,10 +30,7 @@ from typing import Any
 
 import attrs
 
-from ortcore.config import Config, option
-from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
-from ortcore.repair import Failure, Repair
+from ortcore.api import Config, Failure, Repair, hookimpl, option, parse_bool
 
 NAME = "compute_optimizer"
 

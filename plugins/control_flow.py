@@ -34,11 +34,7 @@ import attrs
 import onnx
 import torch
 
-from ortcore.config import Config, option
-from ortcore.explain import ROUTED_METADATA_PREFIX
-from ortcore.graph_passes import GraphPass, PassContext
-from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
+from ortcore.api import ROUTED_METADATA_PREFIX, Config, GraphPass, PassContext, hookimpl, option, parse_bool
 from ortcore_plugins.services import aten_nodes, aten_program
 
 logger = logging.getLogger("ortcore.control_flow")

@@ -16,10 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from ortcore.config import option
-from ortcore.errors import OptionError
-from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
+from ortcore.api import OptionError, hookimpl, option, parse_bool
 
 logger = logging.getLogger("ortcore.cuda_execution")
 
@@ -51,12 +48,18 @@ def _path(value: object, source: str) -> str:
 
 @attrs.frozen
 class CudaExecutionOptions:
-    enable_tuning: bool = option(False, parse_bool, "tune kernels online (CUDA EP tunable ops)", "ORTMODULE_ENABLE_TUNING")
+    enable_tuning: bool = option(
+        False, parse_bool, "tune kernels online (CUDA EP tunable ops)", "ORTMODULE_ENABLE_TUNING"
+    )
     max_tuning_duration_ms: int = option(
         0, _non_negative_int, "time limit per tuned op, ms (0 = none)", "ORTMODULE_MAX_TUNING_DURATION_MS"
     )
-    tuning_results_path: str = option("", _path, "where tuning results are read/written", "ORTMODULE_TUNING_RESULTS_PATH")
-    conv_algo_search: str = option("HEURISTIC", _conv_algo, "cuDNN convolution algorithm search", "ORTMODULE_CONV_ALGO_SEARCH")
+    tuning_results_path: str = option(
+        "", _path, "where tuning results are read/written", "ORTMODULE_TUNING_RESULTS_PATH"
+    )
+    conv_algo_search: str = option(
+        "HEURISTIC", _conv_algo, "cuDNN convolution algorithm search", "ORTMODULE_CONV_ALGO_SEARCH"
+    )
     use_triton: bool = option(False, parse_bool, "Triton code generation (CUDA builds only)", "ORTMODULE_USE_TRITON")
     triton_config_file: str = option("", _path, "Triton op configuration (JSON)", "ORTMODULE_TRITON_CONFIG_FILE")
     triton_debug: bool = option(False, parse_bool, "save Triton sub-graphs and code", "ORTMODULE_TRITON_DEBUG")

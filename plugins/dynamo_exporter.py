@@ -53,28 +53,26 @@ import onnx
 import onnx.numpy_helper
 import torch
 
-from ortcore.errors import BufferWriteError, UnsupportedModelError, buffer_owners
-from ortcore.exporter import (
-    AUTOGRAD_FUNCTION_PLUGIN,
+from ortcore.api import (
     DYNAMO,
-    EXPORT_LOCK,
     INLINE,
+    INPUT_RANGES_METADATA,
     POOLING_VERSION,
     TORCH_CHECKPOINT_FUNCTION,
+    BufferWriteError,
+    LogLevel,
+    PassContext,
+    UnsupportedModelError,
     adaptive_average_pool,
     adaptive_max_pool,
     average_pool,
+    buffer_owners,
     custom_autograd_disabled,
     function_apply_replaced,
     function_name,
-    quiet_export,
-    raised_in,
-    refuse_empty_inputs,
+    hookimpl,
 )
-from ortcore.graph import INPUT_RANGES_METADATA
-from ortcore.graph_passes import PassContext
-from ortcore.hookspecs import hookimpl
-from ortcore.options import LogLevel
+from ortcore.exporter import AUTOGRAD_FUNCTION_PLUGIN, EXPORT_LOCK, quiet_export, raised_in, refuse_empty_inputs
 
 NAME = "dynamo_exporter"
 

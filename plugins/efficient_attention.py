@@ -39,10 +39,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortcore.config import Config, option
-from ortcore.errors import OptionError
-from ortcore.graph_passes import GraphPass, PassContext
-from ortcore.hookspecs import hookimpl
+from ortcore.api import Config, GraphPass, OptionError, PassContext, hookimpl, option
 from ortcore_plugins.services import aten_executor as executor
 
 logger = logging.getLogger("ortcore.efficient_attention")

@@ -49,12 +49,7 @@ import onnx
 import onnxruntime
 import torch
 
-from ortcore.config import Config, option
-from ortcore.errors import OptionError
-from ortcore.files import atomic_writer
-from ortcore.graph import GRAPH_FORMAT, ExportedGraph
-from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
+from ortcore.api import GRAPH_FORMAT, Config, ExportedGraph, OptionError, atomic_writer, hookimpl, option, parse_bool
 
 logger = logging.getLogger("ortcore.export_cache")
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ortcore.hookspecs import hookimpl
+from ortcore.api import hookimpl
 
 NAME = "fp16_optimizer"
 

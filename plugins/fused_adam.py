@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ortcore.hookspecs import hookimpl
+from ortcore.api import hookimpl
 
 NAME = "fused_adam"
 

@@ -32,12 +32,7 @@ import attrs
 import onnx
 import torch
 
-from ortcore.config import Config, option
-from ortcore.errors import UnsupportedModelError
-from ortcore.graph_passes import GraphPass
-from ortcore.hookspecs import hookimpl
-from ortcore.inspectors import RuntimeInspector
-from ortcore.options import parse_bool
+from ortcore.api import Config, GraphPass, RuntimeInspector, UnsupportedModelError, hookimpl, option, parse_bool
 from ortcore_plugins.services import python_op
 
 logger = logging.getLogger("ortcore.grad_management")

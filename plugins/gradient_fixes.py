@@ -52,9 +52,7 @@ from onnx import TensorProto
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ortcore.config import Config
-from ortcore.graph_passes import GraphPass, PassContext
-from ortcore.hookspecs import hookimpl
+from ortcore.api import Config, GraphPass, PassContext, hookimpl
 
 logger = logging.getLogger("ortcore.gradient_fixes")
 
@@ -736,7 +734,7 @@ def _stop_gradient_translation() -> Callable[..., Any]:
     import onnxscript
     from onnx.defs import OpSchema
 
-    from ortcore.exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN
+    from ortcore.api import STOP_GRADIENT, STOP_GRADIENT_DOMAIN
 
     types = ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"]
     types += ["tensor(int64)", "tensor(int32)", "tensor(bool)"]

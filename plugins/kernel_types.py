@@ -44,9 +44,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto
 
-from ortcore.config import Config
-from ortcore.graph_passes import GraphPass, PassContext
-from ortcore.hookspecs import hookimpl
+from ortcore.api import Config, GraphPass, PassContext, hookimpl
 
 logger = logging.getLogger("ortcore.kernel_types")
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ortcore.hookspecs import hookimpl
+from ortcore.api import hookimpl
 
 NAME = "load_balancing_sampler"
 

@@ -41,10 +41,7 @@ from typing import Any
 import attrs
 import onnxruntime
 
-from ortcore.config import option
-from ortcore.errors import OptionError
-from ortcore.hookspecs import hookimpl
-from ortcore.options import LogLevel
+from ortcore.api import LogLevel, OptionError, hookimpl, option
 
 NAME = "memory_recompute"
 logger = logging.getLogger("ortcore.memory_recompute")
@@ -262,7 +259,7 @@ def opportunity_table(
     options: MemoryRecomputeOptions, opportunities: Sequence[Opportunity], applied: Sequence[RecomputeEntry]
 ) -> str:
     """The table logged at INFO: every plan ORT found, ON or OFF, its frequency and its saving."""
-    from ortcore.tables import format_table
+    from ortcore.api import format_table
 
     on = sum(plan_is_on(o, applied) for o in opportunities)
     head = f"memory recompute: level {options.level} ({LEVELS[options.level]}), {on} of {len(opportunities)} plans ON"

@@ -46,13 +46,24 @@ import attrs
 import onnx
 import torch
 
-from ortcore.config import Config, option
-from ortcore.errors import OptionError, UnsupportedModelError
-from ortcore.explain import ROUTED_METADATA_PREFIX, aten_kind, operator_of
-from ortcore.exporter import DYNAMO, TORCHSCRIPT, TorchScriptExporter, custom_autograd_disabled, exporter_name
-from ortcore.graph_passes import GraphPass, PassContext
-from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
+from ortcore.api import (
+    DYNAMO,
+    ROUTED_METADATA_PREFIX,
+    TORCHSCRIPT,
+    Config,
+    GraphPass,
+    OptionError,
+    PassContext,
+    TorchScriptExporter,
+    UnsupportedModelError,
+    aten_kind,
+    custom_autograd_disabled,
+    exporter_name,
+    hookimpl,
+    operator_of,
+    option,
+    parse_bool,
+)
 from ortcore_plugins.aten_fallback import ROUTABLE_OPS, FallbackExporter, prepare_runtime, type_aten_outputs
 from ortcore_plugins.services import aten_nodes, aten_program
 from ortcore_plugins.services.aten_nodes import (

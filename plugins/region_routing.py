@@ -30,10 +30,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ortcore.config import Config, option
-from ortcore.errors import OptionError
-from ortcore.hookspecs import hookimpl
-from ortcore.repair import Failure, Repair
+from ortcore.api import Config, Failure, OptionError, Repair, hookimpl, option
 
 logger = logging.getLogger("ortcore.region_routing")
 

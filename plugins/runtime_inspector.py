@@ -42,11 +42,7 @@ import psutil
 import torch
 from onnx import numpy_helper
 
-from ortcore.config import option
-from ortcore.hookspecs import hookimpl
-from ortcore.inspectors import ForwardInputs, RuntimeInspector
-from ortcore.options import parse_bool
-from ortcore.tables import format_table
+from ortcore.api import ForwardInputs, RuntimeInspector, format_table, hookimpl, option, parse_bool
 
 NAME = "runtime_inspector"
 

@@ -46,11 +46,7 @@ import attrs
 import onnx
 from onnx import TensorProto, helper
 
-from ortcore.config import Config, option
-from ortcore.errors import OptionError
-from ortcore.graph_passes import GraphPass, PassContext
-from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
+from ortcore.api import Config, GraphPass, OptionError, PassContext, hookimpl, option, parse_bool
 
 logger = logging.getLogger("ortcore.sparse_optimizer")
 

@@ -21,10 +21,7 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from ortcore.config import option
-from ortcore.errors import OptionError
-from ortcore.hookspecs import hookimpl
-from ortcore.inspectors import ForwardInputs, RuntimeInspector
+from ortcore.api import ForwardInputs, OptionError, RuntimeInspector, hookimpl, option
 
 logger = logging.getLogger("ortcore.nan_guard")
 

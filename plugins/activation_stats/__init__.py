@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ortcore.hookspecs import hookimpl
+from ortcore.api import hookimpl
 
 from .commands import ortcore_commands
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ortcore.argtypes import non_negative_float, non_negative_int
-from ortcore.hookspecs import hookimpl
+from ortcore.api import hookimpl, non_negative_float, non_negative_int
 
 FIND_DIVERGENCE_DESCRIPTION = (
     "Compare a PyTorch run and an ortcore run of StatisticsSubscriber records: the first divergence in execution "

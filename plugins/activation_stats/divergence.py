@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ortcore.files import atomic_write
-from ortcore.tables import format_table
+from ortcore.api import atomic_write, format_table
 
 from .merge_activation_summary import (
     COUNT_STATS,

@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ortcore.files import atomic_write
-from ortcore.tables import format_table
+from ortcore.api import atomic_write, format_table
 
 from .records import FORMAT, KINDS, META_FILE, RECORD_FIELDS, RECORDS_FILE, STEP_DIR_PREFIX
 

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from ortcore.files import atomic_write
-from ortcore.hooks import SubscriberBase
+from ortcore.api import SubscriberBase, atomic_write
 
 from .records import FORMAT, KINDS, META_FILE, RECORD_FIELDS, RECORDS_FILE, STEP_DIR_PREFIX  # noqa: F401
 

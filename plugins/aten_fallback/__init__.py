@@ -34,10 +34,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ortcore.config import Config
-from ortcore.exporter import DYNAMO, TORCHSCRIPT, TorchScriptExporter, custom_autograd_disabled, exporter_name
-from ortcore.graph_passes import GraphPass
-from ortcore.hookspecs import hookimpl
+from ortcore.api import (
+    DYNAMO,
+    TORCHSCRIPT,
+    Config,
+    GraphPass,
+    TorchScriptExporter,
+    custom_autograd_disabled,
+    exporter_name,
+    hookimpl,
+)
 from ortcore_plugins.services import aten_nodes, aten_program
 from ortcore_plugins.services.aten_nodes import ATEN_DOMAIN, HELPER_NAMESPACE
 

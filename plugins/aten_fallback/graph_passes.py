@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 
-from ortcore.graph_passes import PassContext
+from ortcore.api import PassContext
 from ortcore_plugins.services.aten_nodes import ATEN_DOMAIN
 
 logger = logging.getLogger("ortcore.aten_fallback")

@@ -36,9 +36,7 @@ import onnxruntime
 import torch
 from onnx import TensorProto, helper
 
-from ortcore.config import Config
-from ortcore.files import atomic_writer
-from ortcore.tables import format_table
+from ortcore.api import Config, atomic_writer, format_table
 
 logger = logging.getLogger("ortcore.aten_fallback")
 
@@ -369,7 +367,7 @@ def record(model: onnx.ModelProto, decisions: Sequence[Decision]) -> None:
     """Write ``decisions`` into ``model``'s metadata: ``ortcore.kernel_choice::<op>`` (JSON, every decision); for
     the ops routed, ``ortcore.routed::<op>`` (the reason ``model.explain()`` shows), replacing a generic reason; for
     the ops kept on ORT's kernels, ``ortcore.kept::<ONNX op type>`` (shown beside those kernels)."""
-    from ortcore.explain import KEPT_METADATA_PREFIX, ROUTED_METADATA_PREFIX
+    from ortcore.api import KEPT_METADATA_PREFIX, ROUTED_METADATA_PREFIX
 
     by_op: dict[str, list[Decision]] = {}
     for d in decisions:
@@ -658,9 +656,8 @@ def _model(pair: _OneOp, nodes: list[onnx.NodeProto], aten: bool) -> onnx.ModelP
 
 
 def _session(model: onnx.ModelProto, pair: _OneOp) -> Any:
-    from ortcore.options import LogLevel
-    from ortcore.pipeline import SessionPlan
-    from ortcore.session import BuildRequest, TrainingSession, build_graph, default_providers
+    from ortcore.api import LogLevel, SessionPlan, TrainingSession
+    from ortcore.session import BuildRequest, build_graph, default_providers
 
     names = [name for name, _ in pair.inputs]
     device = torch.device("cpu")

@@ -8,8 +8,7 @@ import difflib
 import attrs
 import torch
 
-from ortcore.config import Config, option
-from ortcore.errors import OptionError
+from ortcore.api import Config, OptionError, option
 
 NAME = "aten_fallback"
 ENV = "ORTCORE_TORCH_KERNELS"

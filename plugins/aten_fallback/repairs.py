@@ -19,8 +19,7 @@ import re
 
 import torch
 
-from ortcore.config import Config
-from ortcore.repair import Failure, Repair
+from ortcore.api import Config, Failure, Repair
 
 from .options import NAME, fallback_ops
 

@@ -22,8 +22,7 @@ from typing import Any
 import onnx
 import torch
 
-from ortcore.errors import UnsupportedModelError
-from ortcore.exporter import TorchScriptExporter
+from ortcore.api import TorchScriptExporter, UnsupportedModelError
 from ortcore_plugins.services import aten_program
 from ortcore_plugins.services.aten_nodes import (
     FLOAT_TYPES,

@@ -32,11 +32,7 @@ from typing import Any
 
 import attrs
 
-from ortcore.config import int_at_least, option
-from ortcore.errors import OptionError
-from ortcore.hookspecs import hookimpl
-from ortcore.inspectors import ForwardInputs, RuntimeInspector
-from ortcore.options import parse_bool
+from ortcore.api import ForwardInputs, OptionError, RuntimeInspector, hookimpl, int_at_least, option, parse_bool
 
 NAME = "op_profiler"
 
@@ -140,7 +136,7 @@ class StepProfiler(RuntimeInspector):
 
     def report(self) -> None:
         """Stop profiling, log the table, write the JSON if asked."""
-        from ortcore.files import atomic_writer
+        from ortcore.api import atomic_writer
 
         from .explain import format_profile
         from .ort_side import finish

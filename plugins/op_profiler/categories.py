@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from ortcore.explain import aten_kind
+from ortcore.api import aten_kind
 
 #: In the order tables list them.
 CATEGORIES: tuple[str, ...] = (

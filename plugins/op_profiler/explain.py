@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from ortcore.tables import format_table
+from ortcore.api import format_table
 
 from .categories import CATEGORIES
 from .steps import StepClock, active, phase

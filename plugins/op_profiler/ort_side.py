@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from ortcore.explain import ATEN_DOMAIN, operator_of
+from ortcore.api import ATEN_DOMAIN, operator_of
 
 from .categories import CATEGORIES, aten_category, ort_category
 from .steps import StepClock, active

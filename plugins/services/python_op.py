@@ -51,8 +51,7 @@ from typing import Any
 import torch
 import torch.utils.dlpack
 
-from ortcore.errors import UnsupportedModelError
-from ortcore.exporter import function_name
+from ortcore.api import UnsupportedModelError, function_name
 
 logger = logging.getLogger("ortcore.autograd_function")
 

@@ -23,11 +23,7 @@ from typing import Any
 import attrs
 import torch
 
-from ortcore.config import int_at_least, option
-from ortcore.errors import OptionError
-from ortcore.hooks import GlobalSubscriberManager
-from ortcore.hookspecs import hookimpl
-from ortcore.options import parse_bool
+from ortcore.api import GlobalSubscriberManager, OptionError, hookimpl, int_at_least, option, parse_bool
 
 from .subscriber import COLUMNS, NormSubscriber, tensor_norms
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ortcore.files import atomic_writer
+from ortcore.api import atomic_writer
 
 from .subscriber import COLUMNS, KINDS
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
+from ortcore.api import GlobalSubscriberManager, SubscriberBase
 
 COLUMNS = ("step", "order", "kind", "name", "numel", "l2", "rms", "max_abs")
 KINDS = ("forward", "backward")

@@ -22,9 +22,9 @@ import torch.utils._pytree as pytree
 
 import ortcore_activation_norms as plugin
 from ortcore import ORTModule
-from ortcore.errors import OptionError
+from ortcore.api import OptionError, PluginError
 from ortcore.hooks import GlobalSubscriberManager
-from ortcore.plugins import PluginError, set_host
+from ortcore.plugins import set_host
 from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet
 from ortcore_activation_norms import COLUMNS, NormSubscriber
 from ortcore_activation_norms import subscriber as subscriber_module

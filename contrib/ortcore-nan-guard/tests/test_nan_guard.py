@@ -5,7 +5,7 @@ import torch
 
 import ortcore_nan_guard
 from ortcore import ORTModule
-from ortcore.errors import OptionError
+from ortcore.api import OptionError
 from ortcore.testing import assert_matches_torch
 
 

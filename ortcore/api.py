@@ -1,0 +1,105 @@
+"""ortcore's public plugin API: the one module a plugin, built-in or third-party, imports from ortcore.
+
+    from ortcore.api import hookimpl, GraphPass, PassContext, Config, option, OptionError
+
+Everything listed in :data:`__all__` is promised: a name is removed or changes meaning only with a new major
+:data:`API_VERSION`, and a plugin can check the version it was written for (``ortcore.api.API_VERSION >= (1, 0)``).
+Everything else in ``ortcore`` is private, whatever its spelling. The built-in plugin package's shared services
+(``ortcore_plugins.services``: ATen and PythonOp nodes, the ATen executor) are public too and documented there.
+
+Names resolve lazily (PEP 562): importing this module imports neither torch, onnx nor onnxruntime, so a plugin's
+command-line module stays fast. See ``docs/plugins.md`` for what each group is for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
+API_VERSION = (1, 0)
+
+# name -> the module that defines it.
+_NAMES: dict[str, str] = {
+    # hooks
+    "hookimpl": "ortcore.hookspecs",
+    # graph passes
+    "GraphPass": "ortcore.graph_passes",
+    "PassContext": "ortcore.graph_passes",
+    # configuration and options
+    "Config": "ortcore.config",
+    "option": "ortcore.config",
+    "int_at_least": "ortcore.config",
+    "parse_bool": "ortcore.options",
+    "LogLevel": "ortcore.options",
+    "non_negative_int": "ortcore.argtypes",
+    "non_negative_float": "ortcore.argtypes",
+    "exporter_name": "ortcore.exporter",
+    "TORCHSCRIPT": "ortcore.exporter",
+    "DYNAMO": "ortcore.exporter",
+    "custom_autograd_disabled": "ortcore.exporter",
+    # errors
+    "ORTCoreError": "ortcore.errors",
+    "OptionError": "ortcore.errors",
+    "UnsupportedModelError": "ortcore.errors",
+    "UnsupportedDataError": "ortcore.errors",
+    "BufferWriteError": "ortcore.errors",
+    "GraphBuildError": "ortcore.errors",
+    "buffer_owners": "ortcore.errors",
+    "PluginError": "ortcore.plugins",
+    # exporters
+    "Exporter": "ortcore.exporter",
+    "OnnxBuilder": "ortcore.exporter",
+    "TorchScriptExporter": "ortcore.exporter",
+    "INLINE": "ortcore.exporter",
+    "function_name": "ortcore.exporter",
+    "python_op_symbolic": "ortcore.exporter",
+    "function_apply_replaced": "ortcore.exporter",
+    "TORCH_CHECKPOINT_FUNCTION": "ortcore.exporter",
+    "average_pool": "ortcore.exporter",
+    "adaptive_average_pool": "ortcore.exporter",
+    "adaptive_max_pool": "ortcore.exporter",
+    "POOLING_VERSION": "ortcore.exporter",
+    "STOP_GRADIENT": "ortcore.exporter",
+    "STOP_GRADIENT_DOMAIN": "ortcore.exporter",
+    # graphs, sessions and what plugins receive from hooks
+    "ExportedGraph": "ortcore.graph",
+    "GRAPH_FORMAT": "ortcore.graph",
+    "INPUT_RANGES_METADATA": "ortcore.graph",
+    "BuiltGraph": "ortcore.session",
+    "TrainingSession": "ortcore.session",
+    "SessionPlan": "ortcore.pipeline",
+    "RuntimeInspector": "ortcore.inspectors",
+    "ForwardInputs": "ortcore.inspectors",
+    "Failure": "ortcore.repair",
+    "Repair": "ortcore.repair",
+    "SubscriberBase": "ortcore.hooks._subscribers",
+    "GlobalSubscriberManager": "ortcore.hooks._subscribers",
+    "versions": "ortcore.identity",
+    # graph metadata and node kinds
+    "ROUTED_METADATA_PREFIX": "ortcore.explain",
+    "KEPT_METADATA_PREFIX": "ortcore.explain",
+    "ATEN_DOMAIN": "ortcore.explain",
+    "PYTHON_OP_DOMAIN": "ortcore.explain",
+    "operator_of": "ortcore.explain",
+    "aten_kind": "ortcore.explain",
+    # files and tables
+    "atomic_write": "ortcore.files",
+    "atomic_writer": "ortcore.files",
+    "format_table": "ortcore.tables",
+}
+
+__all__ = ["API_VERSION", *_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ortcore.api' has no attribute {name!r}; the plugin API is ortcore.api.__all__")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -26,6 +26,8 @@ _NAMES: dict[str, str] = {
     # graph passes
     "GraphPass": "ortcore.graph_passes",
     "PassContext": "ortcore.graph_passes",
+    "ValueNames": "ortcore.graph_passes",
+    "splice": "ortcore.graph_passes",
     # configuration and options
     "Config": "ortcore.config",
     "option": "ortcore.config",

@@ -29,6 +29,40 @@ class PassContext:
     translated: frozenset = frozenset()
 
 
+class ValueNames:
+    """Hands out value names that no node, input, output, initializer or value_info of a graph uses yet: what a pass
+    needs to add nodes without clashing with the exporter's names or another pass's."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.taken = {name for node in graph.node for name in (*node.input, *node.output)}
+        self.taken.update(v.name for v in (*graph.input, *graph.output, *graph.value_info))
+        self.taken.update(t.name for t in graph.initializer)
+
+    def fresh(self, base: str) -> str:
+        """``base``, or ``base_1``, ``base_2``, ... if taken; the name is taken from then on."""
+        name, k = base, 0
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def int64s(self, base: str, values: list[int]) -> tuple[str, onnx.NodeProto]:
+        """A ``Constant`` node holding ``values`` as a 1-D int64 tensor (axes, shapes), and its output's name."""
+        name = self.fresh(base)
+        tensor = onnx.helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values)
+        return name, onnx.helper.make_node("Constant", [], [name], name=name, value=tensor)
+
+
+def splice(graph: onnx.GraphProto, replaced: dict[int, list[onnx.NodeProto]]) -> None:
+    """Replace the node at each position of ``replaced`` by its list of nodes, keeping the graph's order."""
+    nodes: list[onnx.NodeProto] = []
+    for position, node in enumerate(graph.node):
+        nodes.extend(replaced.get(position, [node]))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
 @attrs.frozen
 class GraphPass:
     """A named edit of the exported forward graph, run in place before the gradient graph is built.

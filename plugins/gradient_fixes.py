@@ -52,7 +52,7 @@ from onnx import TensorProto
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ortcore.api import Config, GraphPass, PassContext, hookimpl
+from ortcore.api import Config, GraphPass, PassContext, ValueNames, hookimpl, splice
 
 logger = logging.getLogger("ortcore.gradient_fixes")
 
@@ -235,24 +235,7 @@ def _differentiable_values(graph: onnx.GraphProto) -> set[str]:
 # -- the pass -------------------------------------------------------------------------------------------------------
 
 
-class _Names:
-    """Hands out value names no node, input or initializer of a graph uses yet."""
-
-    def __init__(self, graph: onnx.GraphProto):
-        self.taken = {name for node in graph.node for name in (*node.input, *node.output)}
-        self.taken.update(i.name for i in graph.input)
-        self.taken.update(i.name for i in graph.initializer)
-
-    def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
-
-
-class _Editor(_Names):
+class _Editor(ValueNames):
     """Collects the nodes to insert before each node and hands out unique value names."""
 
     def __init__(self, graph: onnx.GraphProto):
@@ -383,18 +366,13 @@ def _kernel_rank(node: onnx.NodeProto, attributes: dict[str, Any], shapes: dict[
     return None
 
 
-class _ConvRewriter(_Names):
+class _ConvRewriter(ValueNames):
     """Builds the replacement nodes of grouped ``Conv`` nodes, with unique value names."""
-
-    def _int64s(self, scope: str, what: str, values: list[int]) -> tuple[str, onnx.NodeProto]:
-        name = self.fresh(f"{scope}/{what}")
-        tensor = onnx.helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
-        return name, onnx.helper.make_node("Constant", [], [name], name=name, value=tensor)
 
     def as_2d(self, node: onnx.NodeProto, attributes: dict[str, Any]) -> list[onnx.NodeProto]:
         """``Squeeze(Conv2d(Unsqueeze(x, 2), Unsqueeze(w, 2)), 2)``: the same values, ORT's 2-D gradient kernel."""
         scope = f"ortcore.gradient_fixes/{node.name or 'Conv'}"
-        axes, constant = self._int64s(scope, "axis_2", [2])
+        axes, constant = self.int64s(f"{scope}/axis_2", [2])
         nodes = [constant]
         inputs = list(node.input)
         for i in (0, 1):
@@ -535,11 +513,7 @@ def fix_conv_gradients(model: onnx.ModelProto, context: PassContext | None = Non
             replaced[position] = rewritten
     if not replaced:
         return 0
-    nodes: list[onnx.NodeProto] = []
-    for position, node in enumerate(graph.node):
-        nodes.extend(replaced.get(position, [node]))
-    del graph.node[:]
-    graph.node.extend(nodes)
+    splice(graph, replaced)
     logger.debug("gradient_fixes: rewrote %d convolutions", len(replaced))
     return len(replaced)
 
@@ -559,7 +533,7 @@ def fix_vector_matmul_gradients(model: onnx.ModelProto, context: PassContext | N
     if not matmuls:
         return 0
     shapes = infer_shapes(model)[0]
-    names = _Names(graph)
+    names = ValueNames(graph)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for position, node in matmuls:
         a, b = (shapes.get(name) for name in node.input[:2])
@@ -569,9 +543,8 @@ def fix_vector_matmul_gradients(model: onnx.ModelProto, context: PassContext | N
         nodes: list[onnx.NodeProto] = []
 
         def int64s(what: str, values: list[int], scope: str = scope, nodes: list = nodes) -> str:
-            name = names.fresh(f"{scope}/{what}")
-            tensor = onnx.helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
-            nodes.append(onnx.helper.make_node("Constant", [], [name], name=name, value=tensor))
+            name, constant = names.int64s(f"{scope}/{what}", values)
+            nodes.append(constant)
             return name
 
         inputs = list(node.input[:2])
@@ -594,11 +567,7 @@ def fix_vector_matmul_gradients(model: onnx.ModelProto, context: PassContext | N
         replaced[position] = nodes
     if not replaced:
         return 0
-    rebuilt: list[onnx.NodeProto] = []
-    for position, node in enumerate(graph.node):
-        rebuilt.extend(replaced.get(position, [node]))
-    del graph.node[:]
-    graph.node.extend(rebuilt)
+    splice(graph, replaced)
     logger.debug("gradient_fixes: gave %d MatMul nodes 2-D operands", len(replaced))
     return len(replaced)
 

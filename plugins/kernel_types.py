@@ -44,7 +44,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto
 
-from ortcore.api import Config, GraphPass, PassContext, hookimpl
+from ortcore.api import Config, GraphPass, PassContext, ValueNames, hookimpl, splice
 
 logger = logging.getLogger("ortcore.kernel_types")
 
@@ -286,28 +286,11 @@ def _chosen_types(view: _Node, opset: int, ir_version: int) -> dict[str, int] | 
     return None
 
 
-class _Names:
-    """Value names no node, input or initializer of a graph uses yet."""
-
-    def __init__(self, graph: onnx.GraphProto):
-        self.taken = {name for node in graph.node for name in (*node.input, *node.output)}
-        self.taken.update(v.name for v in (*graph.input, *graph.output, *graph.value_info))
-        self.taken.update(t.name for t in graph.initializer)
-
-    def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
-
-
 _told: set[tuple[str, str, str]] = set()
 
 
 def _read_as_bool(
-    added: list[onnx.NodeProto], names: _Names, scope: str, name: str, elem_type: int, output: str = ""
+    added: list[onnx.NodeProto], names: ValueNames, scope: str, name: str, elem_type: int, output: str = ""
 ) -> str:
     """``Not(Equal(x, 0))`` of value ``name``, in a type Equal takes (nodes appended to ``added``), written to
     ``output`` (a new name if empty); returns the result's name."""
@@ -373,7 +356,7 @@ def read_cast_chains_as_bool(model: onnx.ModelProto, types: dict[str, int] | Non
     if not chains:
         return 0
     types = value_types(model) if types is None else types
-    names = _Names(graph)
+    names = ValueNames(graph)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for position, node, first in chains:
         middle = _attribute(first, "to").i
@@ -395,11 +378,7 @@ def read_cast_chains_as_bool(model: onnx.ModelProto, types: dict[str, int] | Non
                 told[2],
             )
     if replaced:
-        nodes = []
-        for position, node in enumerate(graph.node):
-            nodes.extend(replaced.get(position, [node]))
-        del graph.node[:]
-        graph.node.extend(nodes)
+        splice(graph, replaced)
     return len(replaced)
 
 
@@ -412,7 +391,7 @@ def widen_kernel_types(model: onnx.ModelProto, context: PassContext | None = Non
         return 0
     opset = _opset(model)
     types = value_types(model)
-    names = _Names(graph)
+    names = ValueNames(graph)
     before: dict[int, list[onnx.NodeProto]] = {}
     after: dict[int, list[onnx.NodeProto]] = {}
     positions = {id(n): k for k, n in enumerate(graph.node)}

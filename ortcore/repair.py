@@ -291,6 +291,8 @@ def locate(
     paths = {p for p, _ in model.named_modules()}
     if onnx_model is not None and onnx_ops and not nodes:
         nodes = _unique([n.name for n in onnx_model.graph.node if n.op_type in onnx_ops])
+    if onnx_model is not None and nodes:
+        ops = _unique([*ops, *_exported_from(onnx_model, nodes)])
     modules: list[str] = [module] if module else []
     if not isinstance(error, str):
         modules += [m for m in getattr(error, "modules", ()) or () if isinstance(m, str)]  # BufferWriteError's owners
@@ -305,6 +307,24 @@ def locate(
     found = _unique([m for m in modules if m in paths])
     innermost = [m for m in found if not any(_encloses(m, other) for other in found)]
     return Failure(stage, text, ops, onnx_ops, nodes, with_ancestors(innermost), tuple(innermost))
+
+
+# The dynamo exporter records on each node the aten op it was translated from: ``namespace`` ends with
+# ``: aten.nll_loss.default``.
+_NODE_ATEN = re.compile(r":\s*aten\.(\w+)\.\w+$")
+
+
+def _exported_from(onnx_model: Any, nodes: Sequence[str]) -> list[str]:
+    """The ``aten::`` ops the named nodes of ``onnx_model`` were exported from, where the graph records it."""
+    wanted = set(nodes)
+    found = []
+    for node in onnx_model.graph.node:
+        if node.name in wanted:
+            for prop in node.metadata_props:
+                match = _NODE_ATEN.search(prop.value) if prop.key == "namespace" else None
+                if match:
+                    found.append(f"aten::{match.group(1)}")
+    return found
 
 
 def _encloses(path: str, other: str) -> bool:

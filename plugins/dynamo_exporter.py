@@ -35,6 +35,7 @@ is on its function; ``docs/plugins/dynamo_exporter.md`` has the table):
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import importlib.metadata
@@ -49,6 +50,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import onnx
 import onnx.numpy_helper
 import torch
@@ -71,10 +73,29 @@ from ortcore.api import (
     function_apply_replaced,
     function_name,
     hookimpl,
+    option,
+    parse_bool,
 )
 from ortcore.exporter import AUTOGRAD_FUNCTION_PLUGIN, EXPORT_LOCK, quiet_export, raised_in, refuse_empty_inputs
 
 NAME = "dynamo_exporter"
+ENV_VALUE_BRANCHES = "ORTCORE_DYNAMO_VALUE_BRANCHES"
+
+
+@attrs.frozen
+class DynamoExporterOptions:
+    value_branches: bool = option(
+        True,
+        parse_bool,
+        "Python branches on tensor values (which torch.export refuses) are captured as the first batch takes them, "
+        "as TorchScript traces them, with a WARNING naming each; 0 refuses the model instead",
+        ENV_VALUE_BRANCHES,
+    )
+
+
+def _options(config: Any) -> DynamoExporterOptions:
+    return (config.plugin_options(NAME) if config is not None else None) or DynamoExporterOptions()
+
 
 logger = logging.getLogger("ortcore")
 
@@ -636,8 +657,10 @@ class DynamoExporter:
 
     name = DYNAMO
 
-    def __init__(self, optimize: bool = True, *, inline_autograd_functions: bool = False):
+    def __init__(self, optimize: bool = True, *, inline_autograd_functions: bool = False, value_branches: bool = True):
         self.optimize = optimize
+        # Branches on tensor values captured as the first batch takes them (torch.export.draft_export), else refused.
+        self.value_branches = value_branches
         # ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0: the user accepts custom Functions traced through (as on the TorchScript
         # route); otherwise a model calling one is refused (see _custom_functions).
         self.inline_autograd_functions = inline_autograd_functions
@@ -674,6 +697,7 @@ class DynamoExporter:
         return {
             "optimize": self.optimize,
             "inline_autograd_functions": self.inline_autograd_functions,
+            "value_branches": self.value_branches,
             "pooling": POOLING_VERSION,
             "size_conditions": SIZE_CONDITIONS_VERSION,
             **versions,
@@ -759,7 +783,9 @@ class DynamoExporter:
                     _float_batch_norm_momentum(module),
                     self._custom_functions(refused),
                 ):
-                    program = _capture(wrapper, tuple(args) + values, (dims + (None,) * len(values),))
+                    program = _capture(
+                        wrapper, tuple(args) + values, (dims + (None,) * len(values),), self.value_branches
+                    )
                 captured = time.perf_counter()
                 written = _written_buffers(getattr(wrapper, "written", []), module)
                 if written:
@@ -928,9 +954,12 @@ def _translate(
     )
 
 
-def _capture(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple) -> torch.export.ExportedProgram:
+def _capture(
+    module: torch.nn.Module, args: tuple, dynamic_shapes: tuple, value_branches: bool = False
+) -> torch.export.ExportedProgram:
     """``torch.export`` as ``torch.onnx.export(dynamo=True)`` captures a module (non-strict first, then strict);
-    the first strategy's error is raised when none succeeds."""
+    the first strategy's error is raised when none succeeds. With ``value_branches``, a capture stopped by a branch
+    on a tensor's value is repeated taking the branch these inputs take (:func:`_capture_branch_taken`)."""
     try:
         from torch.onnx._internal.exporter import _capture_strategies
     except ImportError:  # another torch layout: plain non-strict export
@@ -942,9 +971,91 @@ def _capture(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple) -> tor
         if result.exported_program is not None:
             return result.exported_program
         failures.append(result.exception)
+        if value_branches and _data_dependent(result.exception):
+            program = _capture_branch_taken(module, args, dynamic_shapes)
+            if program is not None:
+                return program
     raise failures[0]
+
+
+def _data_dependent(error: BaseException | None) -> bool:
+    """Did torch.export stop at Python control flow on a tensor's value (a guard on a data-dependent size)?"""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, GuardOnDataDependentSymNode) or "data-dependent expression" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _capture_branch_taken(
+    module: torch.nn.Module, args: tuple, dynamic_shapes: tuple
+) -> torch.export.ExportedProgram | None:
+    """The capture a data-dependent branch stopped, repeated with the example inputs' values at hand
+    (``torch.export.draft_export``: fake tensors carry the real ones): each such decision is taken as these inputs
+    take it and kept in the program as a runtime assertion, as the TorchScript route traces the branch taken.
+    Logged at WARNING with where each decision was made; None if that capture fails too."""
+    try:
+        program = torch.export.draft_export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as e:  # noqa: BLE001 (the first error is the one to report)
+        logger.debug("draft_export failed too: %s", e, exc_info=True)
+        return None
+    report = getattr(program, "_report", None)
+    decisions = [
+        failure for failure in getattr(report, "failures", ()) if "DATA_DEPENDENT" in str(failure.failure_type)
+    ]
+    logger.warning(
+        "torch.export cannot capture %s whole: %d decision(s) on tensor values (%s). The graph takes them as the "
+        "first batch does; a batch that decides otherwise is not detected (as on the TorchScript route)",
+        type(getattr(getattr(module, "target", module), "module", module)).__name__,
+        len(decisions),
+        "; ".join(sorted({_decision_site(f, _file_numbers(report)) for f in decisions})) or "sites not reported",
+    )
+    return program
+
+
+def _file_numbers(report: Any) -> dict[int, str]:
+    """File names by the numbers torch's structured log gives them (the report holds only those first seen while
+    it captured; torch's table holds the rest)."""
+    files = dict(getattr(report, "str_to_filename", {}) or {})
+    try:
+        from torch._logging.structured import INTERN_TABLE
+
+        files.update({number: name for name, number in INTERN_TABLE.items()})
+    except ImportError:
+        pass
+    return files
+
+
+def _decision_site(failure: Any, files: dict[int, str]) -> str:
+    """``expr at file:line: code`` for one data-dependent decision of a ``draft_export`` report (its user stack holds
+    file numbers of ``files``, the report's ``str_to_filename``)."""
+    data = getattr(failure, "data", {}) or {}
+    expr = data.get("expr", "?")
+    try:
+        stack = data.get("user_stack") or []
+        stack = ast.literal_eval(stack) if isinstance(stack, str) else stack
+        frame = stack[-1]
+        where = frame["filename"]
+        where = files.get(where, files.get(str(where), "?")) if not isinstance(where, str) else where
+        return f"{expr} at {where}:{frame['line']}: {frame['loc']}"
+    except (ValueError, SyntaxError, IndexError, KeyError, TypeError):
+        return str(expr)
 
 
 @hookimpl
 def ortcore_exporters(config: Any) -> dict[str, Any]:
-    return {DYNAMO: lambda config: DynamoExporter(inline_autograd_functions=custom_autograd_disabled(config.env))}
+    return {
+        DYNAMO: lambda config: DynamoExporter(
+            inline_autograd_functions=custom_autograd_disabled(config.env),
+            value_branches=_options(config).value_branches,
+        )
+    }
+
+
+@hookimpl
+def ortcore_options_class() -> type:
+    return DynamoExporterOptions

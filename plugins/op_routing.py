@@ -949,7 +949,7 @@ def _program_reason(
         if route.gradient_only and not aten_program.may_need_gradient(node, reach):
             continue
         return route.reason
-    if not candidates and gaps and not aten_program.has_translation(target, translated):
+    if not candidates and gaps and not aten_program.has_translation(target, translated, node):
         return EXPORTER_GAP_DYNAMO
     return None
 

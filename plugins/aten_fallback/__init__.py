@@ -112,7 +112,9 @@ def ortcore_configure(config: Config) -> None:
 
 
 @hookimpl
-def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
+def ortcore_export_symbolics(config: Config) -> dict[str, Any] | None:
+    if exporter_name(config) != TORCHSCRIPT:
+        return None  # symbolics are the TorchScript route's; the dynamo route routes in its program pass
     ops = routed_ops(config)
     listed = fallback_ops(config)
     if ops or listed:

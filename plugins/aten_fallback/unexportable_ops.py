@@ -173,7 +173,7 @@ def program_pass(listed: Iterable[str]) -> Callable[[Any, Any], int]:
             name = node.target._schema.name
             if name in names:
                 return "listed in fallback_ops"
-            if auto and not aten_program.has_translation(node.target, context.translated):
+            if auto and not aten_program.has_translation(node.target, context.translated, node):
                 return "it has no onnxscript translation"
             return None
 

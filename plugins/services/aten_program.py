@@ -206,10 +206,15 @@ _HANDLED_NAMESPACES = ("onnx",)
 _HANDLED_PREFIXES = ("_assert", "sym_constrain_range")
 
 
-def has_translation(target: Any, translated: frozenset = frozenset()) -> bool:
+def has_translation(target: Any, translated: frozenset = frozenset(), node: torch.fx.Node | None = None) -> bool:
     """Can the dynamo exporter write ``target`` (an ``OpOverload``) in ONNX: has it a torchlib function, or a
     decomposition (torch.export's default ones, PyTorch's table, a CompositeImplicitAutograd kernel), or a plugin's
     translation (``translated``: a pass's ``PassContext.translated``)?
+
+    Given the call (``node``, with its values' metadata), a decomposition counts only when every op it produces for
+    these arguments can be written in turn (:func:`_decomposition_ops`): ``cdist`` decomposes into
+    ``_cdist_forward`` for small inputs, ``rrelu`` into ``rrelu_with_noise``, ``matrix_exp`` into
+    ``linalg_matrix_exp``, none of which the exporter has.
 
     Ops of ortcore's own ``ortcore*`` namespaces count as written: the plugin that puts them in the program
     translates them.
@@ -217,16 +222,67 @@ def has_translation(target: Any, translated: frozenset = frozenset()) -> bool:
     if not isinstance(target, torch._ops.OpOverload) or target in translated:
         return True
     if target._schema.is_mutable:
-        # torch.onnx translates an in-place or out= call as its functional form (``copy_`` as ``copy``)
-        functional = _functional_op(target)
-        return functional is None or has_translation(functional)
+        # torch.onnx translates an in-place or out= call as its functional form (``copy_`` as ``copy``), and a call
+        # that writes another argument as the op functionalization gives it (``rrelu_with_noise_functional``)
+        functional = _functional_op(target) or _functionalized_op(target)
+        return functional is None or has_translation(functional, translated)
     namespace = target.namespace
     name = target._schema.name.rpartition("::")[2]
     if namespace.startswith("ortcore") or namespace in _HANDLED_NAMESPACES or name.startswith(_HANDLED_PREFIXES):
         return True
-    if _qualified(target) in _translated() or target in _decomposed():
+    if _qualified(target) in _translated():
         return True
-    return torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
+    decomposes = target in _decomposed() or torch._C._dispatch_has_kernel_for_dispatch_key(
+        target.name(), "CompositeImplicitAutograd"
+    )
+    if not decomposes or node is None:
+        return decomposes
+    produced = _decomposition_ops(node)
+    if produced is None:  # the decomposition could not be traced here: trust it, as the exporter will try it
+        return True
+    return all(has_translation(op, translated, inner) for op, inner in produced)
+
+
+_DECOMPOSITION_DEPTH = 4  # decompositions of decompositions followed at most this deep
+_depth = threading.local()
+
+
+def _decomposition_ops(node: torch.fx.Node) -> list[tuple[Any, torch.fx.Node]] | None:
+    """The aten calls that ``node``'s op decomposes into for the call's own arguments (its inputs' fake values), each
+    with its node in the traced decomposition; None when the call cannot be traced on its metadata."""
+    depth = getattr(_depth, "value", 0)
+    if depth >= _DECOMPOSITION_DEPTH:
+        return None
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), _val)
+        values = [v for v in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        if not values or not all(isinstance(v, FakeTensor) for v in values):
+            return None
+        fake_mode = values[0].fake_mode
+        target = node.target
+        table = (
+            {target: torch._decomp.decomposition_table[target]} if target in torch._decomp.decomposition_table else {}
+        )
+
+        def call(*flat: Any) -> Any:
+            a, k = torch.utils._pytree.tree_unflatten(list(flat), spec)
+            return target(*a, **k)
+
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        _depth.value = depth + 1
+        with fake_mode:
+            traced = make_fx(call, decomposition_table=table, tracing_mode="real")(*flat)
+    except Exception:  # noqa: BLE001 (symbolic sizes, ops without a fake kernel: nothing to learn here)
+        return None
+    finally:
+        _depth.value = depth
+    calls = [(n.target, n) for n in traced.graph.nodes if n.op == "call_function"]
+    if any(target is node.target for target, _ in calls):
+        return None  # not decomposed at all
+    return [(t, n) for t, n in calls if isinstance(t, torch._ops.OpOverload)]
 
 
 # -- routing one call -------------------------------------------------------------------------------------------------
@@ -401,6 +457,15 @@ def _functional_op(target: Any) -> Any:
     if not first.alias_info.is_write:
         return None
     return getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
+
+
+def _functionalized_op(target: Any) -> Any:
+    """``aten.<name>_functional``, the op functionalization replaces a call of ``target`` with when ``target`` writes
+    an argument other than its first (``rrelu_with_noise`` writes its noise), else None."""
+    if target.namespace != "aten":
+        return None
+    name = target._schema.name.rpartition("::")[2]
+    return getattr(getattr(torch.ops.aten, f"{name}_functional", None), target._overloadname, None)
 
 
 def _is_view(node: torch.fx.Node) -> bool:

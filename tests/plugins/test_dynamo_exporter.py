@@ -340,8 +340,35 @@ class Branches(nn.Module):
         return h.sum()
 
 
+REFUSE_VALUE_BRANCHES = {plugin.ENV_VALUE_BRANCHES: "0"}
+
+
+@pytest.mark.parametrize("model_class", ["Branches", "CountsLabels"])
+def test_a_branch_on_a_tensor_value_is_taken_as_the_batch_takes_it(model_class, caplog):
+    """torch.export refuses Python branches on a tensor's value (no graph break inside one graph); the capture is
+    repeated with the batch's values at hand (draft_export), the branch this batch takes is in the graph, and a
+    WARNING names the line. Gradients are eager's for that batch."""
+    module = Branches() if model_class == "Branches" else CountsLabels()
+    reference = copy.deepcopy(module)
+    model = ORTModule(module, host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    inputs = (torch.randn(3, 4),) if model_class == "Branches" else (torch.randn(3, 4), torch.tensor([0, 2, 1]))
+    with caplog.at_level(logging.WARNING, logger="ortcore"):
+        loss = model(*inputs)
+    loss.backward()
+    expected = reference(*inputs)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    warned = [r.getMessage() for r in caplog.records if "decision(s) on tensor values" in r.getMessage()]
+    assert warned and "test_dynamo_exporter.py:" in warned[0], warned
+    assert ("if h.sum() > 0" if model_class == "Branches" else "if kept.size(0) > 0") in warned[0]
+
+
 def test_data_dependent_control_flow_error_names_the_line():
-    model = ORTModule(Branches(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    model = ORTModule(
+        Branches(), host=dynamo_host(env=REFUSE_VALUE_BRANCHES), exporter="dynamo", fallback_policy="FALLBACK_DISABLE"
+    )
     with pytest.raises(
         UnsupportedModelError, match=r"test_dynamo_exporter.py\", line \d+, in forward: if h.sum\(\) > 0.*torch.cond"
     ):
@@ -366,7 +393,12 @@ class CountsLabels(nn.Module):
 def test_data_dependent_size_error_names_the_models_line():
     """torch.export's message names no line for a guard on a data-dependent size; the model's frame is found in the
     error's traceback instead."""
-    model = ORTModule(CountsLabels(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    model = ORTModule(
+        CountsLabels(),
+        host=dynamo_host(env=REFUSE_VALUE_BRANCHES),
+        exporter="dynamo",
+        fallback_policy="FALLBACK_DISABLE",
+    )
     with pytest.raises(
         UnsupportedModelError,
         match=r"test_dynamo_exporter.py\", line \d+, in forward: if kept.size\(0\) > 0.*torch.cond",

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -218,8 +219,8 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{what}: {m}")
 
 
-def _compare(ort: nn.Module, ref: nn.Module, x: torch.Tensor, steps: int = 3) -> ORTModule:
-    wrapped = ORTModule(ort, fallback_policy="FALLBACK_DISABLE")
+def _compare(ort: nn.Module, ref: nn.Module, x: torch.Tensor, steps: int = 3, **options: Any) -> ORTModule:
+    wrapped = ORTModule(ort, fallback_policy="FALLBACK_DISABLE", **options)
     opt_o = torch.optim.AdamW(ort.parameters(), lr=1e-2)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(steps):
@@ -589,6 +590,59 @@ def test_an_out_call_runs_as_its_functional_op(exporter: str):
         x = torch.randn(batch, 4)
         with torch.no_grad():
             _close(wrapped(x), model(x), f"batch {batch} output")
+    assert wrapped.state_machine.counters.fallbacks == 0
+
+
+class DecomposesIntoGaps(nn.Module):
+    """Ops the dynamo exporter decomposes, for these arguments, into ops it has no translation for: ``cdist`` (into
+    ``_cdist_forward`` for small inputs), eval-mode ``rrelu`` (into ``rrelu_with_noise``, written in place and
+    functionalized), ``matrix_exp`` (into ``linalg_matrix_exp``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.proto = nn.Parameter(torch.randn(3, 4))
+        self.act = nn.RReLU().eval()
+
+    def forward(self, x):
+        h = self.act(self.lin(x))
+        rotation = torch.matrix_exp(0.1 * (self.lin.weight - self.lin.weight.T))
+        return torch.cdist(h, self.proto), h @ rotation
+
+
+def test_ops_that_decompose_into_untranslatable_ops_are_routed_whole():
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = DecomposesIntoGaps()
+    wrapped = _compare(model, copy.deepcopy(model), torch.randn(5, 4), exporter="dynamo")
+    counters = wrapped.state_machine.counters
+    assert (counters.fallbacks, counters.repairs) == (0, 0)
+    assert counters.routed_ops >= 3
+
+
+class FoldsPatches(nn.Module):
+    """Overlapping patches, a linear map of each, folded back: ORT has no gradient builder for the ``Col2Im`` the
+    dynamo exporter writes for ``fold``."""
+
+    def __init__(self):
+        super().__init__()
+        self.unfold = nn.Unfold(kernel_size=3, padding=1)
+        self.lin = nn.Linear(2 * 9, 2 * 9)
+        self.fold = nn.Fold(output_size=(6, 6), kernel_size=3, padding=1)
+
+    def forward(self, x):
+        return self.fold(self.lin(self.unfold(x).transpose(1, 2)).transpose(1, 2))
+
+
+def test_an_op_ort_cannot_differentiate_is_found_by_its_node_and_routed():
+    """The dynamo exporter records on each ONNX node the aten op it came from: the build failure names the node,
+    the repair routes that op."""
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = FoldsPatches()
+    wrapped = _compare(model, copy.deepcopy(model), torch.randn(2, 2, 6, 6), exporter="dynamo")
+    assert [r.description for r in wrapped.repairs] == ["op aten::col2im runs in PyTorch"]
+    assert wrapped.repairs[0].reason.startswith("build failed")
     assert wrapped.state_machine.counters.fallbacks == 0
 
 

@@ -30,7 +30,7 @@ import importlib_metadata
 import pluggy
 
 from . import hookspecs
-from .config import Config, CoreOptions, build_options
+from .config import Config, CoreOptions, build_options, find_config_file
 from .errors import OptionError, ORTCoreError
 from .graph_passes import GraphPass, order_passes
 
@@ -565,9 +565,16 @@ _pinned = False
 
 
 def _environment_key() -> tuple:
-    """What the default host was built from: the working directory and every ortcore-related variable."""
+    """What the default host was built from: the working directory, every ortcore-related variable and the config
+    file found from them (its path, modification time and size), so a file written or edited since is read again."""
     variables = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("ORTMODULE_", "ORTCORE_"))))
-    return os.getcwd(), variables
+    try:
+        file = find_config_file()
+        stat = file.stat() if file is not None else None
+        found = (str(file), stat.st_mtime_ns, stat.st_size) if stat is not None else None
+    except (OptionError, OSError) as e:  # building the host reports it
+        found = ("error", str(e))
+    return os.getcwd(), variables, found
 
 
 def get_host() -> PluginHost:

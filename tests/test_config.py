@@ -95,3 +95,23 @@ def test_fallback_policy_from_file_reaches_the_model():
     host = make_host(table={"fallback_policy": "FALLBACK_DISABLE"})
     model = ORTModule(torch.nn.Linear(2, 2), host=host)
     assert model.runtime_options.fallback_policy == FallbackPolicy.FALLBACK_DISABLE
+
+
+def test_a_config_file_written_after_a_failed_construction_is_read(tmp_path, monkeypatch):
+    """The process-wide host is rebuilt when the config file changes (path, mtime, size), not only when the
+    environment does: an ORTModule that failed to construct must not leave a host that ignores a file written after."""
+    from ortcore.plugins import set_host
+
+    monkeypatch.chdir(tmp_path)
+    previous = set_host(None)  # the unpinned default host, built from this directory
+    try:
+        with pytest.raises(OptionError, match="opset"):
+            ORTModule(torch.nn.Linear(2, 2), opset=3)
+        (tmp_path / "ortcore.toml").write_text('exporter = "no_such_exporter"\n')
+        with pytest.raises(OptionError, match="no_such_exporter"):
+            ORTModule(torch.nn.Linear(2, 2))(torch.randn(1, 2))
+        (tmp_path / "ortcore.toml").write_text("opset = 99\n")
+        with pytest.raises(OptionError, match="99"):
+            ORTModule(torch.nn.Linear(2, 2))(torch.randn(1, 2))
+    finally:
+        set_host(previous)

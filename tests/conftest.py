@@ -12,6 +12,10 @@ sys.path.insert(0, os.path.dirname(__file__))  # so test files can `import model
 
 import models  # noqa: E402
 
+# ortcore's fixtures for plugin tests (ortcore_host): opt-in, so that installing ortcore changes no other project's
+# pytest runs.
+pytest_plugins = ["ortcore.testing"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -146,6 +146,10 @@ def build_graph(request: BuildRequest, purpose: str = "train") -> BuiltGraph:
         raise GraphBuildError(f"ONNX Runtime could not build the {kind} graph: {explain_ort_error(e)}") from e
 
 
+# ORT's gradient builder on a name to train that no output depends on through ops with a gradient.
+_UNREACHABLE = re.compile(r"Cannot compute the partial derivative for '([^']+)' as it's unreachable")
+
+
 class _GraphBuild:
     """One run of ORT's graph builder and the core's edits of what it made."""
 
@@ -154,17 +158,29 @@ class _GraphBuild:
         model, no_grad_outputs, train_names = plan.model, plan.no_grad_outputs, plan.train_names
         if r.build_gradient:
             _refuse_differentiated_control_flow(model)
-        cfg = C.OrtModuleGraphBuilderConfiguration()
-        cfg.initializer_names = list(r.input_names)
-        cfg.initializer_names_to_train = list(train_names)
-        cfg.input_names_require_grad = [n for n in r.user_input_names if n in set(train_names)]
-        cfg.build_gradient_graph = r.build_gradient
-        cfg.enable_caching = False
-        cfg.use_memory_efficient_gradient = False
-        cfg.loglevel = _SEVERITY[r.log_level.ort_severity]
-        builder = C.OrtModuleGraphBuilder()
-        builder.initialize(model.SerializeToString(), cfg)
-        builder.build(r.transformer_config or C.TrainingGraphTransformerConfiguration())
+        train_names = list(train_names)
+        while True:
+            cfg = C.OrtModuleGraphBuilderConfiguration()
+            cfg.initializer_names = list(r.input_names)
+            cfg.initializer_names_to_train = list(train_names)
+            cfg.input_names_require_grad = [n for n in r.user_input_names if n in set(train_names)]
+            cfg.build_gradient_graph = r.build_gradient
+            cfg.enable_caching = False
+            cfg.use_memory_efficient_gradient = False
+            cfg.loglevel = _SEVERITY[r.log_level.ort_severity]
+            builder = C.OrtModuleGraphBuilder()
+            builder.initialize(model.SerializeToString(), cfg)
+            try:
+                builder.build(r.transformer_config or C.TrainingGraphTransformerConfiguration())
+                break
+            except Exception as e:  # noqa: BLE001 (pybind's error types)
+                # A name whose every path to the outputs crosses an op without a gradient (argmax, a comparison, an
+                # index): torch gives it no gradient (None), ORT refuses to build. Build without it, as torch.
+                unreachable = _UNREACHABLE.search(str(e))
+                if unreachable is None or unreachable.group(1) not in train_names:
+                    raise
+                train_names.remove(unreachable.group(1))
+                logger.debug("%s gets no gradient: no output depends on it differentiably", unreachable.group(1))
         info = builder.get_graph_info()
         model_bytes = builder.get_gradient_model() if r.build_gradient else builder.get_forward_model()
         self.model = onnx.load_model_from_string(model_bytes)

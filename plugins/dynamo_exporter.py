@@ -999,11 +999,21 @@ def _capture_branch_taken(
     take it and kept in the program as a runtime assertion, as the TorchScript route traces the branch taken.
     Logged at WARNING with where each decision was made; None if that capture fails too."""
     try:
-        program = torch.export.draft_export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+        draft = torch.export.draft_export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # noqa: BLE001 (the first error is the one to report)
         logger.debug("draft_export failed too: %s", e, exc_info=True)
         return None
-    report = getattr(program, "_report", None)
+    report = getattr(draft, "_report", None)
+    # The draft program's fake tensors still carry the real values, and what later traces it (the passes,
+    # torch.onnx's decompositions) would run every kernel on them and check custom ops' schemas against what they
+    # did. Its graph has no branch left on a value: exported again, it gives a program like any other.
+    try:
+        # dynamic_shapes is given for a forward(*args), the draft's module takes the arguments one by one
+        flat = dynamic_shapes[0] if len(dynamic_shapes) == 1 and len(args) != 1 else dynamic_shapes
+        program = torch.export.export(draft.module(), args, dynamic_shapes=flat, strict=False)
+    except Exception as e:  # noqa: BLE001 (the draft program serves, traced with real values)
+        logger.debug("exporting the draft program again failed: %s", e, exc_info=True)
+        program = draft
     decisions = [
         failure for failure in getattr(report, "failures", ()) if "DATA_DEPENDENT" in str(failure.failure_type)
     ]

@@ -209,6 +209,26 @@ def test_detached_teacher_gets_none_not_zeros_and_student_matches_torch():
     assert_close(ort.teacher.weight, ref.teacher.weight, "teacher weight after training")
 
 
+class HardRouter(nn.Module):
+    """A hard choice (VQ codebooks, top-1 routers): the router's weight reaches the loss only through ``argmax``,
+    which has no gradient. torch gives it None; ORT's builder refuses a name it cannot reach from the outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 5)
+        self.codes = nn.Embedding(5, 3)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.codes(self.router(x).argmax(-1)) * self.head(x)
+
+
+def test_parameter_reaching_the_loss_only_through_argmax_gets_none_as_in_torch():
+    ort, ref = check_parity(HardRouter(), features, summed)
+    assert ref.router.weight.grad is None and ort.router.weight.grad is None
+    assert_close(ort.router.weight, ref.router.weight, "router weight after training (AdamW skips a None gradient)")
+
+
 # -- 6. DeBERTa-v2 ----------------------------------------------------------------------------------------------------
 
 

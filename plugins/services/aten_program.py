@@ -232,9 +232,12 @@ def has_translation(target: Any, translated: frozenset = frozenset(), node: torc
         return True
     if _qualified(target) in _translated():
         return True
-    decomposes = target in _decomposed() or torch._C._dispatch_has_kernel_for_dispatch_key(
-        target.name(), "CompositeImplicitAutograd"
-    )
+    try:
+        decomposes = target in _decomposed() or torch._C._dispatch_has_kernel_for_dispatch_key(
+            target.name(), "CompositeImplicitAutograd"
+        )
+    except RuntimeError:  # an op the dispatcher does not know by name (aten.size.default): the exporter's own
+        return True
     if not decomposes or node is None:
         return decomposes
     produced = _decomposition_ops(node)

@@ -22,7 +22,7 @@ API_VERSION = (1, 0)
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
     # hooks
-    "hookimpl": "ortcore.hookspecs",
+    "hookimpl": "ortcore.markers",
     # graph passes
     "GraphPass": "ortcore.graph_passes",
     "PassContext": "ortcore.graph_passes",
@@ -70,7 +70,7 @@ _NAMES: dict[str, str] = {
     "INPUT_RANGES_METADATA": "ortcore.graph",
     "BuiltGraph": "ortcore.session",
     "TrainingSession": "ortcore.session",
-    "SessionPlan": "ortcore.pipeline",
+    "SessionPlan": "ortcore.session_plan",
     "RuntimeInspector": "ortcore.inspectors",
     "ForwardInputs": "ortcore.inspectors",
     "Failure": "ortcore.repair",

@@ -81,8 +81,8 @@ _NAMES: dict[str, str] = {
     # graph metadata and node kinds
     "ROUTED_METADATA_PREFIX": "ortcore.explain",
     "KEPT_METADATA_PREFIX": "ortcore.explain",
-    "ATEN_DOMAIN": "ortcore.explain",
-    "PYTHON_OP_DOMAIN": "ortcore.explain",
+    "ATEN_DOMAIN": "ortcore.domains",
+    "PYTHON_OP_DOMAIN": "ortcore.domains",
     "operator_of": "ortcore.explain",
     "aten_kind": "ortcore.explain",
     # files and tables

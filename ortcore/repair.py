@@ -333,8 +333,9 @@ _NODE_ATEN = re.compile(r":\s*aten\.(\w+)\.\w+$")
 
 
 def _exported_from(onnx_model: Any, nodes: Sequence[str]) -> list[str]:
-    """The ``aten::`` ops the named nodes of ``onnx_model`` were exported from, where the graph records it."""
-    wanted = set(nodes)
+    """The ``aten::`` ops the named nodes of ``onnx_model`` were exported from, where the graph records it. A node of
+    ORT's gradient graph (``node_MatMul_340_Grad/Gemm_10/...``) stands for the forward node it differentiates."""
+    wanted = set(nodes) | {name.partition("_Grad/")[0] for name in nodes if "_Grad/" in name}
     found = []
     for node in onnx_model.graph.node:
         if node.name in wanted:

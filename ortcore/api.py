@@ -22,7 +22,7 @@ API_VERSION = (1, 0)
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
     # hooks
-    "hookimpl": "ortcore.hookspecs",
+    "hookimpl": "ortcore.markers",
     # graph passes
     "GraphPass": "ortcore.graph_passes",
     "PassContext": "ortcore.graph_passes",
@@ -70,7 +70,7 @@ _NAMES: dict[str, str] = {
     "INPUT_RANGES_METADATA": "ortcore.graph",
     "BuiltGraph": "ortcore.session",
     "TrainingSession": "ortcore.session",
-    "SessionPlan": "ortcore.pipeline",
+    "SessionPlan": "ortcore.session_plan",
     "RuntimeInspector": "ortcore.inspectors",
     "ForwardInputs": "ortcore.inspectors",
     "Failure": "ortcore.repair",
@@ -81,8 +81,8 @@ _NAMES: dict[str, str] = {
     # graph metadata and node kinds
     "ROUTED_METADATA_PREFIX": "ortcore.explain",
     "KEPT_METADATA_PREFIX": "ortcore.explain",
-    "ATEN_DOMAIN": "ortcore.explain",
-    "PYTHON_OP_DOMAIN": "ortcore.explain",
+    "ATEN_DOMAIN": "ortcore.domains",
+    "PYTHON_OP_DOMAIN": "ortcore.domains",
     "operator_of": "ortcore.explain",
     "aten_kind": "ortcore.explain",
     # files and tables

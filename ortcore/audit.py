@@ -43,6 +43,7 @@ import torch
 from . import kinks
 from .errors import ORTCoreError
 from .hooks._subscribers import Tapper, subscription_of, tapping
+from .repair import node_module  # noqa: F401 (also read here by tests and plugins)
 from .schema import InputSchema, flatten_outputs
 
 logger = logging.getLogger("ortcore")
@@ -258,26 +259,6 @@ def dropout_off(model: torch.nn.Module) -> Iterator[int]:
 
 
 # -- module paths of ONNX nodes -------------------------------------------------------------------------------------
-
-
-def node_module(node_name: str, module_paths: set[str]) -> str | None:
-    """The module path of an exported node (``/module/encoder/layer.0/attention/MatMul`` -> ``encoder.layer.0
-    .attention``), matched against the model's module paths; None if the name carries no scope."""
-    start = node_name.find("/module/")
-    if start < 0:
-        return None
-    parts = node_name[start + len("/module/") :].split("/")[:-1]
-    path = ""
-    for part in parts:
-        candidates = [f"{path}.{part}" if path else part]
-        if "." in part:  # the tracer names numbered children "<parent attribute>.<index>"
-            tail = part.split(".", 1)[1]
-            candidates.append(f"{path}.{tail}" if path else tail)
-        found = next((c for c in candidates if c in module_paths), None)
-        if found is None:
-            break
-        path = found
-    return path
 
 
 def _module_ops(model: onnx.ModelProto, module: str, module_paths: set[str]) -> tuple[str, ...]:

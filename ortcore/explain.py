@@ -25,8 +25,8 @@ ROUTED_METADATA_PREFIX = "ortcore.routed::"
 #: Why an op kind stays on ORT's kernels, where a plugin decided it (``ortcore.kept::<ONNX op type>``): the
 #: ``aten_fallback`` plugin's measured kernel choice, say.
 KEPT_METADATA_PREFIX = "ortcore.kept::"
-ATEN_DOMAIN = "org.pytorch.aten"
-PYTHON_OP_DOMAIN = "com.microsoft"
+from .domains import ATEN_DOMAIN, PYTHON_OP_DOMAIN  # noqa: E402 (re-exported)
+
 #: Why a PythonOp's Function runs in PyTorch, by Function class name; others are custom autograd Functions.
 FUNCTION_REASONS = {"RegionFunction": "modules run in PyTorch as one node each (region_routing)"}
 

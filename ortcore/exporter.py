@@ -22,7 +22,7 @@ import onnx
 import torch
 
 from .errors import UnsupportedDataError, UnsupportedModelError
-from .hookspecs import hookimpl
+from .markers import hookimpl
 from .options import LogLevel
 
 logger = logging.getLogger("ortcore")

@@ -529,7 +529,8 @@ def resolve_stop_gradients(
     return plan.model, plan.no_grad_outputs
 
 
-ATEN_DOMAIN = "org.pytorch.aten"
+from .domains import ATEN_DOMAIN  # noqa: E402
+
 REAL_STOP_GRADIENT_PREFIX = "ortcore.stop_gradient::"
 _DETACH_OPERATOR = ("detach_copy", "default")  # a copy: ORT must own the output, not alias its input
 _registered_edges = False

@@ -27,7 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import pluggy
+from .markers import (
+    hookimpl,  # noqa: F401 (re-exported: the import plugins and their docs use)
+    hookspec,
+)
 
 if TYPE_CHECKING:
     import onnxruntime
@@ -38,12 +41,8 @@ if TYPE_CHECKING:
     from .graph import ExportedGraph
     from .graph_passes import GraphPass
     from .inspectors import RuntimeInspector
-    from .pipeline import BuiltGraph, SessionPlan
     from .repair import Failure, Repair
-    from .session import TrainingSession
-
-hookspec = pluggy.HookspecMarker("ortcore")
-hookimpl = pluggy.HookimplMarker("ortcore")
+    from .session import BuiltGraph, SessionPlan, TrainingSession
 
 
 # -- configure ----------------------------------------------------------------------------------------------------

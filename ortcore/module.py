@@ -28,7 +28,7 @@ from .errors import (
 )
 from .exporter import Exporter
 from .graph import ExportedGraph, range_violations, update_batch_norm
-from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of
+from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of, use_default_host
 from .inspectors import ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .pipeline import Pipeline
@@ -39,6 +39,8 @@ from .session import TrainingSession
 from .state import ExportStateMachine, GraphKey, describe_violation
 
 logger = logging.getLogger("ortcore")
+
+use_default_host(get_host)  # subscriptions made without a host use the process-wide one, as ORTModules do
 
 # Graphs one key may grow for calls whose sizes fall outside the ranges of the graphs before (Module._resolve).
 MAX_SHAPE_CLASSES = 4
@@ -392,6 +394,12 @@ class ORTModule(torch.nn.Module):
     @property
     def module(self) -> torch.nn.Module:
         """The wrapped model."""
+        return self._original_module
+
+    @property
+    def __ortcore_wrapped__(self) -> torch.nn.Module:
+        """The wrapped model, for code below this module that must not import it (activation subscriptions belong
+        to the wrapped model)."""
         return self._original_module
 
     @property

@@ -267,9 +267,27 @@ def modules_in_traceback(error: BaseException, model: torch.nn.Module) -> list[s
     return list(dict.fromkeys(found))
 
 
-def _node_modules(nodes: Sequence[Any], module_paths: set[str]) -> list[str]:
-    from .audit import node_module
+def node_module(node_name: str, module_paths: set[str]) -> str | None:
+    """The module path of an exported node (``/module/encoder/layer.0/attention/MatMul`` -> ``encoder.layer.0
+    .attention``), matched against the model's module paths; None if the name carries no scope."""
+    start = node_name.find("/module/")
+    if start < 0:
+        return None
+    parts = node_name[start + len("/module/") :].split("/")[:-1]
+    path = ""
+    for part in parts:
+        candidates = [f"{path}.{part}" if path else part]
+        if "." in part:  # the tracer names numbered children "<parent attribute>.<index>"
+            tail = part.split(".", 1)[1]
+            candidates.append(f"{path}.{tail}" if path else tail)
+        found = next((c for c in candidates if c in module_paths), None)
+        if found is None:
+            break
+        path = found
+    return path
 
+
+def _node_modules(nodes: Sequence[Any], module_paths: set[str]) -> list[str]:
     return [m for m in (node_module(n, module_paths) for n in nodes) if m]
 
 
@@ -315,8 +333,9 @@ _NODE_ATEN = re.compile(r":\s*aten\.(\w+)\.\w+$")
 
 
 def _exported_from(onnx_model: Any, nodes: Sequence[str]) -> list[str]:
-    """The ``aten::`` ops the named nodes of ``onnx_model`` were exported from, where the graph records it."""
-    wanted = set(nodes)
+    """The ``aten::`` ops the named nodes of ``onnx_model`` were exported from, where the graph records it. A node of
+    ORT's gradient graph (``node_MatMul_340_Grad/Gemm_10/...``) stands for the forward node it differentiates."""
+    wanted = set(nodes) | {name.partition("_Grad/")[0] for name in nodes if "_Grad/" in name}
     found = []
     for node in onnx_model.graph.node:
         if node.name in wanted:

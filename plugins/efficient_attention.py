@@ -39,7 +39,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortcore.api import Config, GraphPass, OptionError, PassContext, hookimpl, option
+from ortcore.api import ATEN_DOMAIN, Config, GraphPass, OptionError, PassContext, hookimpl, option
 from ortcore_plugins.services import aten_executor as executor
 
 logger = logging.getLogger("ortcore.efficient_attention")
@@ -47,7 +47,6 @@ logger = logging.getLogger("ortcore.efficient_attention")
 NAME = "efficient_attention"
 ENV = "ORTMODULE_USE_EFFICIENT_ATTENTION"
 PASS_NAME = "efficient_attention.fuse"
-ATEN_DOMAIN = "org.pytorch.aten"
 # The torch.library namespace of the packed forward and backward ops.
 NAMESPACE = "ortcore_attention"
 FORWARD_OP = f"{NAMESPACE}::sdpa_packed"

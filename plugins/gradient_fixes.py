@@ -60,11 +60,13 @@ NAME = "gradient_fixes"
 PASS_NAME = "gradient_fixes.broadcast"
 CONV_PASS_NAME = "gradient_fixes.conv"
 MATMUL_PASS_NAME = "gradient_fixes.vector_matmul"
+BATCH_NORM_PASS_NAME = "gradient_fixes.stateless_batch_norms"
 HIDDEN_PASS_NAME = "gradient_fixes.hidden_broadcasts"  # a program pass of the dynamo route: reports, changes nothing
 # Bumped whenever a pass's output changes, so export caches do not serve graphs made by an older pass.
 PASS_VERSION = 1
 CONV_PASS_VERSION = 1
 MATMUL_PASS_VERSION = 1
+BATCH_NORM_PASS_VERSION = 1
 
 # Ops whose ORT gradient never reduces a broadcast input (input indices that get a gradient).
 NO_REDUCTION: dict[str, tuple[int, ...]] = {"Where": (1, 2), "Pow": (0,)}
@@ -791,12 +793,117 @@ def _run_matmul(model: onnx.ModelProto, context: PassContext) -> None:
     fix_vector_matmul_gradients(model, context)
 
 
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Each value's element type as ONNX shape inference finds it (values it cannot type are missing)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+    except Exception:  # noqa: BLE001 (custom domains): the exported value_info only
+        inferred = model
+    graph = inferred.graph
+    return {
+        v.name: v.type.tensor_type.elem_type
+        for v in (*graph.input, *graph.value_info, *graph.output)
+        if v.type.tensor_type.elem_type
+    }
+
+
+class _NodeWriter:
+    """Nodes written under one scope, each output a fresh name of the graph."""
+
+    def __init__(self, names: ValueNames, scope: str):
+        self.names, self.scope, self.nodes = names, scope, []
+
+    def add(self, op: str, inputs: list[str], what: str, **attributes: Any) -> str:
+        out = self.names.fresh(f"{self.scope}/{what}")
+        self.nodes.append(onnx.helper.make_node(op, inputs, [out], name=out, **attributes))
+        return out
+
+    def int64s(self, what: str, values: list[int]) -> str:
+        name, node = self.names.int64s(f"{self.scope}/{what}", values)
+        self.nodes.append(node)
+        return name
+
+    def mean_over(self, value: str, axes: list[int], opset: int, what: str) -> str:
+        if opset >= 18:  # axes an input from opset 18
+            return self.add("ReduceMean", [value, self.int64s("axes", axes)], what, keepdims=1)
+        return self.add("ReduceMean", [value], what, axes=axes, keepdims=1)
+
+    def batch_norm(self, node: onnx.NodeProto, rank: int, elem_type: int, opset: int) -> list[onnx.NodeProto]:
+        """``node`` (a ``BatchNormalization`` over ``rank`` dimensions of ``elem_type``) as arithmetic writing its
+        first output."""
+        x, scale, bias, mean, var = node.input[:5]
+        channel_shape = self.int64s("channel_shape", [1, -1] + [1] * (rank - 2))
+        if any(a.name == "training_mode" and a.i == 1 for a in node.attribute):
+            axes = [0, *range(2, rank)]
+            centred = self.add("Sub", [x, self.mean_over(x, axes, opset, "mean")], "centred")
+            variance = self.mean_over(self.add("Mul", [centred, centred], "squared"), axes, opset, "var")
+        else:
+            centred = self.add("Sub", [x, self.add("Reshape", [mean, channel_shape], "mean")], "centred")
+            variance = self.add("Reshape", [var, channel_shape], "var")
+        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        eps = self.add("Constant", [], "eps", value=onnx.helper.make_tensor("eps", elem_type, [], [epsilon]))
+        std = self.add("Sqrt", [self.add("Add", [variance, eps], "var_eps")], "std")
+        normalized = self.add("Div", [centred, std], "normalized")
+        scaled = self.add("Mul", [normalized, self.add("Reshape", [scale, channel_shape], "scale")], "scaled")
+        shifted = self.names.fresh(f"{self.scope}/shifted")
+        bias_c = self.add("Reshape", [bias, channel_shape], "bias")
+        self.nodes.append(onnx.helper.make_node("Add", [scaled, bias_c], [node.output[0]], name=shifted))
+        return self.nodes
+
+
+def stateless_batch_norms_as_arithmetic(model: onnx.ModelProto, context: PassContext | None = None) -> int:
+    """Write out each ``BatchNormalization`` that keeps no running statistics and has no affine parameters (constant
+    scale and bias: ``batch_norm(w, None, None, training=True)``, BiT's weight standardisation) as the arithmetic it
+    computes: ``(x - mean) / sqrt(var + eps) * scale + bias``, the statistics over every axis but 1 in training mode,
+    the node's mean and var inputs otherwise.
+
+    ORT's ``BatchNormalization`` gradient names ``<scale>_grad`` and ``<bias>_grad`` whether or not anything needs
+    them, and its optimizer merges equal constants: two such batch norms over the same number of channels then
+    define one gradient twice (``Duplicate definition of name (val_95_grad)``) and the build fails, on either route.
+    The arithmetic is differentiated op by op. A batch norm whose statistics are graph inputs (a module's buffers,
+    which ortcore updates) or whose extra outputs are read is left alone, as is one of unknown rank. Returns how many
+    nodes were written out."""
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    candidates = [
+        (p, n)
+        for p, n in enumerate(graph.node)
+        if n.op_type == "BatchNormalization"
+        and n.domain in ("", "ai.onnx")
+        and len(n.input) >= 5
+        and not {n.input[1], n.input[2], n.input[3], n.input[4]} & inputs
+    ]
+    if not candidates:
+        return 0
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    candidates = [(p, n) for p, n in candidates if not set(n.output[1:]) & read]
+    shapes = infer_shapes(model)[0] if candidates else {}
+    types = _elem_types(model) if candidates else {}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    names = ValueNames(graph)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for position, node in candidates:
+        shape = shapes.get(node.input[0])
+        if shape is not None and len(shape) >= 2:
+            replaced[position] = _NodeWriter(
+                names, f"ortcore.gradient_fixes/{node.name or 'BatchNormalization'}"
+            ).batch_norm(node, len(shape), types.get(node.input[0], onnx.TensorProto.FLOAT), opset)
+    if replaced:
+        splice(graph, replaced)
+    return len(replaced)
+
+
+def _run_stateless_batch_norms(model: onnx.ModelProto, context: PassContext) -> None:
+    stateless_batch_norms_as_arithmetic(model, context)
+
+
 @hookimpl
 def ortcore_graph_passes(config: Config) -> list[GraphPass]:
     return [
         GraphPass(PASS_NAME, run=_run, plugin=NAME),
         GraphPass(CONV_PASS_NAME, run=_run_conv, plugin=NAME),
         GraphPass(MATMUL_PASS_NAME, run=_run_matmul, plugin=NAME),
+        GraphPass(BATCH_NORM_PASS_NAME, run=_run_stateless_batch_norms, plugin=NAME),
     ]
 
 
@@ -826,4 +933,5 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
         "gradient_fixes.broadcast": PASS_VERSION,
         "gradient_fixes.conv": CONV_PASS_VERSION,
         "gradient_fixes.vector_matmul": MATMUL_PASS_VERSION,
+        "gradient_fixes.stateless_batch_norms": BATCH_NORM_PASS_VERSION,
     }

@@ -65,7 +65,7 @@ from ortcore.api import (
     parse_bool,
 )
 from ortcore_plugins.aten_fallback import ROUTABLE_OPS, FallbackExporter, prepare_runtime, type_aten_outputs
-from ortcore_plugins.services import aten_nodes, aten_program
+from ortcore_plugins.services import aten_nodes, aten_program, routed_calls
 from ortcore_plugins.services.aten_nodes import (
     ATEN_DOMAIN,
     FLOAT_TYPES,
@@ -76,10 +76,7 @@ from ortcore_plugins.services.aten_nodes import (
     is_string_constant,
     op_packet,
     register_vjp_gradient,
-    requires_grad,
-    schema_type,
 )
-from ortcore_plugins.services.differentiability import differentiates
 
 logger = logging.getLogger("ortcore.op_routing")
 
@@ -145,7 +142,7 @@ def _repeats_tensor(args: tuple, schema: Any) -> bool:
 def _on_integers(args: tuple, schema: Any) -> bool:
     """The call's first tensor is an integer tensor."""
     for value in args:
-        if value is None or is_none(value) or _is_list(value):
+        if value is None or is_none(value) or routed_calls.is_list(value):
             continue
         try:
             t = value.type()
@@ -433,10 +430,6 @@ def _options(config: Config) -> OpRoutingOptions:
 # -- the routing symbolic ------------------------------------------------------------------------------------------
 
 
-def _is_list(value: Any) -> bool:
-    return value is not None and not is_none(value) and value.node().kind() == "prim::ListConstruct"
-
-
 def _kind_fits(argument: Any, value: Any) -> bool:
     t = argument.type
     if t.kind() == "OptionalType":
@@ -446,10 +439,10 @@ def _kind_fits(argument: Any, value: Any) -> bool:
     elif is_none(value):
         return argument.has_default_value()
     if t.kind() == "ListType" and t.getElementType().kind() == "TensorType":
-        return _is_list(value)
+        return routed_calls.is_list(value)
     if t.kind() == "StringType":
         return is_string_constant(value)
-    return not _is_list(value) or t.kind() == "ListType"
+    return not routed_calls.is_list(value) or t.kind() == "ListType"
 
 
 def match_overload(op: str, args: tuple, node: Any = None) -> Any:
@@ -508,75 +501,10 @@ def _base_symbolic(op: str, opset: int) -> Callable[..., Any] | None:
     return base[max(usable)] if usable else None
 
 
-ABSENT = "absent"  # an optional argument the executor cannot pass, left at None: not an input of the node
-
-
-@attrs.frozen
-class _Flat:
-    """One input of the ATen node: a schema argument, or one tensor of a tensor-list argument."""
-
-    argument: int  # index into the op's schema arguments
-    item: int | None  # index into the list, for a tensor-list argument
-    kind: str  # schema type of this input ("Tensor", "int[]", ...)
-    value: Any  # the traced value
-
-
-def _flatten_call(op: str, schema: Any, args: tuple) -> list[_Flat]:
-    from torch.onnx import symbolic_helper as sh
-
-    flat = []
-    for k, (a, value) in enumerate(zip(schema.arguments, args, strict=True)):
-        t = a.type.getElementType() if a.type.kind() == "OptionalType" else a.type
-        element = t.getElementType() if t.kind() == "ListType" else None
-        optional = element is not None and element.kind() == "OptionalType"
-        if element is not None and (element.getElementType() if optional else element).kind() == "TensorType":
-            if not _is_list(value):
-                raise UnsupportedModelError(
-                    f"the op_routing plugin cannot run aten::{op}: its tensor list {a.name!r} is not built in the graph"
-                )
-            # A None item of a Tensor?[] (index_put's indices, x[:, i]) is no input: the wrapper puts None there.
-            flat.extend(
-                _Flat(k, i, ABSENT if optional and is_none(v) else "Tensor", None if is_none(v) else v)
-                for i, v in enumerate(sh._unpack_list(value))
-            )
-        else:
-            try:
-                kind = schema_type(a.type, op, a.name)
-            except TypeError as e:
-                if a.type.kind() == "OptionalType" and is_none(value):
-                    flat.append(_Flat(k, None, ABSENT, None))  # a generator left at None, say: the wrapper omits it
-                    continue
-                raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: {e}") from e
-            flat.append(_Flat(k, None, kind, value))
-    return flat
-
-
-def _wrapper(
-    op: str,
-    schema: Any,
-    flat: list[_Flat],
-    order: list[int],
-    differentiable: tuple[int, ...],
-    float_inputs: tuple[int, ...],
-) -> str:
-    """Define (once) the ``ortcore_route::`` op taking ``flat`` inputs in ``order`` and calling ``aten::<op>``."""
-    overload = schema.overload_name
-    signature = (
-        f"{op}.{overload}|{[(f.argument, f.item, f.kind) for f in flat]}|{order}|{differentiable}|{float_inputs}"
-    )
-    kinds = [flat[i].kind for i in order]
-    placement = [((flat[i].argument, flat[i].item),) for i in order]
-    lengths: dict[int, int] = {}
-    for f in flat:
-        if f.item is not None:
-            lengths[f.argument] = max(lengths.get(f.argument, 0), f.item + 1)
-    return define_wrapper(op, overload, schema, kinds, placement, signature, lengths)
-
-
 def _on(route: Route, args: tuple) -> bool:
     """Does the route apply on the device of the call's first tensor (unknown: it applies)?"""
     for value in args:
-        if value is None or is_none(value) or _is_list(value):
+        if value is None or is_none(value) or routed_calls.is_list(value):
             continue
         try:
             device = value.type().device()
@@ -599,7 +527,7 @@ def _gradient_flows(args: tuple) -> bool:
     for value in args:
         if value is None or is_none(value):
             continue
-        values.extend(sh._unpack_list(value) if _is_list(value) else [value])
+        values.extend(sh._unpack_list(value) if routed_calls.is_list(value) else [value])
     for value in values:
         try:
             t = value.type()
@@ -621,8 +549,8 @@ def _gradient_reaches(args: tuple) -> bool:
     for value in args:
         if value is None or is_none(value):
             continue
-        values.extend(sh._unpack_list(value) if _is_list(value) else [value])
-    return any(_may_need_grad(v) for v in values if not is_none(v))
+        values.extend(sh._unpack_list(value) if routed_calls.is_list(value) else [value])
+    return any(routed_calls.may_need_grad(v) for v in values if not is_none(v))
 
 
 def route_symbolic(route: Route) -> Callable[..., Any]:
@@ -650,107 +578,17 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
     return symbolic
 
 
-def _may_need_grad(value: Any, any_build: bool = False) -> bool:
-    """May ORT be asked for this input's gradient: does a floating-point path lead to it from a graph input traced
-    with ``requires_grad`` (a trained parameter, an input that requires grad)?
-
-    Read from the graph being exported (values earlier symbolics made carry no requires_grad flag of their own): a
-    constant, a user's input traced without requires_grad, or a value computed only from those or through integers
-    (an RNN's zero initial state, built from the input's shape) needs none. With ``any_build``, in any build of this
-    export (which inputs and parameters require grad is decided per build): only a constant, or a value computed from
-    constants and sizes, never does.
-    """
-    seen: set[str] = set()
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if v.debugName() in seen:
-            continue
-        seen.add(v.debugName())
-        try:
-            t = v.type()
-            scalar = t.scalarType() if t.kind() == "TensorType" else None
-        except (AttributeError, RuntimeError):
-            scalar = None
-        if scalar is not None and scalar not in FLOAT_TYPES:
-            continue  # an integer or boolean value carries no gradient (a shape, indices, a mask)
-        node = v.node()
-        kind = node.kind()
-        if kind in ("onnx::Constant", "prim::Constant"):
-            continue
-        if kind == "prim::Param":
-            if any_build or requires_grad(v) is not False:
-                return True
-            continue
-        stack.extend(node.inputs())
-    return False
-
-
 # Ops the current export routed because the exporter failed on a call (for the reasons in the graph's metadata).
 _failed_ops: set[str] = set()
 
 
 def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     """Export one call of ``aten::<op>`` as an ATen node run by PyTorch, with its VJP gradient."""
-    prepare_runtime()
     if reason == EXPORTER_FAILED:
         _failed_ops.add(op)
-    node = g.original_node
-    outputs_traced = list(node.outputs())
-    if any(r.type.kind() != "TensorType" for r in schema.returns):
-        raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: it returns non-tensors")
-    flat = _flatten_call(op, schema, args)
-    tensors = [i for i, f in enumerate(flat) if f.kind in ("Tensor", "Tensor?")]
-    # Floating-point inputs PyTorch differentiates (fractional_max_pool2d's float random_samples it refuses to).
-    floats = [
-        i
-        for i in tensors
-        if not is_none(flat[i].value)
-        and flat[i].value.type().scalarType() in FLOAT_TYPES
-        and differentiates(schema, flat[i].argument)
-    ]
-    needs = [i for i in floats if _may_need_grad(flat[i].value)]
-    order = [i for i, f in enumerate(flat) if f.kind != ABSENT]
-    if needs and order[0] not in needs:
-        # ORT builds an ATen node's gradient only when its first input needs one: that input goes first.
-        order.remove(needs[0])
-        order.insert(0, needs[0])
-    seen: set[str] = set()
-    for k, f in enumerate(flat):
-        if f.kind in ("Tensor", "Tensor?") and not is_none(f.value):
-            # One value twice among an ATen node's inputs breaks ORT's gradient build (two gradients of one name).
-            if f.value.debugName() in seen:
-                flat[k] = attrs.evolve(f, value=g.op("Identity", f.value))
-            seen.add(f.value.debugName())
-    for f in flat:
-        if f.kind == "Tensor" and is_none(f.value):
-            raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: a tensor argument is None")
-    ordered = [flat[i] for i in order]
-    # ORT writes the gradient of every input a definition names (<input>_grad), needed or not: a constant gets none.
-    float_inputs = tuple(
-        k for k, i in enumerate(order) if i in floats and _may_need_grad(flat[i].value, any_build=True)
-    )
-    # An output nothing reads gets no gradient from ORT: the gradient definition must not ask for it (an RNN's h_n).
-    differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES and v.uses())
-    # Always a wrapper op: its name carries this call's signature, so its gradient definition (registered once per
-    # name, process-wide) fits this call's inputs and outputs.
-    operator, overload = _wrapper(op, schema, flat, order, differentiable, float_inputs), ""
-    packet_schema = op_packet(operator).default._schema
-    inputs = [
-        f.value if f.kind in ("Tensor", "Tensor?") else constant_argument(g, f.value, f.kind, op, f"a{k}")
-        for k, f in enumerate(ordered)
-    ]
-    register_vjp_gradient(operator, overload, packet_schema, differentiable, float_inputs, prepare_runtime)
-    results = aten_node(g, operator, overload, inputs, outputs_traced)
+    results = routed_calls.emit_call(g, op, schema, args, prepare_runtime)
     _note_routed(op, reason)
     return results
-
-
-def emit_wrapped(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
-    """Export one traced call of ``aten::<op>`` (``schema`` its overload) as an ATen node running a wrapper op that
-    takes an input needing a gradient first, tensor lists spread and views copied, with its VJP gradient: for other
-    plugins' symbolics (``aten_fallback``'s listed ops) whose call ORT could not differentiate as it stands."""
-    return _emit(g, op, schema, args, reason)
 
 
 _logged: set[tuple[str, str]] = set()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # so test files can `import models`
+pytest.register_assert_rewrite("ortcore.testing")  # models imports it before pytest_plugins below loads it
 
 import models  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The shape of the code base, read from the source with ``ast`` (nothing is imported):
 
-* the core's modules (``ortcore/``) import one another without a cycle (module-level imports: the ones that run
-  when a module is imported);
+* the core's modules (``ortcore/``), and the plugins' (``plugins/``), import one another without a cycle, counting
+  every import (function-local and ``if TYPE_CHECKING:`` ones too);
 * no plugin module reaches into another plugin: no private name (leading underscore) or private module of another
   plugin is imported or read as an attribute; ``ortcore_plugins.services`` is a public package like any plugin;
 * the core does not import plugins at module level, except the compatibility shims named in :data:`CORE_TO_PLUGIN`.
@@ -102,15 +102,17 @@ def imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
 # -- (a) import cycles among the core's modules ----------------------------------------------------------------------
 
 
-def import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports at module level."""
+def import_graph(root: Path, package: str, *, every_import: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports at module level (``every_import``: at any depth,
+    function-local and ``if TYPE_CHECKING:`` imports too)."""
     files = modules_of(root, package)
     known = set(files)
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), filename=str(path))
-        targets = {t for node in module_level_imports(tree) for t in imported(node, module, is_package, known)}
+        statements = all_imports(tree) if every_import else module_level_imports(tree)
+        targets = {t for node in statements for t in imported(node, module, is_package, known)}
         graph[module] = {t for t in targets if t in known and t != module}
     return graph
 
@@ -124,11 +126,24 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_core_modules_import_one_another_without_a_cycle() -> None:
-    graph = import_graph(CORE, CORE_PACKAGE)
-    assert len(graph) > 20 and graph["ortcore.module"], "the core's modules were not found"
+@pytest.mark.parametrize("root, package", [(CORE, CORE_PACKAGE), (PLUGINS, PLUGINS_PACKAGE)], ids=["core", "plugins"])
+def test_modules_import_one_another_without_a_cycle(root: Path, package: str) -> None:
+    """No cycle, counting every import: a function-local or ``TYPE_CHECKING`` import is a dependency too (types live
+    in the module below both)."""
+    graph = import_graph(root, package, every_import=True)
+    assert len(graph) > 20, f"the modules of {package} were not found"
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle among ortcore's modules: " + " -> ".join(cycle or [])
+    assert cycle is None, f"import cycle among {package}'s modules: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_sees_function_local_and_type_checking_imports(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n")
+    (package / "b.py").write_text("def f():\n    from .a import g\n")
+    assert find_cycle(import_graph(package, "pkg")) is None
+    assert set(find_cycle(import_graph(package, "pkg", every_import=True)) or []) == {"pkg.a", "pkg.b"}
 
 
 # -- (b) plugins use only other plugins' public names ----------------------------------------------------------------

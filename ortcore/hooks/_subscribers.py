@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -302,10 +302,29 @@ def _running() -> list[_Subscription]:
 
 
 def _unwrapped(model: Any) -> Any:
-    """The model an :class:`ortcore.ORTModule` wraps (subscriptions belong to it), else ``model`` itself."""
-    from ..module import ORTModule  # imported here: the hooks package must stay importable without ORT
+    """The model an :class:`ortcore.ORTModule` wraps (subscriptions belong to it), else ``model`` itself. A wrapper
+    says what it wraps by the class attribute ``__ortcore_wrapped__`` (a property), read on the class so that a
+    wrapped model's own attributes never answer for it."""
+    return model.__ortcore_wrapped__ if hasattr(type(model), "__ortcore_wrapped__") else model
 
-    return model.module if isinstance(model, ORTModule) else model
+
+# The process-wide plugin host, for subscriptions made without one: set by ortcore.module (which owns the host the
+# ORTModules use), so that this module imports nothing above it.
+_default_host: Callable[[], Any] | None = None
+
+
+def use_default_host(provider: Callable[[], Any]) -> None:
+    """Take subscriptions' plugin host from ``provider()`` when ``subscribe`` is given none."""
+    global _default_host
+    _default_host = provider
+
+
+def _host(host: Any) -> Any:
+    if host is not None:
+        return host
+    if _default_host is None:
+        raise RuntimeError("ortcore.hooks: no plugin host: import ortcore (or pass host=)")
+    return _default_host()
 
 
 class GlobalSubscriberManager:
@@ -334,10 +353,7 @@ class GlobalSubscriberManager:
         for subscriber in subscribers:
             if not isinstance(subscriber, SubscriberBase):
                 raise TypeError(f"{type(subscriber).__name__} is not a SubscriberBase")
-        if host is None:
-            from ..plugins import get_host
-
-            host = get_host()
+        host = _host(host)
         subscribers += host.hooks.activation_subscribers(model)
         for subscriber in subscribers:
             subscriber.on_subscribe(model)
@@ -382,8 +398,4 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def subscriber_classes(host: Any = None) -> dict[str, type]:
     """Subscriber classes contributed by plugins through ``ortcore_subscriber_classes``, by name."""
-    if host is None:
-        from ..plugins import get_host
-
-        host = get_host()
-    return host.hooks.subscriber_classes()
+    return _host(host).hooks.subscriber_classes()

@@ -444,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """``ortcore find-divergence`` as a function: exit 0 when no divergence, 1 when found, 2 on bad input."""
-    from .commands import divergence_parser
+    from .arguments import divergence_parser
 
     return run(divergence_parser().parse_args(None if argv is None else list(argv)))
 

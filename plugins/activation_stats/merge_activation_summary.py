@@ -388,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """``ortcore merge-activation-summary`` as a function: 0 on success, 2 on bad input."""
-    from .commands import merge_parser
+    from .arguments import merge_parser
 
     return run(merge_parser().parse_args(None if argv is None else list(argv)))
 

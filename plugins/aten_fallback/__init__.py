@@ -53,7 +53,6 @@ from .kernel_choice import explain_kernel_choices, kernel_choices
 from .kernel_routing import (
     DYNAMO_OPS,
     auto_symbolics,
-    prepare_runtime,
     program_kernels,
     symbolics_for,
     take_tanh_sizes,
@@ -72,6 +71,7 @@ from .options import (
     routed_ops,
 )
 from .repairs import repairs_for
+from .torch_kernels import prepare_runtime
 from .unexportable_ops import FallbackExporter, fallback_symbolic, fallback_symbolics, program_pass
 
 # What other code uses: tests, the op_routing plugin (FallbackExporter, prepare_runtime, type_aten_outputs).

@@ -536,7 +536,7 @@ def _one_op(case: Case, generator: torch.Generator) -> _OneOp:
             y,
         )
     if case.op == "cross_entropy":
-        from .kernel_routing import _cross_entropy
+        from .torch_kernels import _cross_entropy
 
         logits_shape, target_shape = case.shapes[0], case.shapes[1]
         logits = rand(logits_shape)
@@ -687,7 +687,7 @@ def _step(session: Any, feeds: list[torch.Tensor], grad: torch.Tensor) -> float:
 def measure_case(case: Case, repeats: int = REPEATS, budget: float = BUDGET_SECONDS) -> tuple[float, float]:
     """``(ort_ms, torch_ms)``: median forward + backward time of ``case`` with ORT's kernels and with the ATen
     nodes the routed symbolic emits, on random inputs of the case's sizes; runs interleaved, order alternating."""
-    from .kernel_routing import prepare_runtime
+    from .torch_kernels import prepare_runtime
 
     if case.device != "cpu":
         raise ValueError(f"kernel choice measures on CPU only, not {case.device}")
@@ -792,7 +792,7 @@ def case_of_call(op: str, g: Any, args: tuple) -> Case | Decision | None:
         shapes = [traced[0] or out]
         params = {"approximate": approximate, "bias": _is_bias_add(self)}
     elif op == "layer_norm":
-        from .kernel_routing import _gradient_reaches_first_input
+        from .torch_kernels import _gradient_reaches_first_input
 
         input, normalized_shape, weight, bias, eps = args[:5]
         if not _gradient_reaches_first_input(input, weight, bias):
@@ -822,7 +822,7 @@ def case_of_call(op: str, g: Any, args: tuple) -> Case | Decision | None:
             case = Case(op, tuple(t[0] for t in shapes if t), params=tuple(sorted(params.items())))
             return Decision(case, PYTORCH, REQUIRED, note="ONNX's export of cross-entropy has no label smoothing")
     elif op == "linear":
-        from .kernel_routing import _gradient_reaches_first_input
+        from .torch_kernels import _gradient_reaches_first_input
 
         input, weight, bias = args
         if not _gradient_reaches_first_input(input, weight, bias):
@@ -836,7 +836,7 @@ def case_of_call(op: str, g: Any, args: tuple) -> Case | Decision | None:
             "grad_bias": not is_none(bias) and _flag(bias),
         }
     elif op == "addmm":
-        from .kernel_routing import _gradient_reaches_first_input
+        from .torch_kernels import _gradient_reaches_first_input
 
         self, mat1, mat2, beta, alpha = args
         if not _gradient_reaches_first_input(self, mat1, mat2):

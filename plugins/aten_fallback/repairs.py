@@ -70,11 +70,12 @@ def repairs_for(config: Config, failure: Failure) -> list[Repair]:
     """Export failures: one repair per ``aten::`` op the failure names that PyTorch has and ``fallback_ops`` does not
     list. A build failure on a node ORT has no kernel (or no gradient) for: one repair per ``aten::`` op exported as
     that node's op type (:data:`EXPORTED_AS`), and per op the failing nodes were exported from (the dynamo route
-    records it on each node)."""
+    records it on each node); a first run that fails in a node of the gradient graph, per op its forward node was
+    exported from."""
     listed = list(fallback_ops(config))
     if failure.stage == "export":
         candidates = list(failure.ops)
-    elif failure.stage == "build":
+    elif failure.stage in ("build", "run"):
         types = [op_type for op_type, _node in unrunnable_nodes(failure.message)]
         candidates = [f"aten::{name}" for op_type in types for name in EXPORTED_AS.get(op_type, ())]
         candidates += failure.ops  # the ops the failing nodes were exported from, where the graph records them

@@ -23,7 +23,7 @@ import onnx
 import torch
 
 from ortcore.api import TorchScriptExporter, UnsupportedModelError
-from ortcore_plugins.services import aten_program
+from ortcore_plugins.services import aten_program, routed_calls
 from ortcore_plugins.services.aten_nodes import (
     FLOAT_TYPES,
     aten_node,
@@ -36,8 +36,8 @@ from ortcore_plugins.services.aten_nodes import (
 )
 from ortcore_plugins.services.differentiability import differentiates
 
-from .kernel_routing import prepare_runtime
 from .options import AUTO
+from .torch_kernels import prepare_runtime
 
 logger = logging.getLogger("ortcore.aten_fallback")
 
@@ -81,9 +81,7 @@ def fallback_symbolic(op: str) -> Callable[..., Any]:
         if needs and (not tensor_args or tensor_args[0] not in needs):
             # ORT builds an ATen node's gradient only when its first input needs one: the call becomes op routing's
             # wrapper op, which takes such an input first (scatter_reduce's src, logaddexp(x, fc(x))).
-            from ortcore_plugins.op_routing import emit_wrapped
-
-            return emit_wrapped(g, operator, parsed, args, FALLBACK_REASON)
+            return routed_calls.emit_call(g, operator, parsed, args, prepare_runtime)
         for kind, value in zip(kinds, args, strict=True):
             if kind == "Tensor" and is_none(value):
                 raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: a tensor is None")

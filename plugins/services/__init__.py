@@ -23,6 +23,11 @@ plugins, built-in or third-party: names without a leading underscore are support
     translations of those wrappers to ``ortcore_export_translations``. Used by ``op_routing``, ``aten_fallback`` and
     ``control_flow``.
 
+``routed_calls``
+    A traced TorchScript call of an aten op as one ATen node running a wrapper op (inputs flattened, one that may
+    need a gradient first, a tensor passed twice given once) with its VJP gradient:
+    :func:`~ortcore_plugins.services.routed_calls.emit_call`. Used by ``op_routing`` and ``aten_fallback``.
+
 ``differentiability``
     Which arguments of an ATen op PyTorch's autograd differentiates, read from the table its autograd kernels are
     generated from (``derivatives.yaml``, shipped in ``torchgen``):

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
+from ortcore.api import ATEN_DOMAIN
+
 from . import aten_executor
 
-ATEN_DOMAIN = "org.pytorch.aten"
 # The torch.library namespace of the helper ops gradient definitions use.
 HELPER_NAMESPACE = "ortcore_aten"
 # TorchScript scalar types that carry a gradient.

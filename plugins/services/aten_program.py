@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ortcore.api import ATEN_DOMAIN
+
 from .aten_nodes import (
     WRAPPER_NAMESPACE,
     define_wrapper,
@@ -43,7 +45,6 @@ from .differentiability import differentiates
 
 logger = logging.getLogger("ortcore.aten")
 
-ATEN_DOMAIN = "org.pytorch.aten"
 FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
 # c10::ScalarType numbers: a dtype argument travels as an int (aten ops take an int for a ScalarType).

@@ -51,11 +51,10 @@ from typing import Any
 import torch
 import torch.utils.dlpack
 
-from ortcore.api import UnsupportedModelError, function_name
+from ortcore.api import PYTHON_OP_DOMAIN, UnsupportedModelError, function_name
 
 logger = logging.getLogger("ortcore.autograd_function")
 
-PYTHON_OP_DOMAIN = "com.microsoft"
 PYTHON_OP = "PythonOp"
 
 _POINTER = ctypes.sizeof(ctypes.c_void_p)

@@ -13,7 +13,9 @@ import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy
 import onnx
+import onnx.numpy_helper
 import pytest
 import torch
 from models import (
@@ -189,7 +191,7 @@ def _model(nodes: list[onnx.NodeProto], inputs: list[tuple[str, int, list]], out
 
 
 def _assert_topologically_sorted(model: onnx.ModelProto) -> None:
-    known = {i.name for i in model.graph.input}
+    known = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
     for node in model.graph.node:
         assert all(name in known for name in node.input), f"{node.name} reads a value made later"
         known.update(node.output)
@@ -758,3 +760,79 @@ def test_a_function_traced_through_keeps_its_gradient_though_its_forward_runs_wi
     out.square().sum().backward()
     out_ref.square().sum().backward()
     torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=RTOL, atol=ATOL)
+
+
+# -- inputs whose gradient ORT always names -----------------------------------------------------------------------------
+
+
+class StandardizedConvs(nn.Module):
+    """Two weight-standardised convolutions (BiT's): ``batch_norm`` over each weight, without affine parameters. The
+    dynamo exporter shares one ``ones`` and one ``zeros`` constant between both batch norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.b = nn.Parameter(torch.randn(4, 4, 3, 3))
+
+    @staticmethod
+    def standardized(w: torch.Tensor) -> torch.Tensor:
+        flat = nn.functional.batch_norm(w.reshape(1, w.shape[0], -1), None, None, training=True, eps=1e-6)
+        return flat.reshape_as(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(nn.functional.conv2d(x, self.standardized(self.a), padding=1))
+        return nn.functional.conv2d(h, self.standardized(self.b), padding=1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_batch_norms_sharing_a_constant_scale_train_like_pytorch(exporter: str, monkeypatch) -> None:
+    """Without the pass the build fails on both routes: ORT writes ``<scale>_grad`` for each BatchNormalization and
+    merges the two equal ``ones`` constants (``Duplicate definition of name (/module/Constant_3_output_0_grad)``).
+    Outputs and both weights' gradients match autograd within rtol 1e-4 / atol 1e-5 over two SGD steps (looser than
+    elsewhere: the standardised weights are divided by a standard deviation over 27 values with eps 1e-6, and the
+    arithmetic sums in another order than torch's batch-norm kernel; float32 rounding moves near-zero outputs by 8e-6)."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    torch.manual_seed(0)
+    model = StandardizedConvs()
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, exporter=exporter)
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(reference.parameters(), lr=0.05)
+    for _ in range(2):
+        x = torch.randn(2, 3, 6, 6)
+        out, out_ref = ort(x), reference(x)
+        torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
+        out.pow(2).mean().backward()
+        out_ref.pow(2).mean().backward()
+        assert_grads_match(model, reference, rtol=1e-4, atol=1e-5)
+        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+    assert ort.state_machine.counters.repairs == 0
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_a_stateless_batch_norm_is_written_out_and_computes_the_same(opset: int) -> None:
+    """Two affine-free, statistics-free batch norms (one training-mode, one reading given statistics) become
+    arithmetic with the same values (ONNX reference evaluator); a batch norm with a trained scale is left alone."""
+    from onnx.reference import ReferenceEvaluator
+
+    rng = numpy.random.default_rng(0)
+    ones, zeros = numpy.ones(4, "float32"), numpy.zeros(4, "float32")
+    mean, var = rng.standard_normal(4).astype("float32"), rng.uniform(0.5, 2, 4).astype("float32")
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", "ones", "zeros", "m", "v"], ["y", "ym", "yv"], name="bn1",
+                         training_mode=1, epsilon=1e-3),
+        helper.make_node("BatchNormalization", ["y", "ones", "zeros", "m", "v"], ["z"], name="bn2"),
+        helper.make_node("BatchNormalization", ["z", "gamma", "zeros", "m", "v"], ["out"], name="bn3"),
+    ]
+    model = _model(nodes, [("x", TensorProto.FLOAT, [2, 4, 5]), ("gamma", TensorProto.FLOAT, [4])], "out")
+    model.opset_import[0].version = opset
+    for name, array in (("ones", ones), ("zeros", zeros), ("m", mean), ("v", var)):
+        model.graph.initializer.append(onnx.numpy_helper.from_array(array, name))
+    feeds = {"x": rng.standard_normal((2, 4, 5)).astype("float32"), "gamma": rng.standard_normal(4).astype("float32")}
+    before = ReferenceEvaluator(model).run(None, feeds)[0]
+    assert plugin.stateless_batch_norms_as_arithmetic(model) == 2
+    assert [n.name for n in model.graph.node if n.op_type == "BatchNormalization"] == ["bn3"]
+    _assert_topologically_sorted(model)
+    numpy.testing.assert_allclose(ReferenceEvaluator(model).run(None, feeds)[0], before, rtol=1e-5, atol=1e-5)
+    assert plugin.stateless_batch_norms_as_arithmetic(model) == 0

@@ -436,7 +436,7 @@ def test_fallback_gradient_leaves_inputs_pytorch_does_not_differentiate(
 class WeightedBCE(nn.Module):
     """``binary_cross_entropy(sigmoid(x), sigmoid(fc(x)), weight)``: a float ``weight`` buffer PyTorch does not
     differentiate, and a first input that needs no gradient unless ``x`` requires grad, so on the TorchScript route
-    the call is op_routing's wrapper (``emit_wrapped``), which takes ``target`` first."""
+    the call is the routed-calls service's wrapper (``emit_call``), which takes ``target`` first."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,0 +1,9 @@
+"""The ONNX domains of the nodes that run PyTorch inside ORT's graph, defined once for the core and every plugin
+(through :mod:`ortcore.api`)."""
+
+from __future__ import annotations
+
+# ``org.pytorch.aten::ATen``: one aten op run by PyTorch's kernel (ONNX Runtime's ATen op, run by the ATen executor).
+ATEN_DOMAIN = "org.pytorch.aten"
+# ``com.microsoft::PythonOp`` / ``PythonOpGrad``: a custom autograd Function's forward and backward run by PyTorch.
+PYTHON_OP_DOMAIN = "com.microsoft"

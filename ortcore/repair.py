@@ -106,13 +106,14 @@ def ops_named(text: str) -> tuple[str, ...]:
     return _unique(found)
 
 
+_NAMED = re.compile(r"\bName:\s*'([^']+)'")  # ORT's run errors: "... running Gemm node. Name:'<node>' Status ..."
 _SCOPED = re.compile(r"(/module/[\w./\-]+)")  # a TorchScript node or value name: /module/<scope>/<op>[_output_0]
 
 
 def onnx_named(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(node names, ONNX op types)`` a message of ONNX Runtime names (``Node (name)``, or any value or node name
     with a module scope, such as ``Duplicate definition of name (/module/enc/conv1/Constant_1_output_0_grad)``)."""
-    nodes = [n for n in _NODE.findall(text) if "/" in n or "_" in n] + _SCOPED.findall(text)
+    nodes = _NAMED.findall(text) + [n for n in _NODE.findall(text) if "/" in n or "_" in n] + _SCOPED.findall(text)
     types = _OP_TYPE.findall(text) + _GRADIENT_OP.findall(text)
     return _unique(nodes), _unique(types)
 

@@ -1017,14 +1017,24 @@ def _capture_branch_taken(
     decisions = [
         failure for failure in getattr(report, "failures", ()) if "DATA_DEPENDENT" in str(failure.failure_type)
     ]
-    logger.warning(
+    name = type(getattr(getattr(module, "target", module), "module", module)).__name__
+    sites = "; ".join(sorted({_decision_site(f, _file_numbers(report)) for f in decisions})) or "sites not reported"
+    with _warned_lock:
+        first = (name, sites) not in _warned_decisions  # once per model and decisions, not per repair's export
+        _warned_decisions.add((name, sites))
+    logger.log(
+        logging.WARNING if first else logging.INFO,
         "torch.export cannot capture %s whole: %d decision(s) on tensor values (%s). The graph takes them as the "
         "first batch does; a batch that decides otherwise is not detected (as on the TorchScript route)",
-        type(getattr(getattr(module, "target", module), "module", module)).__name__,
+        name,
         len(decisions),
-        "; ".join(sorted({_decision_site(f, _file_numbers(report)) for f in decisions})) or "sites not reported",
+        sites,
     )
     return program
+
+
+_warned_decisions: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
 
 
 def _file_numbers(report: Any) -> dict[int, str]:

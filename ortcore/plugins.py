@@ -39,32 +39,21 @@ trace_logger = logging.getLogger("ortcore.hooks")
 
 ENTRY_POINT_GROUP = "ortcore.plugins"
 
-# The plugins shipped in plugins/ and registered in pyproject.toml; a test checks the installed entry points match.
-BUILTIN_PLUGINS: tuple[str, ...] = (
-    "runtime_inspector",
-    "memory_recompute",
-    "export_cache",
-    "cuda_execution",
-    "compute_optimizer",
-    "sparse_optimizer",
-    "aten_fallback",
-    "activation_stats",
-    "autograd_function",
-    "efficient_attention",
-    "grad_management",
-    "gradient_fixes",
-    "kernel_types",
-    "op_routing",
-    "op_profiler",
-    "fused_adam",
-    "fp16_optimizer",
-    "load_balancing_sampler",
-    "dynamo_exporter",
-    "control_flow",
-    "region_routing",
-)
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"
+
+
+@functools.cache
+def builtin_plugins() -> tuple[str, ...]:
+    """The plugins shipped in ``plugins/``: the ``ortcore.plugins`` entry points of the ortcore distribution, whose
+    one list is ``pyproject.toml`` (a test checks the installed ones are the file's)."""
+    return tuple(
+        sorted(
+            ep.name
+            for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+            if ep.dist is not None and ep.dist.name == BUILTIN_DISTRIBUTION
+        )
+    )
 
 
 class PluginError(ORTCoreError, RuntimeError):
@@ -172,7 +161,7 @@ class PluginHost:
                 ep.name,
                 dist,
                 version,
-                builtin=dist == BUILTIN_DISTRIBUTION and ep.name in BUILTIN_PLUGINS,
+                builtin=dist == BUILTIN_DISTRIBUTION,
                 status="disabled",
             )
             if ep.name in self.records:
@@ -281,7 +270,7 @@ class PluginHost:
                     + _suggest(name, known)
                 )
         for name in self.config.disable:
-            if name not in self.records and name not in BUILTIN_PLUGINS:
+            if name not in self.records and name not in builtin_plugins():
                 logger.info("plugin %r in [plugins] disable is not installed", name)
         for name in self.config.plugin_tables:
             if name not in self.records:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tomllib
 import types
+from pathlib import Path
 
 import attrs
 import importlib_metadata
@@ -16,7 +18,7 @@ from ortcore.graph_passes import GraphPass, order_passes
 from ortcore.hookspecs import hookimpl
 from ortcore.inspectors import RuntimeInspector
 from ortcore.options import parse_bool
-from ortcore.plugins import BUILTIN_DISTRIBUTION, BUILTIN_PLUGINS, ENTRY_POINT_GROUP, PluginError, PluginHost
+from ortcore.plugins import ENTRY_POINT_GROUP, PluginError, PluginHost, builtin_plugins
 from ortcore.testing import assert_matches_torch, make_host
 
 
@@ -470,13 +472,14 @@ def test_trace_hooks_logs_who_answered_and_how_long(capfd):
     assert any("hook ortcore_configure: plugin opts no answer" in m for m in traced)
 
 
-def test_installed_entry_points_match_builtin_list():
-    installed = sorted(
-        ep.name
-        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
-        if ep.dist.name == BUILTIN_DISTRIBUTION
-    )
-    assert installed == sorted(BUILTIN_PLUGINS), "reinstall ortcore (pip install -e .): entry points are stale"
+def test_installed_entry_points_are_pyprojects():
+    """pyproject.toml is the one list of built-in plugins; the installed metadata must be its."""
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    listed = pyproject["project"]["entry-points"][ENTRY_POINT_GROUP]
+    assert list(builtin_plugins()) == sorted(listed), "reinstall ortcore (pip install -e .): entry points are stale"
+    assert all(value == f"ortcore_plugins.{name}" for name, value in listed.items())
+    installed = {ep.name: ep.value for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    assert {name: installed.get(name) for name in listed} == listed
 
 
 def _fake_entry_point(monkeypatch, name: str, value: str, dist: str = "some-dist"):

@@ -266,6 +266,31 @@ def test_failures_are_located_by_op_node_and_module():
     assert with_ancestors(["a.b.c"]) == ("a.b.c", "a.b", "a")
 
 
+def test_a_failing_node_names_the_aten_op_it_was_exported_from():
+    """The dynamo route's nodes record their aten op (``namespace``); a build error names a forward node, a run error
+    (``Name:'<node>'``) may name a node of ORT's gradient graph, which stands for the forward node it differentiates."""
+    matmul = onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="node_MatMul_340")
+    matmul.metadata_props.add(key="namespace", value=": transformers.Cvt/linear: aten.linear.default")
+    col2im = onnx.helper.make_node("Col2Im", ["y", "s", "k"], ["z"], name="node_col2im")
+    col2im.metadata_props.add(key="namespace", value=": torch.nn.Fold/col2im: aten.col2im.default")
+    graph = onnx.helper.make_graph([matmul, col2im], "g", [], [])
+    model = onnx.helper.make_model(graph)
+    built = locate(
+        "build", "The gradient builder has not been registered: Col2Im for node node_col2im", nn.Linear(2, 2),
+        onnx_model=model,
+    )
+    assert built.ops == ("aten::col2im",) and "node_col2im" in built.nodes
+    run = locate(
+        "run",
+        "Non-zero status code returned while running Gemm node. Name:'node_MatMul_340_Grad/Gemm_10/GemmTransposeFusion/'"
+        " Status Message: GEMM: Dimension mismatch",
+        nn.Linear(2, 2),
+        onnx_model=model,
+    )
+    assert run.ops == ("aten::linear",)
+    assert run.nodes[0] == "node_MatMul_340_Grad/Gemm_10/GemmTransposeFusion/"
+
+
 def test_dynamo_route_repairs_complex_code_into_a_region(ortcore_host):
     from ortcore_plugins import dynamo_exporter
 

@@ -620,6 +620,29 @@ def test_ops_that_decompose_into_untranslatable_ops_are_routed_whole():
     assert counters.routed_ops >= 3
 
 
+class CellLoop(nn.Module):
+    """An LSTMCell unrolled in Python: ``lstm_cell`` decomposes, for the dynamo route's check of what it decomposes
+    into, into ops that include ``aten.size``, which the dispatcher does not know by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(4, 6)
+
+    def forward(self, x):
+        h = c = x.new_zeros(x.shape[0], 6)
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+        return h
+
+
+def test_a_recurrent_cell_in_a_python_loop_trains_on_the_dynamo_route():
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = CellLoop()
+    wrapped = _compare(model, copy.deepcopy(model), torch.randn(3, 4, 4), exporter="dynamo")
+    assert (wrapped.state_machine.counters.fallbacks, wrapped.state_machine.counters.repairs) == (0, 0)
+
+
 class FoldsPatches(nn.Module):
     """Overlapping patches, a linear map of each, folded back: ORT has no gradient builder for the ``Col2Im`` the
     dynamo exporter writes for ``fold``."""

@@ -677,6 +677,32 @@ def test_matrix_products_are_left_unchanged_and_vectors_get_a_dimension() -> Non
 # -- detach and torch.no_grad() inside the forward ---------------------------------------------------------------------
 
 
+def _sgd_steps_match(
+    ort: nn.Module,
+    model: nn.Module,
+    reference: nn.Module,
+    make_input: Callable[[], torch.Tensor],
+    *,
+    steps: int,
+    rtol: float,
+    atol: float,
+    grad_atol: float | None = None,
+    mean: bool = False,
+) -> None:
+    """``steps`` SGD steps (lr 0.05) of ``ort`` (wrapping ``model``) and ``reference`` on the same inputs: outputs
+    within ``rtol``/``atol``, every parameter's gradient within ``rtol``/``grad_atol`` (default ``atol``); the loss
+    is the outputs' squares summed (``mean``: averaged)."""
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(reference.parameters(), lr=0.05)
+    for _ in range(steps):
+        x = make_input()
+        out, out_ref = ort(x), reference(x)
+        torch.testing.assert_close(out, out_ref, rtol=rtol, atol=atol)
+        for value in (out, out_ref):
+            (value.pow(2).mean() if mean else value.pow(2).sum()).backward()
+        assert_grads_match(model, reference, rtol=rtol, atol=atol if grad_atol is None else grad_atol)
+        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+
+
 class NoGradInside(nn.Module):
     """A no_grad block that computes a scale and a unit vector from the weight (spectral norm's power iteration does
     the same), and a detach in the forward: torch gives neither a gradient."""
@@ -705,15 +731,7 @@ def test_no_grad_blocks_and_detach_carry_no_gradient(exporter: str, monkeypatch:
     model = NoGradInside()
     reference = copy.deepcopy(model)
     ort = ORTModule(model, exporter=exporter)
-    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(reference.parameters(), lr=0.05)
-    for _ in range(3):
-        x = torch.randn(4, 3)
-        out, out_ref = ort(x), reference(x)
-        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
-        out.pow(2).sum().backward()
-        out_ref.pow(2).sum().backward()
-        assert_grads_match(model, reference, rtol=RTOL, atol=ATOL * 10)
-        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+    _sgd_steps_match(ort, model, reference, lambda: torch.randn(4, 3), steps=3, rtol=RTOL, atol=ATOL, grad_atol=ATOL * 10)
 
 
 class _NoGradForward(torch.autograd.Function):
@@ -798,15 +816,7 @@ def test_batch_norms_sharing_a_constant_scale_train_like_pytorch(exporter: str, 
     model = StandardizedConvs()
     reference = copy.deepcopy(model)
     ort = ORTModule(model, exporter=exporter)
-    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(reference.parameters(), lr=0.05)
-    for _ in range(2):
-        x = torch.randn(2, 3, 6, 6)
-        out, out_ref = ort(x), reference(x)
-        torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
-        out.pow(2).mean().backward()
-        out_ref.pow(2).mean().backward()
-        assert_grads_match(model, reference, rtol=1e-4, atol=1e-5)
-        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+    _sgd_steps_match(ort, model, reference, lambda: torch.randn(2, 3, 6, 6), steps=2, rtol=1e-4, atol=1e-5, mean=True)
     assert ort.state_machine.counters.repairs == 0
 
 

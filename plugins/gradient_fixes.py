@@ -141,18 +141,25 @@ def _dims(value: onnx.ValueInfoProto) -> Shape:
     return dims
 
 
-def infer_shapes(model: onnx.ModelProto) -> tuple[dict[str, Shape], dict[str, Shape]]:
-    """Every value's shape: ``(inferred, as_ort_sees)``.
+def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with ONNX shape inference's value_info, or as exported where inference fails."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+    except Exception as e:  # an op ONNX cannot infer (custom domains): keep what the exporter recorded
+        logger.debug("shape inference failed (%s); using the exported value_info only", e)
+        return model
+
+
+def infer_shapes(
+    model: onnx.ModelProto, inferred: onnx.ModelProto | None = None
+) -> tuple[dict[str, Shape], dict[str, Shape]]:
+    """Every value's shape: ``(inferred, as_ort_sees)`` (``inferred``: :func:`_inferred`'s model, if already made).
 
     ``inferred`` is the exporter's value_info completed by ONNX shape inference, whose invented ``unk__`` names are
     consistent (one name, one size) and so prove two dimensions equal. ORT infers shapes without inventing names:
     in ``as_ort_sees`` a name the exported graph does not carry is an unknown dimension.
     """
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
-    except Exception as e:  # an op ONNX cannot infer (custom domains): keep what the exporter recorded
-        logger.debug("shape inference failed (%s); using the exported value_info only", e)
-        inferred = model
+    inferred = _inferred(model) if inferred is None else inferred
     exported = model.graph
     names = {
         d.dim_param
@@ -793,12 +800,8 @@ def _run_matmul(model: onnx.ModelProto, context: PassContext) -> None:
     fix_vector_matmul_gradients(model, context)
 
 
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Each value's element type as ONNX shape inference finds it (values it cannot type are missing)."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
-    except Exception:  # noqa: BLE001 (custom domains): the exported value_info only
-        inferred = model
+def _elem_types(inferred: onnx.ModelProto) -> dict[str, int]:
+    """Each value's element type in a model :func:`_inferred` made (values it cannot type are missing)."""
     graph = inferred.graph
     return {
         v.name: v.type.tensor_type.elem_type
@@ -877,8 +880,10 @@ def stateless_batch_norms_as_arithmetic(model: onnx.ModelProto, context: PassCon
         return 0
     read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     candidates = [(p, n) for p, n in candidates if not set(n.output[1:]) & read]
-    shapes = infer_shapes(model)[0] if candidates else {}
-    types = _elem_types(model) if candidates else {}
+    if not candidates:
+        return 0
+    inferred = _inferred(model)  # once, for both shapes and element types
+    shapes, types = infer_shapes(model, inferred)[0], _elem_types(inferred)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     names = ValueNames(graph)
     replaced: dict[int, list[onnx.NodeProto]] = {}

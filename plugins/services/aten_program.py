@@ -207,13 +207,16 @@ _HANDLED_NAMESPACES = ("onnx",)
 _HANDLED_PREFIXES = ("_assert", "sym_constrain_range")
 
 
-def has_translation(target: Any, translated: frozenset = frozenset(), node: torch.fx.Node | None = None) -> bool:
+def has_translation(
+    target: Any, translated: frozenset = frozenset(), node: torch.fx.Node | None = None, depth: int = 0
+) -> bool:
     """Can the dynamo exporter write ``target`` (an ``OpOverload``) in ONNX: has it a torchlib function, or a
     decomposition (torch.export's default ones, PyTorch's table, a CompositeImplicitAutograd kernel), or a plugin's
     translation (``translated``: a pass's ``PassContext.translated``)?
 
     Given the call (``node``, with its values' metadata), a decomposition counts only when every op it produces for
-    these arguments can be written in turn (:func:`_decomposition_ops`): ``cdist`` decomposes into
+    these arguments can be written in turn (:func:`_decomposition_ops`, followed :data:`_DECOMPOSITION_DEPTH`
+    levels deep; ``depth`` is this call's level): ``cdist`` decomposes into
     ``_cdist_forward`` for small inputs, ``rrelu`` into ``rrelu_with_noise``, ``matrix_exp`` into
     ``linalg_matrix_exp``, none of which the exporter has.
 
@@ -241,22 +244,18 @@ def has_translation(target: Any, translated: frozenset = frozenset(), node: torc
         return True
     if not decomposes or node is None:
         return decomposes
-    produced = _decomposition_ops(node)
+    produced = _decomposition_ops(node) if depth < _DECOMPOSITION_DEPTH else None
     if produced is None:  # the decomposition could not be traced here: trust it, as the exporter will try it
         return True
-    return all(has_translation(op, translated, inner) for op, inner in produced)
+    return all(has_translation(op, translated, inner, depth + 1) for op, inner in produced)
 
 
 _DECOMPOSITION_DEPTH = 4  # decompositions of decompositions followed at most this deep
-_depth = threading.local()
 
 
 def _decomposition_ops(node: torch.fx.Node) -> list[tuple[Any, torch.fx.Node]] | None:
     """The aten calls that ``node``'s op decomposes into for the call's own arguments (its inputs' fake values), each
     with its node in the traced decomposition; None when the call cannot be traced on its metadata."""
-    depth = getattr(_depth, "value", 0)
-    if depth >= _DECOMPOSITION_DEPTH:
-        return None
     try:
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -276,13 +275,10 @@ def _decomposition_ops(node: torch.fx.Node) -> list[tuple[Any, torch.fx.Node]] |
             return target(*a, **k)
 
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-        _depth.value = depth + 1
         with fake_mode:
             traced = make_fx(call, decomposition_table=table, tracing_mode="real")(*flat)
     except Exception:  # noqa: BLE001 (symbolic sizes, ops without a fake kernel: nothing to learn here)
         return None
-    finally:
-        _depth.value = depth
     calls = [(n.target, n) for n in traced.graph.nodes if n.op == "call_function"]
     if any(target is node.target for target, _ in calls):
         return None  # not decomposed at all

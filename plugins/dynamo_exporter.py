@@ -94,7 +94,7 @@ class DynamoExporterOptions:
 
 
 def _options(config: Any) -> DynamoExporterOptions:
-    return (config.plugin_options(NAME) if config is not None else None) or DynamoExporterOptions()
+    return config.plugin_options(NAME) or DynamoExporterOptions()
 
 
 logger = logging.getLogger("ortcore")
@@ -872,6 +872,15 @@ def _first_line(error: BaseException) -> str:
     return what
 
 
+def _error_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error``, then each error it was raised from (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def _user_frame(error: BaseException) -> str | None:
     """``File "...", line N, in f: code`` of the innermost frame outside torch, ortcore and the standard library in
     the traceback of ``error`` or the errors it was raised from: the model's line torch.export stopped at."""
@@ -880,14 +889,10 @@ def _user_frame(error: BaseException) -> str | None:
         for module in (torch, contextlib, sys.modules["ortcore"], sys.modules[__name__.rpartition(".")[0] or __name__])
     )
     found = None
-    seen: set[int] = set()
-    chain: BaseException | None = error
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        for frame in traceback.extract_tb(chain.__traceback__):
+    for chained in _error_chain(error):
+        for frame in traceback.extract_tb(chained.__traceback__):
             if not str(pathlib.Path(frame.filename).resolve()).startswith(skipped):
                 found = frame
-        chain = chain.__cause__ or chain.__context__
     if found is None:
         return None
     return f'File "{found.filename}", line {found.lineno}, in {found.name}' + (f": {found.line}" if found.line else "")
@@ -982,13 +987,9 @@ def _data_dependent(error: BaseException | None) -> bool:
     """Did torch.export stop at Python control flow on a tensor's value (a guard on a data-dependent size)?"""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, GuardOnDataDependentSymNode) or "data-dependent expression" in str(error):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(
+        isinstance(e, GuardOnDataDependentSymNode) or "data-dependent expression" in str(e) for e in _error_chain(error)
+    )
 
 
 def _capture_branch_taken(
@@ -1052,7 +1053,7 @@ def _file_numbers(report: Any) -> dict[int, str]:
 
 def _decision_site(failure: Any, files: dict[int, str]) -> str:
     """``expr at file:line: code`` for one data-dependent decision of a ``draft_export`` report (its user stack holds
-    file numbers of ``files``, the report's ``str_to_filename``)."""
+    file numbers, named by ``files``: :func:`_file_numbers`)."""
     data = getattr(failure, "data", {}) or {}
     expr = data.get("expr", "?")
     try:

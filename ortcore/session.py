@@ -159,6 +159,7 @@ class _GraphBuild:
         if r.build_gradient:
             _refuse_differentiated_control_flow(model)
         train_names = list(train_names)
+        serialized = model.SerializeToString()  # once, however many builds the loop below needs
         while True:
             cfg = C.OrtModuleGraphBuilderConfiguration()
             cfg.initializer_names = list(r.input_names)
@@ -169,7 +170,7 @@ class _GraphBuild:
             cfg.use_memory_efficient_gradient = False
             cfg.loglevel = _SEVERITY[r.log_level.ort_severity]
             builder = C.OrtModuleGraphBuilder()
-            builder.initialize(model.SerializeToString(), cfg)
+            builder.initialize(serialized, cfg)
             try:
                 builder.build(r.transformer_config or C.TrainingGraphTransformerConfiguration())
                 break

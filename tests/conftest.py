@@ -6,7 +6,14 @@ import os
 import sys
 
 import pytest
+
+# isort: off
+# Before torch, as a user's ``import ortcore`` comes first: it sets GOMP_SPINCOUNT, which libgomp reads when torch
+# loads it (the ortcore.testing plugin, when pytest loaded it at start-up, imported ortcore first too).
+import ortcore  # noqa: F401
 import torch
+
+# isort: on
 
 sys.path.insert(0, os.path.dirname(__file__))  # so test files can `import models`
 pytest.register_assert_rewrite("ortcore.testing")  # models imports it before pytest_plugins below loads it

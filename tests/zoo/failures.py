@@ -32,6 +32,12 @@ class Category:
 
 _DATA_DEPENDENT_REPRO = """\
 # ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE python repro.py  (else ortcore falls back to PyTorch with a warning)
+import os
+
+# By default the dynamo route repeats the capture with torch.export.draft_export and takes the branch this batch
+# takes (one WARNING names it); with value branches off it refuses as torch.export does.
+os.environ["ORTCORE_DYNAMO_VALUE_BRANCHES"] = "0"
+
 import torch
 import torch.nn.functional as F
 from ortcore import ORTModule
@@ -83,7 +89,10 @@ CATEGORIES: tuple[Category, ...] = (
             "The model branches on a value read from a tensor; in the zoo, in the loss code: DeBERTa-v2's "
             "classification loss tests `(labels >= 0).nonzero().size(0) > 0` (`u0 > 0`), Wav2Vec2ForCTC tests "
             "`labels.max() >= vocab_size` (`Eq(u0, 1)`). `torch.export` cannot decide such a branch for every "
-            "input (`GuardOnDataDependentSymNode`); the error names the model's file and line. Written as "
+            "input (`GuardOnDataDependentSymNode`). By default the dynamo route captures again with "
+            "`torch.export.draft_export` and takes the branch the first batch takes (one WARNING names each "
+            "decision); a model lands here when that capture fails too, or with `ORTCORE_DYNAMO_VALUE_BRANCHES=0` "
+            "(the repro), and the error names the model's file and line. Written as "
             "`torch.cond`, the branch trains (the control_flow plugin runs it with PyTorch); the TorchScript exporter "
             "traces the branch the example takes."
         ),

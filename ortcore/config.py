@@ -295,6 +295,21 @@ class Config:
         core, sources = _core_options([(self._file_source, self.core_table), ("argument", layer)], self.env)
         return attrs.evolve(self, core=core, sources={**self.sources, **sources})
 
+    def with_repaired_core(self, options: Mapping[str, Any]) -> Config:
+        """Apply a repair's core options (``ortcore.repair.Repair`` with ``plugin = "core"``): above every other
+        layer, the environment included, since a repair is the decision that the value asked for cannot serve this
+        model. Each value is validated as the option's own parser would; a bad key or value raises OptionError."""
+        fields = {f.name: f for f in attrs.fields(CoreOptions)}
+        values: dict[str, Any] = {}
+        for key, raw in options.items():
+            if key not in fields:
+                raise OptionError(
+                    f"unknown core option {key!r} in a repair; allowed: {', '.join(fields)}.{_suggest(key, list(fields))}"
+                )
+            values[key] = fields[key].metadata["parse"](raw, key)
+        core = attrs.evolve(self.core, **values)
+        return attrs.evolve(self, core=core, sources={**self.sources, **{f"core.{k}": "repair" for k in values}})
+
     @property
     def _file_source(self) -> str:
         return f"file {self.path}" if self.path else "table"

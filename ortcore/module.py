@@ -33,7 +33,7 @@ from .inspectors import ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .pipeline import Pipeline
 from .plugins import Hooks, PluginHost, get_host
-from .repair import MAX_REPAIRS, Failure, Repair, locate, order_repairs, trace_modules
+from .repair import CORE_REPAIR, MAX_REPAIRS, Failure, Repair, locate, order_repairs, trace_modules
 from .schema import InputSchema, flatten_inputs
 from .session import TrainingSession
 from .state import ExportStateMachine, GraphKey, describe_violation
@@ -132,7 +132,7 @@ class _Runtime:
         self.options = config.core
         self.hooks = hooks
         self.exporter = self.custom_exporter or hooks.exporter(config)
-        symbolics = hooks.export_symbolics()
+        symbolics = hooks.export_symbolics(config)
         if symbolics and hasattr(self.exporter, "symbolics"):
             self.exporter.symbolics.update(symbolics)
         if hasattr(self.exporter, "use_hooks"):  # an exporter that takes its own contributions (the dynamo route)
@@ -148,23 +148,40 @@ class _Runtime:
         (``ortcore_repairs``); None when none is left or :data:`~ortcore.repair.MAX_REPAIRS` were applied."""
         if len(self.repairs) >= MAX_REPAIRS:
             return None
-        for candidate in order_repairs(self.hooks.repairs(failure)):
+        for candidate in order_repairs(self.hooks.repairs(failure, self.config)):
             if candidate.key in self.tried:
                 continue
             self.tried.add(candidate.key)
-            host = self.hooks.host.with_plugin_options({candidate.plugin: candidate.options})
-            if host.config.plugin_options(candidate.plugin) == self.config.plugin_options(candidate.plugin):
+            config, hooks = self._repaired([candidate])
+            if config.core == self.config.core and config.plugin_options(candidate.plugin) == self.config.plugin_options(
+                candidate.plugin
+            ):
                 logger.info("repair %r changes nothing (an environment variable sets the option)", candidate.description)
                 continue
             repair = attrs.evolve(candidate, reason=failure.describe())
-            self._apply(repair, host)
+            self._apply(repair, config, hooks)
             self.state.record_repair(repair.description, repair.reason)
             return repair
         return None
 
-    def _apply(self, repair: Repair, host: PluginHost) -> None:
-        config = attrs.evolve(self.config, plugins=host.config.plugins, plugin_tables=host.config.plugin_tables)
-        self._use(config, host.hooks)
+    def _repaired(self, repairs: list[Repair]) -> tuple[Config, Hooks]:
+        """The configuration and hooks with ``repairs`` applied: plugin options through a host whose tables carry
+        them (the environment still over them), core options (``plugin = "core"``) over every layer."""
+        changes: dict[str, dict] = {}
+        core: dict[str, Any] = {}
+        for repair in repairs:
+            (core if repair.plugin == CORE_REPAIR else changes.setdefault(repair.plugin, {})).update(repair.options)
+        config, hooks = self.config, self.hooks
+        if changes:
+            host = hooks.host.with_plugin_options(changes)
+            config = attrs.evolve(config, plugins=host.config.plugins, plugin_tables=host.config.plugin_tables)
+            hooks = host.hooks
+        if core:
+            config = config.with_repaired_core(core)
+        return config, hooks
+
+    def _apply(self, repair: Repair, config: Config, hooks: Hooks) -> None:
+        self._use(config, hooks)
         self.repairs.append(repair)
         self.tried.add(repair.key)
 
@@ -173,15 +190,12 @@ class _Runtime:
         entry this version cannot read, a plugin missing), and then none is applied."""
         try:
             repairs = [Repair(**entry) for entry in stored]
-            changes: dict[str, dict] = {}
-            for repair in repairs:
-                changes.setdefault(repair.plugin, {}).update(repair.options)
-            host = self.hooks.host.with_plugin_options(changes)
+            config, hooks = self._repaired(repairs)
         except Exception as e:  # a stale or foreign entry costs a search, never the step
             logger.info("stored repairs not applied (%s: %s)", type(e).__name__, e)
             return False
         for repair in repairs:
-            self._apply(repair, host)
+            self._apply(repair, config, hooks)
             self.state.record_repair(repair.description, f"{repair.reason} (found by an earlier process)")
         return True
 

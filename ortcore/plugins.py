@@ -460,8 +460,8 @@ class Hooks:
         return {name: value for name, (_, value) in merged.items()}
 
     # -- export ---------------------------------------------------------------------------------------------------
-    def export_symbolics(self) -> dict[str, Any]:
-        return self._merged("ortcore_export_symbolics", "register a symbolic for", config=self.config)
+    def export_symbolics(self, config: Config | None = None) -> dict[str, Any]:
+        return self._merged("ortcore_export_symbolics", "register a symbolic for", config=config or self.config)
 
     def export_translations(self) -> dict[Any, Any]:
         return self._merged("ortcore_export_translations", "translate", config=self.config)
@@ -531,9 +531,11 @@ class Hooks:
         config = config if config is not None else self.config
         return [c for _, c in self._collect("ortcore_export_context", config=config, module=module) if c]
 
-    def repairs(self, failure: Any) -> list[Any]:
-        """Every plugin's repairs of ``failure`` (``ortcore_repairs``), in the order plugins answered."""
-        return [item for _, item in self._collect_items("ortcore_repairs", config=self.config, failure=failure)]
+    def repairs(self, failure: Any, config: Config | None = None) -> list[Any]:
+        """Every plugin's repairs of ``failure`` (``ortcore_repairs``) for a model with ``config`` (default: the
+        host's), in the order plugins answered."""
+        found = self._collect_items("ortcore_repairs", config=config or self.config, failure=failure)
+        return [item for _, item in found]
 
     def load_repairs(self, module: Any, fingerprint: str) -> list[dict] | None:
         return self._hook.ortcore_load_repairs(config=self.config, module=module, fingerprint=fingerprint)

@@ -33,7 +33,9 @@ from torch.overrides import TorchFunctionMode
 logger = logging.getLogger("ortcore")
 
 MAX_REPAIRS = 6
-KIND_ORDER = {"switch": 0, "op": 1, "region": 2}
+KIND_ORDER = {"switch": 0, "op": 1, "exporter": 2, "region": 3}
+# A repair whose ``plugin`` is this sets core options (another exporter), over every other layer.
+CORE_REPAIR = "core"
 
 
 @attrs.frozen
@@ -70,8 +72,10 @@ class Repair:
     """One way to repair a failure: new values for some of ``plugin``'s options (what ``[plugins.<plugin>]`` in
     ortcore.toml would say).
 
-    ``kind`` orders the candidates: ``"switch"`` (an optimizer off), ``"op"`` (one op on PyTorch), ``"region"`` (a
-    module on PyTorch). ``reason`` is filled by the core with the failure it repairs."""
+    ``kind`` orders the candidates: ``"switch"`` (an optimizer off), ``"op"`` (one op on PyTorch), ``"exporter"``
+    (another exporter for the whole model, everything still in ORT), ``"region"`` (a module on PyTorch). ``plugin``
+    ``"core"`` (:data:`CORE_REPAIR`) sets core options instead, over the environment too. ``reason`` is filled by
+    the core with the failure it repairs."""
 
     description: str
     plugin: str
@@ -363,5 +367,6 @@ def _chain_text(error: BaseException) -> str:
 
 
 def order_repairs(repairs: Sequence[Repair]) -> list[Repair]:
-    """Smallest change first: switches, then ops, then regions (innermost first, as plugins listed them)."""
-    return sorted(repairs, key=lambda r: KIND_ORDER.get(r.kind, 3))
+    """Smallest change first: switches, then ops, then another exporter, then regions (innermost first, as plugins
+    listed them)."""
+    return sorted(repairs, key=lambda r: KIND_ORDER.get(r.kind, len(KIND_ORDER)))

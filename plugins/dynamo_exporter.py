@@ -56,8 +56,10 @@ import onnx.numpy_helper
 import torch
 
 from ortcore.api import (
+    CORE_REPAIR,
     DYNAMO,
     INLINE,
+    TORCHSCRIPT,
     INPUT_RANGES_METADATA,
     POOLING_VERSION,
     TORCH_CHECKPOINT_FUNCTION,
@@ -69,17 +71,22 @@ from ortcore.api import (
     adaptive_max_pool,
     average_pool,
     buffer_owners,
+    Failure,
+    Repair,
     custom_autograd_disabled,
+    exporter_name,
     function_apply_replaced,
     function_name,
     hookimpl,
     option,
     parse_bool,
+    torchscript_available,
 )
 from ortcore.exporter import AUTOGRAD_FUNCTION_PLUGIN, EXPORT_LOCK, quiet_export, raised_in, refuse_empty_inputs
 
 NAME = "dynamo_exporter"
 ENV_VALUE_BRANCHES = "ORTCORE_DYNAMO_VALUE_BRANCHES"
+ENV_TORCHSCRIPT_REPAIR = "ORTCORE_DYNAMO_TORCHSCRIPT_REPAIR"
 
 
 @attrs.frozen
@@ -90,6 +97,14 @@ class DynamoExporterOptions:
         "Python branches on tensor values (which torch.export refuses) are captured as the first batch takes them, "
         "as TorchScript traces them, with a WARNING naming each; 0 refuses the model instead",
         ENV_VALUE_BRANCHES,
+    )
+    torchscript_repair: bool = option(
+        True,
+        parse_bool,
+        "a model this route cannot serve (capture, build, first run or gradient audit fails and no op repair helps) "
+        "is exported with the TorchScript exporter instead, everything still in ORT, with a WARNING; 0 goes on to "
+        "region repairs and then refuses",
+        ENV_TORCHSCRIPT_REPAIR,
     )
 
 
@@ -1080,3 +1095,21 @@ def ortcore_exporters(config: Any) -> dict[str, Any]:
 @hookimpl
 def ortcore_options_class() -> type:
     return DynamoExporterOptions
+
+
+@hookimpl
+def ortcore_repairs(config: Any, failure: Failure) -> list[Repair] | None:
+    """When a stage fails on a graph of this route, the TorchScript exporter for the whole model: ordered after the
+    op repairs (which keep this route) and before regions (which move work to PyTorch). torch.export's limits
+    (data-dependent shapes in loss code, ops onnxscript cannot translate for these inputs) are not TorchScript's,
+    which traces what this call does."""
+    if exporter_name(config) != DYNAMO or not _options(config).torchscript_repair or not torchscript_available():
+        return None
+    return [
+        Repair(
+            description="the TorchScript exporter instead of torch.export",
+            plugin=CORE_REPAIR,
+            options={"exporter": TORCHSCRIPT},
+            kind="exporter",
+        )
+    ]

@@ -37,6 +37,10 @@ class Net(nn.Module):
         return nn.functional.cross_entropy(self.fc2(nn.functional.gelu(self.ln(self.fc1(x)))), y)
 
 
+# This route's own refusals, without the repair that exports such a model with the TorchScript exporter instead.
+NO_TORCHSCRIPT_REPAIR = {plugin.ENV_TORCHSCRIPT_REPAIR: "0"}
+
+
 def dynamo_host(**kwargs):
     return make_host({plugin.NAME: plugin}, **kwargs)
 
@@ -114,7 +118,8 @@ def test_without_the_torchscript_exporter_ortcore_switches_to_dynamo(monkeypatch
 
 def test_missing_onnxscript_is_named(monkeypatch):
     monkeypatch.setattr(plugin, "_missing_package", lambda: "onnxscript")
-    model = ORTModule(Net(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    host = dynamo_host(env=NO_TORCHSCRIPT_REPAIR)
+    model = ORTModule(Net(), host=host, exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
     with pytest.raises(UnsupportedModelError, match=r"needs the package 'onnxscript'.*pip install onnxscript"):
         model(*batch(4, 0))
 
@@ -275,7 +280,8 @@ class UsesFunction(nn.Module):
 
 
 def test_custom_autograd_function_is_refused_not_differentiated_wrongly():
-    model = ORTModule(UsesFunction(), host=dynamo_host(), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    host = dynamo_host(env=NO_TORCHSCRIPT_REPAIR)
+    model = ORTModule(UsesFunction(), host=host, exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
     with pytest.raises(UnsupportedModelError, match=r"custom autograd Function\(s\) .*Triple: torch.export traces"):
         model(torch.randn(3, 4))
 
@@ -340,7 +346,7 @@ class Branches(nn.Module):
         return h.sum()
 
 
-REFUSE_VALUE_BRANCHES = {plugin.ENV_VALUE_BRANCHES: "0"}
+REFUSE_VALUE_BRANCHES = {plugin.ENV_VALUE_BRANCHES: "0", **NO_TORCHSCRIPT_REPAIR}
 
 
 @pytest.mark.parametrize("model_class", ["Branches", "CountsLabels"])
@@ -404,6 +410,67 @@ def test_data_dependent_size_error_names_the_models_line():
         match=r"test_dynamo_exporter.py\", line \d+, in forward: if kept.size\(0\) > 0.*torch.cond",
     ):
         model(torch.randn(3, 4), torch.tensor([0, 2, 1]))
+
+
+def test_a_model_torch_export_cannot_capture_is_repaired_with_the_torchscript_exporter(caplog):
+    """With value branches off, torch.export refuses the model; the repair exports it with the TorchScript exporter
+    (everything still in ORT), says so at WARNING, lists it in ``repairs``, and the loss and every gradient equal
+    PyTorch's over three AdamW steps (rtol 1e-5, atol 1e-6)."""
+    module = CountsLabels()
+    reference = copy.deepcopy(module)
+    env = {plugin.ENV_VALUE_BRANCHES: "0"}
+    model = ORTModule(module, host=dynamo_host(env=env), exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference)]
+    x, labels = torch.randn(3, 4), torch.tensor([0, 2, 1])
+    with caplog.at_level(logging.WARNING, logger="ortcore"):
+        for _ in range(3):
+            losses = []
+            for m, optimizer in zip((model, reference), optimizers):
+                optimizer.zero_grad()
+                loss = m(x, labels)
+                loss.backward()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+            for optimizer in optimizers:
+                optimizer.step()
+    assert [(r.plugin, dict(r.options), r.kind) for r in model.repairs] == [
+        ("core", {"exporter": "torchscript"}, "exporter")
+    ]
+    assert "could not export CountsLabels" in model.repairs[0].reason
+    warned = [r.getMessage() for r in caplog.records if "TorchScript exporter instead" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert model.state_machine.counters.repairs == 1
+
+
+def test_the_torchscript_repair_comes_after_op_repairs_and_before_regions():
+    from ortcore.repair import CORE_REPAIR, Failure, Repair, order_repairs
+
+    failure = Failure(stage="export", message="no", modules=("block",))
+    config = dynamo_host().config.with_code_options(None, exporter="dynamo")
+    offered = plugin.ortcore_repairs(config, failure)
+    assert [(r.plugin, dict(r.options)) for r in offered] == [(CORE_REPAIR, {"exporter": "torchscript"})]
+    region = Repair("block in PyTorch", "region_routing", {"modules": ["block"]}, kind="region")
+    op = Repair("aten::cdist in PyTorch", "aten_fallback", {"ops": ["aten::cdist"]}, kind="op")
+    assert order_repairs([region, *offered, op]) == [op, *offered, region]
+    off = dynamo_host(env={plugin.ENV_TORCHSCRIPT_REPAIR: "0"}).config.with_code_options(None, exporter="dynamo")
+    assert plugin.ortcore_repairs(off, failure) is None
+    torchscript = dynamo_host().config.with_code_options(None, exporter="torchscript")
+    assert plugin.ortcore_repairs(torchscript, failure) is None
+
+
+def test_a_core_repair_is_validated_and_wins_over_the_environment():
+    from ortcore.errors import OptionError
+
+    config = dynamo_host(env={"ORTCORE_EXPORTER": "dynamo"}).config
+    assert config.core.exporter == "dynamo"
+    repaired = config.with_repaired_core({"exporter": "torchscript"})
+    assert repaired.core.exporter == "torchscript" and repaired.sources["core.exporter"] == "repair"
+    with pytest.raises(OptionError, match=r"unknown core option 'exportr'.*Did you mean 'exporter'"):
+        config.with_repaired_core({"exportr": "torchscript"})
+    with pytest.raises(OptionError, match=r"exporter=3 is not allowed"):
+        config.with_repaired_core({"exporter": 3})
 
 
 class BranchesOnLength(nn.Module):

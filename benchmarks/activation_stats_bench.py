@@ -1,6 +1,6 @@
 """The cost of recording activation statistics: ``python benchmarks/activation_stats_bench.py [--engines ...]``.
 
-GPT-2 from a config (``ortcore.bench``'s model and batches), trained with AdamW twice from the same weights in one
+GPT-2 from a config (the built-in example model and batches, ``ortcore_plugins.services.example_models``), trained with AdamW twice from the same weights in one
 process, once with a :class:`StatisticsSubscriber` and once without, alternating step by step so both see the same
 machine load. One process per engine (PyTorch eager, ortcore). Reported: median step time of each, their ratio, and
 the disk written per recorded step. Medians and the ratio of the fastest steps (steadier on a busy machine).
@@ -37,9 +37,9 @@ def _worker(engine: str, spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from ortcore import ORTModule
-    from ortcore.bench import BenchConfig, build_model, make_batches
     from ortcore.hooks import GlobalSubscriberManager
     from ortcore_plugins.activation_stats import StatisticsSubscriber, statistics_kernel_fused
+    from ortcore_plugins.services.example_models import BenchConfig, build_model, make_batches
 
     cfg = BenchConfig(**spec)
     torch.manual_seed(cfg.seed)

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the runs as JSON here")
     args = parser.parse_args(argv)
 
-    from ortcore.bench import preset, run_isolated
+    from ortcore_plugins.bench.suite import preset, run_isolated
 
     cfg = preset(args.config, steps=args.steps, warmup=min(2, (args.steps or 3) - 1) if args.steps else None)
     runs: list[dict[str, Any]] = []

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 import ortcore_plugins.efficient_attention as plugin
-from ortcore.bench import peak_rss_bytes, reset_peak_rss
 from ortcore.tables import format_table
+from ortcore_plugins.bench.suite import peak_rss_bytes, reset_peak_rss
 from ortcore_plugins.efficient_attention import ENV
 
 BENCH_CONFIG = {"n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 8000, "batch": 4, "seq": 512, "steps": 10}

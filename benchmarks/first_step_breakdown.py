@@ -36,7 +36,7 @@ def main() -> int:
 
     import torch
 
-    from ortcore.bench import BenchConfig, build_model, make_batches
+    from ortcore_plugins.services.example_models import BenchConfig, build_model, make_batches
 
     cfg = BenchConfig()
     torch.manual_seed(cfg.seed)

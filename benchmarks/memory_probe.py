@@ -27,7 +27,8 @@ SETTINGS: dict[str, dict[str, bool] | None] = {
 def _worker(model_name: str, setting: str) -> dict:
     import torch
 
-    from ortcore.bench import BenchConfig, PeakRSS, build_model, make_batches
+    from ortcore_plugins.bench.suite import PeakRSS
+    from ortcore_plugins.services.example_models import BenchConfig, build_model, make_batches
 
     cfg = BenchConfig()
     torch.manual_seed(cfg.seed)

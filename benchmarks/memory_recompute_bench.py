@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 import ortcore_plugins.memory_recompute as plugin
-from ortcore.bench import peak_rss_bytes, reset_peak_rss
 from ortcore.tables import format_table
+from ortcore_plugins.bench.suite import peak_rss_bytes, reset_peak_rss
 
 BENCH_CONFIG = {"n_embd": 256, "n_layer": 6, "n_head": 8, "vocab_size": 2048, "batch": 8, "seq": 256, "steps": 3}
 # "torch" (PyTorch eager) and the plugin's recompute levels.

@@ -45,7 +45,7 @@ from typing import Any as _Any  # noqa: E402
 
 _block_upstream_ortmodule()
 
-__version__ = "0.1.0"
+from .version import ORTCORE_VERSION as __version__  # noqa: E402, F401 (the package's version)
 
 # The public names, imported on first access (PEP 562): `import ortcore` and the `ortcore` command's --help and
 # --version stay free of torch and ONNX Runtime. name -> module that defines it.

@@ -21,6 +21,9 @@ API_VERSION = (1, 0)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
+    # the user surface, for plugins that train a model (bench, demo, explain)
+    "ORTModule": "ortcore.module",
+    "ORTCORE_VERSION": "ortcore.version",
     # hooks
     "hookimpl": "ortcore.markers",
     # graph passes
@@ -30,10 +33,12 @@ _NAMES: dict[str, str] = {
     "splice": "ortcore.graph_passes",
     # configuration and options
     "Config": "ortcore.config",
+    "disabled_plugins": "ortcore.config",
     "option": "ortcore.config",
     "int_at_least": "ortcore.config",
     "parse_bool": "ortcore.options",
     "LogLevel": "ortcore.options",
+    "positive_int": "ortcore.argtypes",
     "non_negative_int": "ortcore.argtypes",
     "non_negative_float": "ortcore.argtypes",
     "exporter_name": "ortcore.exporter",

@@ -334,3 +334,13 @@ def _name_list(value: object, key: str) -> list[str]:
     if isinstance(value, str) or not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise OptionError(f'{key}={value!r} must be a list of plugin names, e.g. ["export_cache"]')
     return list(value)
+
+
+def disabled_plugins() -> set[str]:
+    """The plugins ``[plugins] disable`` and ``ORTCORE_DISABLE_PLUGINS`` switch off, read without loading plugins;
+    from the environment alone if ortcore.toml is broken (``ortcore config`` then names the problem: a command's
+    ``--help`` must still work)."""
+    try:
+        return set(Config.load().disable)
+    except (OptionError, OSError, ValueError):
+        return {n.strip() for n in os.environ.get("ORTCORE_DISABLE_PLUGINS", "").split(",") if n.strip()}

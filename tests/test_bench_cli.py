@@ -18,7 +18,9 @@ from typing import Any
 import attrs
 import pytest
 
-from ortcore import bench, cli
+from ortcore import cli
+from ortcore_plugins.bench import commands as bench_commands
+from ortcore_plugins.bench import suite as bench
 
 
 # -- synthetic results -------------------------------------------------------------------------------------------
@@ -75,7 +77,7 @@ def _rendered(suite: bench.BenchSuite) -> str:
     from rich.console import Console
 
     console = Console(width=200, record=True, file=open(os.devnull, "w"))
-    cli._print_suite(console, suite)
+    bench_commands._print_suite(console, suite)
     return console.export_text()
 
 
@@ -102,7 +104,7 @@ def test_presets_are_the_documented_sizes() -> None:
 
 def _configs(argv: list[str]) -> tuple[dict[str, bench.BenchConfig], dict[str, int]]:
     args = cli.build_parser(["bench"]).parse_args(["bench", *argv])
-    return cli._bench_configs(args)
+    return bench_commands._bench_configs(args)
 
 
 def test_config_names_run_in_order_and_quick_is_an_alias() -> None:
@@ -280,9 +282,9 @@ def test_explain_without_the_plugin_is_a_clear_error(
     assert "--explain needs the op_profiler plugin, which is disabled" in capsys.readouterr().err
 
     monkeypatch.delenv("ORTCORE_DISABLE_PLUGINS")
-    real_find_spec = cli.importlib.util.find_spec
+    real_find_spec = bench_commands.importlib.util.find_spec
     monkeypatch.setattr(
-        cli.importlib.util,
+        bench_commands.importlib.util,
         "find_spec",
         lambda name, package=None: None if name == bench.EXPLAIN_MODULE else real_find_spec(name, package),
     )
@@ -301,7 +303,7 @@ def _fake_plugin(monkeypatch: pytest.MonkeyPatch, calls: list) -> None:
     fake.explain_bench = explain_bench
     fake.render_explain = lambda data: f"EXPLAINED {data['model']} hidden {data['hidden']}"
     monkeypatch.setitem(sys.modules, bench.EXPLAIN_MODULE, fake)
-    monkeypatch.setattr(cli, "_explain_unavailable", lambda: None)
+    monkeypatch.setattr(bench_commands, "_explain_unavailable", lambda: None)
 
 
 def _fake_workers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -365,7 +367,7 @@ def test_explain_only_runs_no_timed_rows_and_a_failing_explain_fails_the_command
 
 def test_explain_with_the_real_plugin_in_a_fresh_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The op_profiler plugin's own explain_bench, in the worker process ``--explain`` starts (about 10 s)."""
-    if problem := cli._explain_unavailable():
+    if problem := bench_commands._explain_unavailable():
         pytest.skip(problem)
     from ortcore_plugins.op_profiler.explain import EXPLAIN_KEYS
 

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from ortcore import bench, cli
-from ortcore.demo import DemoConfig, DemoResult, RunCurve
+from ortcore import cli
+from ortcore_plugins.bench import suite as bench
+from ortcore_plugins.demo.run import DemoConfig, DemoResult, RunCurve
 
 TINY_BENCH = ["--steps", "3", "--warmup", "1", "--hidden", "64", "--layers", "1", "--seq", "16", "--batch", "2"]
 
@@ -64,7 +65,7 @@ def test_demo_verdict() -> None:
 def test_demo_fails_with_nonzero_exit_when_curves_differ(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("ortcore.demo.run_demo", lambda cfg: _demo_result([2.0, 1.0], [2.0, 1.5]))
+    monkeypatch.setattr("ortcore_plugins.demo.run.run_demo", lambda cfg: _demo_result([2.0, 1.0], [2.0, 1.5]))
     assert cli.main(["demo", "--steps", "2"]) == 1
     assert "FAIL: curves differ" in capsys.readouterr().out
 

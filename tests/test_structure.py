@@ -384,10 +384,6 @@ KNOWN_INTERNAL: dict[str, str] = {
     "plugins/dynamo_exporter.py: ortcore.exporter.raised_in": "an export_guard() API entry",
     "plugins/dynamo_exporter.py: ortcore.exporter.refuse_empty_inputs": "an export_guard() API entry",
     "plugins/dynamo_exporter.py: ortcore.exporter.AUTOGRAD_FUNCTION_PLUGIN": "the plugin's name as a literal",
-    "plugins/op_profiler/explain.py: ortcore.ORTModule": "bench moving out of the core into a plugin",
-    "plugins/op_profiler/explain.py: ortcore.__version__": "versions() of the API",
-    "plugins/op_profiler/explain.py: ortcore.bench.build_model": "bench moving out of the core into a plugin",
-    "plugins/op_profiler/explain.py: ortcore.bench.make_batches": "bench moving out of the core into a plugin",
 }
 
 

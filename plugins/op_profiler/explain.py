@@ -35,7 +35,7 @@ EXPLAIN_KEYS: tuple[str, ...] = (
 
 
 def _bench_step(runner: Any, optimizer: Any, batches: list[dict[str, Any]], losses: list[float]) -> Callable[[], None]:
-    """One training step as ``ortcore.bench.run_worker`` runs it, its phases marked, the next batch each call."""
+    """One training step as ``the bench plugin's ``run_worker```` runs it, its phases marked, the next batch each call."""
     batch_iter = itertools.cycle(batches)
 
     def step() -> None:
@@ -66,7 +66,7 @@ def _versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from ortcore import __version__ as ortcore_version
+    from ortcore.api import ORTCORE_VERSION as ortcore_version
 
     return {
         "ortcore": ortcore_version,
@@ -79,11 +79,11 @@ def _versions() -> dict[str, str]:
 
 def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     """Train a benchmark model in PyTorch eager and under ortcore in this process (same seed, same batches, AdamW
-    as ``ortcore.bench.run_worker``), profile ``steps`` steps after ``warmup`` on each side, then run ``steps``
+    as ``the bench plugin's ``run_worker````), profile ``steps`` steps after ``warmup`` on each side, then run ``steps``
     more unprofiled, and compare where the time goes. The two sides' steps alternate, so that a change of load on
     the machine falls on both alike.
 
-    ``cfg`` is an ``ortcore.bench.BenchConfig``. Returns a JSON-able dict with the keys of :data:`EXPLAIN_KEYS`:
+    ``cfg`` is an ``ortcore_plugins.services.example_models.BenchConfig``. Returns a JSON-able dict with the keys of :data:`EXPLAIN_KEYS`:
 
     - ``categories``: one row per op category: ``category``, ``runs_on`` (ortcore's kernels: ORT, PyTorch),
       ``ort_count`` (kernels per step), ``ort_fw_ms``, ``ort_bw_ms``, ``ort_total_ms``, ``eager_fw_ms``,
@@ -99,8 +99,8 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
     import torch
     import transformers
 
-    from ortcore import ORTModule
-    from ortcore.bench import build_model, make_batches
+    from ortcore.api import ORTModule
+    from ortcore_plugins.services.example_models import build_model, make_batches
 
     from .eager_side import EagerProfile
     from .ort_side import OrtProfile

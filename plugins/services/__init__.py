@@ -23,6 +23,13 @@ plugins, built-in or third-party: names without a leading underscore are support
     translations of those wrappers to ``ortcore_export_translations``. Used by ``op_routing``, ``aten_fallback`` and
     ``control_flow``.
 
+``example_models``
+    The built-in example models: Hugging Face BERT and GPT-2 from configs with random weights (nothing downloaded),
+    their sizes (:class:`~ortcore_plugins.services.example_models.BenchConfig`, the presets) and seeded batches
+    (:func:`~ortcore_plugins.services.example_models.build_model`,
+    :func:`~ortcore_plugins.services.example_models.make_batches`). Used by ``bench``, ``explain`` and
+    ``op_profiler``.
+
 ``routed_calls``
     A traced TorchScript call of an aten op as one ATen node running a wrapper op (inputs flattened, one that may
     need a gradient first, a tensor passed twice given once) with its VJP gradient:

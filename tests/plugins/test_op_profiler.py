@@ -26,7 +26,6 @@ from rich.console import Console
 import ortcore_plugins.aten_fallback as aten_fallback
 import ortcore_plugins.op_profiler as plugin
 from ortcore import ORTModule
-from ortcore.bench import BenchConfig
 from ortcore.errors import OptionError
 from ortcore.explain import operator_of
 from ortcore.hookspecs import hookimpl
@@ -44,6 +43,7 @@ from ortcore_plugins.op_profiler.categories import aten_category, autograd_node_
 from ortcore_plugins.op_profiler.eager_side import classify
 from ortcore_plugins.op_profiler.explain import EXPLAIN_KEYS
 from ortcore_plugins.op_profiler.ort_side import Kernel, Run, assign_runs, recorder_of
+from ortcore_plugins.services.example_models import BenchConfig
 
 STRICT = {"fallback_policy": "FALLBACK_DISABLE"}
 

@@ -1,7 +1,7 @@
 """The newcomer demo: train one small model twice, in PyTorch and with :class:`ortcore.ORTModule`, and compare.
 
 Both runs start from the same weights, see the same batches and use the same AdamW settings, so their loss curves
-should agree to float32 rounding. Nothing here prints; ``ortcore demo`` (``ortcore.cli``) formats the result.
+should agree to float32 rounding. Nothing here prints; ``ortcore demo`` (:mod:`.commands`) formats the result.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def run_demo(
         on_step: called as ``on_step(run, step, loss, seconds)`` after every step, ``run`` being ``"torch"`` or
             ``"ortcore"``, so a caller can show progress.
     """
-    from .module import ORTModule
+    from ortcore.api import ORTModule
 
     cfg = cfg or DemoConfig()
     if cfg.steps < 1:

@@ -1,6 +1,6 @@
 """Training benchmark: Hugging Face BERT and GPT-2 under PyTorch eager, ``torch.compile`` and ortcore.
 
-Every (model, mode) pair runs in a fresh worker process (``python -m ortcore.bench --worker MODEL MODE ...``) so that
+Every (model, mode) pair runs in a fresh worker process (``python -m ortcore_plugins.bench.suite --worker MODEL MODE ...``) so that
 peak memory, compile caches and OpenMP settings of one run cannot leak into another. The worker writes its
 measurements as JSON to a file named by the parent; the parent (:func:`run_bench`) collects them, adds ratios to
 eager and can render a ``rich`` table (:func:`results_table`). :func:`run_suite` runs several configurations
@@ -28,9 +28,16 @@ from typing import Any
 
 import attrs
 
-from .files import atomic_writer
+from ortcore.api import atomic_writer
+from ortcore_plugins.services.example_models import (  # noqa: F401 (PRESETS and preset: the command line's)
+    MODELS,
+    PRESETS,
+    BenchConfig,
+    build_model,
+    make_batches,
+    preset,
+)
 
-MODELS: tuple[str, ...] = ("bert", "gpt2")
 #: "ortcore-cached" is ortcore in a second process on the same export cache (the first one, a one-step run, fills
 #: it): what a restarted job sees. Its first step is the one the export cache and ORT's cached session graph make.
 #: The "ortcore-dynamo" pair is the same on the dynamo exporter (torch.export + onnxscript).
@@ -51,62 +58,6 @@ _CACHED_SUFFIX = "-cached"
 WORKER_ENV: dict[str, str] = {"GOMP_SPINCOUNT": "10000"}
 
 _MIB = 1024 * 1024
-
-
-@attrs.frozen
-class BenchConfig:
-    """Model sizes and training settings shared by every run of one benchmark.
-
-    Example::
-
-        cfg = attrs.evolve(PRESETS["large"], steps=4)
-    """
-
-    batch: int = 8
-    seq: int = 128
-    hidden: int = 256
-    layers: int = 4
-    steps: int = 20
-    warmup: int = 3
-    vocab: int = 8000
-    lr: float = 1e-4
-    seed: int = 0
-
-    @property
-    def heads(self) -> int:
-        """Attention heads: one per 64 channels as in BERT-base and GPT-2, at least one, dividing ``hidden``."""
-        heads = max(1, self.hidden // 64)
-        return heads if self.hidden % heads == 0 else 1
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first setting that cannot work."""
-        for name in ("batch", "seq", "hidden", "layers", "steps", "vocab"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.warmup < self.steps:
-            raise ValueError(f"warmup must be in [0, steps), got warmup {self.warmup} with steps {self.steps}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-#: Named configurations for ``ortcore bench --config NAME``; explicit flags override single values.
-#: ``large`` is BERT-base/GPT-2-small sized (about 92M parameters with the 8000-word vocabulary): on 2 cores a step
-#: takes 3-4 s (up to 10 s on a loaded machine) and eager GPT-2 peaks at 4.4 GiB RSS, hence batch 4 and 8 steps:
-#: about 2 minutes per model. ``quick`` is a smoke run of every model and mode; torch.compile's cold compilation
-#: (12-25 s per model on 2 cores) is most of its time.
-PRESETS: dict[str, BenchConfig] = {
-    "default": BenchConfig(),
-    "large": BenchConfig(batch=4, seq=256, hidden=768, layers=12, steps=8, warmup=2),
-    "quick": BenchConfig(batch=2, seq=32, hidden=64, layers=1, steps=5, warmup=2, vocab=1000),
-}
-
-
-def preset(name: str, **overrides: int) -> BenchConfig:
-    """The preset ``name`` with ``overrides`` (settings left None keep the preset's value)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown config {name!r}; allowed: {', '.join(PRESETS)}")
-    return attrs.evolve(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
 @dataclass
@@ -139,60 +90,6 @@ class RunResult:
     def fell_back(self) -> bool:
         """True if ortcore ran the model in PyTorch: its numbers would then be eager's, not ortcore's."""
         return bool(self.details.get("fallbacks")) or bool(self.details.get("fallback_reason"))
-
-
-# -- models and data ---------------------------------------------------------------------------------------------
-def build_model(name: str, cfg: BenchConfig) -> Any:
-    """A randomly initialised ``BertForSequenceClassification`` or ``GPT2LMHeadModel`` (no download), dropout 0."""
-    import transformers
-
-    if name == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=cfg.vocab,
-            n_positions=max(1024, cfg.seq),
-            n_embd=cfg.hidden,
-            n_layer=cfg.layers,
-            n_head=cfg.heads,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            # use_cache keeps its default (on), as most training scripts leave it: the model then also returns
-            # its KV cache, and every mode pays for that alike.
-            # GPT-2's default ids (50256) lie outside the small vocabulary.
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        return transformers.GPT2LMHeadModel(config)
-    if name == "bert":
-        config = transformers.BertConfig(
-            vocab_size=cfg.vocab,
-            hidden_size=cfg.hidden,
-            num_hidden_layers=cfg.layers,
-            num_attention_heads=cfg.heads,
-            intermediate_size=4 * cfg.hidden,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            classifier_dropout=0.0,
-            max_position_embeddings=max(512, cfg.seq),
-            num_labels=2,
-        )
-        return transformers.BertForSequenceClassification(config)
-    raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
-
-
-def make_batches(name: str, cfg: BenchConfig) -> list[dict[str, Any]]:
-    """One seeded batch per step, identical for every mode: GPT-2 learns its own ids, BERT binary labels."""
-    import torch
-
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    batches = []
-    for _ in range(cfg.steps):
-        ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen)
-        if name == "gpt2":
-            batches.append({"input_ids": ids, "labels": ids})
-        else:
-            batches.append({"input_ids": ids, "labels": torch.randint(0, 2, (cfg.batch,), generator=gen)})
-    return batches
 
 
 # -- memory ------------------------------------------------------------------------------------------------------
@@ -291,7 +188,7 @@ def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
 
         return compiled, compile_details
     if mode in ORTCORE_EXPORTERS:  # the cache directory comes from the worker's environment
-        from .module import ORTModule
+        from ortcore.api import ORTModule
 
         wrapped = ORTModule(model, exporter=ORTCORE_EXPORTERS[mode])
 
@@ -395,8 +292,8 @@ def run_explain_worker(model_name: str, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def _worker_main(argv: Sequence[str] | None = None) -> int:
-    """Entry of ``python -m ortcore.bench (--worker MODEL MODE | --explain MODEL) --config JSON --out PATH``."""
-    parser = argparse.ArgumentParser(prog="python -m ortcore.bench", description="ortcore bench worker (internal)")
+    """Entry of ``python -m ortcore_plugins.bench.suite (--worker MODEL MODE | --explain MODEL) --config JSON --out PATH``."""
+    parser = argparse.ArgumentParser(prog="python -m ortcore_plugins.bench.suite", description="ortcore bench worker (internal)")
     task = parser.add_mutually_exclusive_group(required=True)
     task.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help="train and measure MODEL under MODE")
     task.add_argument("--explain", metavar="MODEL", help="explain MODEL's step through the op_profiler plugin")
@@ -431,7 +328,7 @@ def _tail(text: str, lines: int = 5) -> str:
 def _spawn(
     task: list[str], cfg: BenchConfig, timeout_s: float, extra_env: dict[str, str] | None = None
 ) -> tuple[Any, str, float]:
-    """Run ``python -m ortcore.bench TASK --config ... --out ...`` in a fresh process with :data:`WORKER_ENV`.
+    """Run ``python -m ortcore_plugins.bench.suite TASK --config ... --out ...`` in a fresh process with :data:`WORKER_ENV`.
 
     Returns the JSON the worker wrote (None if it wrote none), why it wrote none, and the process's wall time.
     """
@@ -445,9 +342,11 @@ def _spawn(
         env["HF_HUB_OFFLINE"] = "1"  # models are built from configs; never reach for the network
         # The worker must run this very ortcore: our package root goes first on its path, and it runs in the empty
         # temporary directory so that no `ortcore` folder in the caller's working directory shadows it.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        import ortcore.api
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(ortcore.api.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "ortcore.bench", *task, "--config", json.dumps(cfg.to_dict()), "--out", out]
+        cmd = [sys.executable, "-m", "ortcore_plugins.bench.suite", *task, "--config", json.dumps(cfg.to_dict()), "--out", out]
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
@@ -713,7 +612,7 @@ def host_environment() -> dict[str, Any]:
     """The parent's platform, cores and Python (versions of torch and the rest are in each run's environment)."""
     import platform
 
-    from . import __version__
+    from ortcore.api import ORTCORE_VERSION as __version__
 
     return {
         "platform": platform.platform(),

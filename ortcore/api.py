@@ -34,6 +34,7 @@ _NAMES: dict[str, str] = {
     # configuration and options
     "Config": "ortcore.config",
     "disabled_plugins": "ortcore.config",
+    "load_host": "ortcore.report",
     "option": "ortcore.config",
     "int_at_least": "ortcore.config",
     "parse_bool": "ortcore.options",

@@ -29,8 +29,8 @@ from ortcore.errors import OptionError
 from ortcore.graph_passes import GraphPass
 from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
 from ortcore.hookspecs import hookimpl
-from ortcore.report import doctor
 from ortcore.testing import make_host
+from ortcore_plugins.doctor.checks import doctor
 
 NO_FALLBACK = {"ORTMODULE_FALLBACK_POLICY": "FALLBACK_DISABLE"}
 

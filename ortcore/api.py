@@ -77,6 +77,8 @@ _NAMES: dict[str, str] = {
     "INPUT_RANGES_METADATA": "ortcore.graph",
     "BuiltGraph": "ortcore.session",
     "TrainingSession": "ortcore.session",
+    "measurement_session": "ortcore.pipeline",
+    "measurement_sessions": "ortcore.pipeline",
     "SessionPlan": "ortcore.session_plan",
     "RuntimeInspector": "ortcore.inspectors",
     "ForwardInputs": "ortcore.inspectors",

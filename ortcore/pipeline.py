@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -36,6 +37,7 @@ from .files import atomic_write
 from .graph import ExportedGraph, export_graph
 from .hooks._subscribers import tapping
 from .identity import graph_fingerprint
+from .options import LogLevel
 from .session import BuildRequest, BuiltGraph, TrainingSession, build_graph, default_providers, explain_ort_error
 from .session_plan import RunWrapper, SessionPlan, base_session_options  # noqa: F401 (re-exported: the plan's former home)
 
@@ -323,3 +325,40 @@ __all__ = [
     "explain_ort_error",
     "save_model",
 ]
+
+
+_measurement_sessions = 0
+
+
+def measurement_session(
+    model: onnx.ModelProto, input_names: Sequence[str], train_names: Sequence[str], purpose: str
+) -> TrainingSession:
+    """A training session of a small graph that belongs to no model, for a plugin's measurement (say, one op's
+    forward + backward with ORT's kernel and with PyTorch's): ``model``'s inputs are all fed by the caller, those in
+    ``train_names`` get gradients; CPU, ORT's default providers, errors only in the log. Built and created by the
+    core's own path, so the graph gets every fix a model's graph gets; counted (:func:`measurement_sessions`) and
+    logged at DEBUG with ``purpose``."""
+    global _measurement_sessions
+    device = torch.device("cpu")
+    names = list(input_names)
+    request = BuildRequest(
+        model=model,
+        input_names=names,
+        user_input_names=names,
+        train_names=list(train_names),
+        build_gradient=True,
+        device=device,
+        log_level=LogLevel.ERROR,
+    )
+    built = build_graph(request, purpose=purpose)
+    session = TrainingSession(
+        built, SessionPlan(device=device, log_level=LogLevel.ERROR, providers=default_providers(device))
+    )
+    _measurement_sessions += 1
+    logger.debug("measurement session %d built (%s)", _measurement_sessions, purpose)
+    return session
+
+
+def measurement_sessions() -> int:
+    """How many :func:`measurement_session` sessions this process built."""
+    return _measurement_sessions

@@ -374,9 +374,6 @@ CONTRIB = ROOT / "contrib"
 # What plugin code still imports from ortcore outside ``ortcore.api``: each is an internal that a planned API entry
 # replaces (the right-hand side). The list may only shrink: a name that stops being imported must leave it too.
 KNOWN_INTERNAL: dict[str, str] = {
-    "plugins/aten_fallback/kernel_choice.py: ortcore.session.BuildRequest": "a measurement_session() API entry",
-    "plugins/aten_fallback/kernel_choice.py: ortcore.session.build_graph": "a measurement_session() API entry",
-    "plugins/aten_fallback/kernel_choice.py: ortcore.session.default_providers": "a measurement_session() API entry",
     "plugins/aten_fallback/kernel_routing.py: ortcore.exporter.layer_norm": "a core_symbolic() API entry",
     "plugins/op_routing.py: ortcore.exporter._SYMBOLICS": "a core_symbolic() API entry",
     "plugins/dynamo_exporter.py: ortcore.exporter.EXPORT_LOCK": "an export_guard() API entry",

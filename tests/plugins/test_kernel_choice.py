@@ -340,3 +340,56 @@ def test_measured_choice_on_bert_matches_torch_and_is_not_measured_twice(tmp_pat
     again = kernel_choice.chooser_for(host.config)
     hf_step(ort_and_torch(tiny_bert(), host=host)[0], batch)
     assert again.measurements == 0
+
+
+# -- the measured graph pairs ----------------------------------------------------------------------------------------
+
+MEASURED_CASES = [
+    Case("embedding", ((50, 16), (4, 7)), params=(("padding_idx", -1),)),
+    Case("gelu", ((4, 7, 16),), params=(("approximate", "none"), ("bias", True))),
+    Case("gelu", ((4, 7, 16),), params=(("approximate", "tanh"), ("bias", False))),
+    Case("layer_norm", ((4, 7, 16), (16,)), params=(("eps", 1e-5), ("grad_bias", True), ("grad_weight", True))),
+    Case("cross_entropy", ((6, 5), (6,)), params=(("ignore_index", -100), ("reduction", 1))),
+    Case("cross_entropy", ((6, 5), (6,), (5,)), params=(("ignore_index", 2), ("reduction", 2))),
+    Case("linear", ((4, 7, 16), (8, 16), (8,)), params=(("grad_bias", True), ("grad_input", True), ("grad_weight", True))),
+    # A frozen weight; a frozen input never gets here (ORT builds an ATen node's gradient only when its first input
+    # needs one, so such a call keeps ORT's kernel: torch_kernels._gradient_reaches_first_input).
+    Case("linear", ((6, 16), (8, 16)), params=(("grad_input", True), ("grad_weight", False))),
+    Case(
+        "linear",
+        ((8,), (6, 16), (16, 8)),
+        params=(("alpha", 1.0), ("beta", 1.0), ("grad_bias", True), ("grad_mat1", True), ("grad_mat2", True)),
+        form="addmm",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", MEASURED_CASES, ids=lambda c: f"{c.op}-{c.form or 'call'}-{len(c.shapes)}")
+def test_each_measured_graph_pair_computes_torchs_output_on_both_sides(case):
+    """A measurement compares two graphs; both must compute the op as torch does (rtol 1e-5, atol 1e-5), or the
+    choice compares different work. ORT's side and the ATen side run forward + backward through the core's
+    measurement sessions, and the timings are positive."""
+    from ortcore.api import measurement_sessions
+    from ortcore_plugins.aten_fallback import measurement
+    from ortcore_plugins.aten_fallback.torch_kernels import prepare_runtime
+
+    prepare_runtime()
+    pair = measurement.one_op(case, torch.Generator().manual_seed(0))
+    feeds = [t for _, t in pair.inputs]
+    before = measurement_sessions()
+    for nodes, aten in ((pair.ort_nodes, False), (pair.torch_nodes, True)):
+        session = measurement._session(measurement._model(pair, nodes, aten), pair)
+        outputs, state = session.run_forward(feeds)
+        torch.testing.assert_close(outputs[0], pair.output, rtol=1e-5, atol=1e-5, msg=f"aten={aten}")
+        grad = torch.ones_like(pair.output)
+        session.run_backward([grad], [(tuple(grad.shape), grad.dtype)], state)
+    assert measurement_sessions() == before + 2
+    ort_ms, torch_ms = measurement.measure_case(case, repeats=3, budget=0.05)
+    assert ort_ms > 0 and torch_ms > 0
+
+
+def test_a_case_nobody_measures_is_named():
+    from ortcore_plugins.aten_fallback import measurement
+
+    with pytest.raises(ValueError, match=r"no measurement for op 'softmax'; measured: cross_entropy, embedding"):
+        measurement.one_op(Case("softmax", ((2, 3),)), torch.Generator())

@@ -731,6 +731,12 @@ def register_symbolics(symbolics: dict[str, Any], opset: int) -> None:
 _UNSUPPORTED_OP = re.compile(r"operator '?([\w:.]+)'?")
 
 
+def core_symbolic(name: str) -> Callable[..., Any] | None:
+    """The TorchScript symbolic the core registers for ``name`` (``"::layer_norm"`` for ``aten::layer_norm``,
+    ``"prim::ConstantChunk"``), or None: what a plugin's own symbolic falls back to for the cases it leaves alone."""
+    return _SYMBOLICS.get(name)
+
+
 def raised_in(error: BaseException, function: Callable[..., Any]) -> bool:
     """Whether ``error`` was raised while ``function`` ran (its traceback passes through the function's code).
 

@@ -58,6 +58,7 @@ import torch
 from ortcore.api import (
     CORE_REPAIR,
     DYNAMO,
+    EXPORT_LOCK,
     INLINE,
     INPUT_RANGES_METADATA,
     POOLING_VERSION,
@@ -80,9 +81,13 @@ from ortcore.api import (
     hookimpl,
     option,
     parse_bool,
+    quiet_export,
+    raised_in,
+    refuse_empty_inputs,
     torchscript_available,
 )
-from ortcore.exporter import AUTOGRAD_FUNCTION_PLUGIN, EXPORT_LOCK, quiet_export, raised_in, refuse_empty_inputs
+
+AUTOGRAD_FUNCTION_PLUGIN = "autograd_function"  # the plugin that runs custom autograd Functions as PythonOps
 
 NAME = "dynamo_exporter"
 ENV_VALUE_BRANCHES = "ORTCORE_DYNAMO_VALUE_BRANCHES"

@@ -487,10 +487,11 @@ def _node_overload(node: Any) -> str | None:
 
 def _base_symbolic(op: str, opset: int) -> Callable[..., Any] | None:
     """The exporter's own symbolic of ``aten::<op>`` at ``opset`` (not a custom one registered over it)."""
-    from ortcore.exporter import _SYMBOLICS
+    from ortcore.api import core_symbolic
 
-    if f"::{op}" in _SYMBOLICS:
-        return _SYMBOLICS[f"::{op}"]
+    own = core_symbolic(f"::{op}")
+    if own is not None:
+        return own
     from torch.onnx._internal.torchscript_exporter import registration
 
     group = registration.registry.get_function_group(f"aten::{op}")

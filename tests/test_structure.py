@@ -371,17 +371,9 @@ def test_importing_ortcore_keeps_onnxruntime_from_importing_upstreams_ortmodule(
 
 CONTRIB = ROOT / "contrib"
 
-# What plugin code still imports from ortcore outside ``ortcore.api``: each is an internal that a planned API entry
-# replaces (the right-hand side). The list may only shrink: a name that stops being imported must leave it too.
-KNOWN_INTERNAL: dict[str, str] = {
-    "plugins/aten_fallback/kernel_routing.py: ortcore.exporter.layer_norm": "a core_symbolic() API entry",
-    "plugins/op_routing.py: ortcore.exporter._SYMBOLICS": "a core_symbolic() API entry",
-    "plugins/dynamo_exporter.py: ortcore.exporter.EXPORT_LOCK": "an export_guard() API entry",
-    "plugins/dynamo_exporter.py: ortcore.exporter.quiet_export": "an export_guard() API entry",
-    "plugins/dynamo_exporter.py: ortcore.exporter.raised_in": "an export_guard() API entry",
-    "plugins/dynamo_exporter.py: ortcore.exporter.refuse_empty_inputs": "an export_guard() API entry",
-    "plugins/dynamo_exporter.py: ortcore.exporter.AUTOGRAD_FUNCTION_PLUGIN": "the plugin's name as a literal",
-}
+# What plugin code may still import from ortcore outside ``ortcore.api`` (file: name -> why). Empty: every import
+# goes through the API; an entry added here needs a reason, and one that stops being imported must leave.
+KNOWN_INTERNAL: dict[str, str] = {}
 
 
 def ortcore_imports_outside_the_api(root: Path, repo: Path = ROOT) -> list[str]:

@@ -41,6 +41,13 @@ ENTRY_POINT_GROUP = "ortcore.plugins"
 
 BUILTIN_DISTRIBUTION = "ortcore"
 CORE_PLUGIN = "core"
+# Plugins the core cannot serve models correctly without: always loaded from the entry points, and a `[plugins]
+# disable` (or ORTCORE_DISABLE_PLUGINS) naming one is refused. A test kit may still compose a host without them
+# (``ortcore.testing.make_host``), to show what they fix.
+ESSENTIAL_PLUGINS: dict[str, str] = {
+    "gradient_fixes": "without it ORT computes some gradients wrongly (Where/Pow with broadcast inputs, ...)",
+    "kernel_types": "without it graphs holding ops in types ORT's CPU provider has no kernel for cannot run",
+}
 
 
 @functools.cache
@@ -186,6 +193,20 @@ class PluginHost:
                     raise PluginError(message) from e
                 logger.warning("%s; the other plugins keep working", message)
 
+    def _check_disabled(self, known: list[str]) -> None:
+        """Refuse a ``disable`` entry that names an essential plugin, or no plugin at all (a typo would otherwise
+        leave the plugin on, silently)."""
+        source = "ORTCORE_DISABLE_PLUGINS / [plugins] disable"
+        for name in self.config.disable:
+            if name in ESSENTIAL_PLUGINS:
+                raise OptionError(
+                    f"plugin {name!r} ({source}) cannot be disabled: it is essential, {ESSENTIAL_PLUGINS[name]}"
+                )
+            if name not in self.records and name not in builtin_plugins():
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else f" Installed plugins: {', '.join(known)}."
+                raise OptionError(f"plugin {name!r} ({source}) names no installed plugin.{hint}")
+
     def _register(self, name: str, plugin: Any, record: PluginRecord, where: str | None = None) -> None:
         """Register ``plugin``, refusing (unregistered again) one that implements a hook no spec declares."""
         self.pm.register(plugin, name=name)
@@ -269,9 +290,8 @@ class PluginHost:
                     f"plugin {name!r} is listed in [plugins] enable but not installed; installed: {known}"
                     + _suggest(name, known)
                 )
-        for name in self.config.disable:
-            if name not in self.records and name not in builtin_plugins():
-                logger.info("plugin %r in [plugins] disable is not installed", name)
+        if self.autoload:
+            self._check_disabled(known)
         for name in self.config.plugin_tables:
             if name not in self.records:
                 raise OptionError(

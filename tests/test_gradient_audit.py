@@ -29,6 +29,7 @@ from ortcore.errors import OptionError
 from ortcore.graph_passes import GraphPass
 from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
 from ortcore.hookspecs import hookimpl
+from ortcore.plugins import PluginHost
 from ortcore.testing import make_host
 from ortcore_plugins.doctor.checks import doctor
 
@@ -179,10 +180,28 @@ class GatedNet(nn.Module):
         return self.b(self.gate(self.a(x), x))
 
 
-def test_wrong_where_gradient_without_gradient_fixes_names_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+def _builtins_without(*names: str) -> Any:
+    """A host of every built-in plugin but ``names``: gradient_fixes is essential (no user can disable it), so a
+    test that shows what it fixes composes a host without it, as a test kit may."""
+    from importlib.metadata import entry_points
+
+    plugins = {
+        ep.name: ep.load()
+        for ep in entry_points(group="ortcore.plugins")
+        if ep.dist is not None and ep.dist.name == "ortcore" and ep.name not in names
+    }
+    return make_host(plugins)
+
+
+def test_gradient_fixes_cannot_be_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "gradient_fixes")
+    with pytest.raises(OptionError, match=r"plugin 'gradient_fixes' .* cannot be disabled: it is essential"):
+        ORTModule(GatedNet(), host=PluginHost(Config.load()))
+
+
+def test_wrong_where_gradient_without_gradient_fixes_names_the_module() -> None:
     # region_routing off too: nothing can repair the mismatch, so it reaches the user.
-    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "gradient_fixes,region_routing")
-    wrapped = _audited(GatedNet())
+    wrapped = _audited(GatedNet(), host=_builtins_without("gradient_fixes", "region_routing"))
     x = torch.randn(8, 16)
     with pytest.raises(GradientMismatchError) as caught:
         wrapped(x).sum().backward()
@@ -198,11 +217,10 @@ def test_wrong_where_gradient_without_gradient_fixes_names_the_module(monkeypatc
     assert len(wrapped.gradient_audits) == 1
 
 
-def test_wrong_where_gradient_is_repaired_by_running_the_named_module_in_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "gradient_fixes")
+def test_wrong_where_gradient_is_repaired_by_running_the_named_module_in_pytorch() -> None:
     model = GatedNet()
     reference = copy.deepcopy(model)
-    wrapped = _audited(model)
+    wrapped = _audited(model, host=_builtins_without("gradient_fixes"))
     x = torch.randn(8, 16)
     wrapped(x).sum().backward()
     reference(x).sum().backward()

@@ -520,6 +520,20 @@ def test_disabled_plugin_is_never_imported(monkeypatch):
     assert host.records["ghost"].status == "disabled"
 
 
+def test_disabling_a_plugin_nobody_installed_is_an_error_with_a_suggestion():
+    """A typo in ``disable`` would leave the plugin on, silently: refused as a typo in ``enable`` is."""
+    with pytest.raises(OptionError, match=r"plugin 'export_cach' .* names no installed plugin. Did you mean 'export_cache'"):
+        PluginHost(Config.from_table({"plugins": {"disable": ["export_cach"]}}, env={}))
+    with pytest.raises(OptionError, match=r"plugin 'zzz' .* names no installed plugin. Installed plugins: .*export_cache"):
+        PluginHost(Config.from_table({}, env={"ORTCORE_DISABLE_PLUGINS": "zzz"}))
+
+
+@pytest.mark.parametrize("name", ["gradient_fixes", "kernel_types"])
+def test_an_essential_plugin_cannot_be_disabled(name):
+    with pytest.raises(OptionError, match=rf"plugin '{name}' .* cannot be disabled: it is essential, without it"):
+        PluginHost(Config.from_table({"plugins": {"disable": [name]}}, env={}))
+
+
 def test_enabling_a_missing_plugin_names_it():
     with pytest.raises(PluginError, match="'nope' is listed in \\[plugins\\] enable but not installed"):
         PluginHost(Config.from_table({"plugins": {"enable": ["nope"]}}, env={}), autoload=False)

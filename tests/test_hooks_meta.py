@@ -37,6 +37,12 @@ def test_hookspecs_exist_and_follow_the_naming_rule():
         assert hasattr(spec, "ortcore_spec"), f"{name} is named like a hook but is not a @hookspec"
 
 
+def test_each_hookspec_docstring_is_one_line_and_its_prose_lives_in_the_reference():
+    """The prose of a hook is written once, in docs/hooks.md; the spec's docstring is its one-line summary."""
+    long = [name for name in SPECS if len(getattr(hookspecs, name).__doc__.strip().splitlines()) > 1]
+    assert not long, f"hookspecs with more than a one-line docstring (move the prose to docs/hooks.md): {long}"
+
+
 def test_every_hookspec_is_documented_with_arguments_timing_return_and_example():
     sections = _reference_sections()
     missing = [name for name in SPECS if name not in sections]

@@ -48,9 +48,10 @@ def _worker(model_name: str, setting: str) -> dict:
 
         class Overrides:
             @hookimpl
-            def ortcore_session_options(self, session_options):
-                for name, value in overrides.items():
-                    setattr(session_options, name, value)
+            def ortcore_session_plan(self, plan):
+                plan.set_session_options(
+                    lambda session_options: [setattr(session_options, k, v) for k, v in overrides.items()]
+                )
 
         runner = ORTModule(model, host=PluginHost(plugins={"overrides": Overrides()}))
     after = []

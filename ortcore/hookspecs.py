@@ -13,7 +13,7 @@ The build pipeline (docs/architecture.md), in the order data flows, with the hoo
       → pre-gradient graph passes (ortcore_graph_passes)
       → gradient build (ortcore_graph_transformer_config)
       → gradient-graph passes (ortcore_gradient_graph_passes)
-      → session plan (ortcore_session_plan, ortcore_session_options, ortcore_provider_options)
+      → session plan (ortcore_session_plan: providers, config entries, session options)
       → session created once (ortcore_session_created: inspect only; the session is immutable)
       → steps (ortcore_runtime_inspectors, ortcore_activation_subscribers; run wrappers from the plan)
     a stage that fails on a new graph → ortcore_repairs (route the failing op or module, export again)
@@ -36,7 +36,6 @@ from .markers import (
 )
 
 if TYPE_CHECKING:
-    import onnxruntime
     import torch
 
     from .config import Config
@@ -125,16 +124,6 @@ def ortcore_gradient_graph_passes(config: Config) -> list[GraphPass] | None:
 @hookspec
 def ortcore_session_plan(config: Config, graph: BuiltGraph, plan: SessionPlan) -> None:
     """Contribute to the plan of the session the core is about to create for ``graph``."""
-
-
-@hookspec
-def ortcore_session_options(config: Config, session_options: onnxruntime.SessionOptions, device: torch.device) -> None:
-    """Adjust the onnxruntime.SessionOptions of a new session in place."""
-
-
-@hookspec
-def ortcore_provider_options(config: Config, device: torch.device, providers: list[tuple[str, dict[str, str]]]) -> None:
-    """Adjust the execution providers of a new session in place."""
 
 
 @hookspec

@@ -7,7 +7,7 @@ Stages, in the order data flows, with the hook plugins implement at each (docs/a
     pre-gradient graph passes  ortcore_graph_passes
     gradient build             ortcore_graph_transformer_config            -> BuiltGraph
     gradient-graph passes      ortcore_gradient_graph_passes               (edit BuiltGraph.model)
-    session plan               ortcore_session_plan, ortcore_session_options, ortcore_provider_options
+    session plan               ortcore_session_plan (providers, config entries, session options: one plan)
     session, created once      ortcore_session_created (inspect only: TrainingSession is immutable)
     steps                      run wrappers from the plan, runtime inspectors, activation subscribers
 
@@ -264,11 +264,9 @@ class Pipeline:
             device=request.device,
             log_level=request.log_level,
             providers=default_providers(request.device),
-            configure_session=self.hooks.session_options,
             prober=lambda p, cause: self._probe(built, p, cause),
         )
         self.hooks.session_plan(built, plan)
-        self.hooks.provider_options(request.device, plan.providers)
         return plan
 
     def _probe(self, built: BuiltGraph, plan: SessionPlan, cause: str) -> TrainingSession:

@@ -511,12 +511,6 @@ class Hooks:
             config=self.config, transformer_config=transformer_config, training=training
         )
 
-    def session_options(self, session_options: Any, device: Any) -> None:
-        self._hook.ortcore_session_options(config=self.config, session_options=session_options, device=device)
-
-    def provider_options(self, device: Any, providers: list) -> None:
-        self._hook.ortcore_provider_options(config=self.config, device=device, providers=providers)
-
     def gradient_graph_passes(self) -> list[GraphPass]:
         found = self._collect_items("ortcore_gradient_graph_passes", config=self.config)
         return order_passes(attrs.evolve(p, plugin=plugin) for plugin, p in found)

@@ -60,7 +60,7 @@ class SessionPlan:
     prepared_model: bytes | None = None
     profile_file_prefix: str | None = None
     optional: list[_Optional] = attrs.Factory(list)
-    configure_session: Callable[[onnxruntime.SessionOptions, torch.device], None] | None = None
+    session_option_setters: list[Callable[[onnxruntime.SessionOptions], None]] = attrs.Factory(list)
     temporary_files: list[str] = attrs.Factory(list)
     prober: Callable[[SessionPlan, str], TrainingSession] | None = None
 
@@ -69,6 +69,11 @@ class SessionPlan:
         A name already added is kept once: plugins that share a service (the ATen executor) add it by one name."""
         if all(existing != name for existing, _ in self.run_wrappers):
             self.run_wrappers.append((name, wrapper))
+
+    def set_session_options(self, setter: Callable[[onnxruntime.SessionOptions], None]) -> None:
+        """Call ``setter(session_options)`` on the ``onnxruntime.SessionOptions`` the plan describes, last (after the
+        core's defaults, the config entries and the execution order): for settings the plan has no field for."""
+        self.session_option_setters.append(setter)
 
     def add_optional(self, owner: str, config_entries: dict[str, str], execution_order: Any = None) -> None:
         """Settings the session gets if ORT accepts them; if creating the session fails with them, the core logs a
@@ -92,7 +97,7 @@ class SessionPlan:
 
     def session_options(self, with_optional: bool = True) -> onnxruntime.SessionOptions:
         """The ``onnxruntime.SessionOptions`` the plan describes (the core's defaults, then the plan, then the
-        ``ortcore_session_options`` hooks)."""
+        setters plugins added with :meth:`set_session_options`)."""
         so = base_session_options(self.log_level)
         entries = dict(self.config_entries)
         order = self.execution_order
@@ -115,8 +120,8 @@ class SessionPlan:
         if self.profile_file_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = self.profile_file_prefix
-        if self.configure_session is not None:
-            self.configure_session(so, self.device)
+        for setter in self.session_option_setters:
+            setter(so)
         return so
 
     def remove_temporary_files(self) -> None:

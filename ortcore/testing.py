@@ -1,7 +1,7 @@
 """Test helpers and pytest fixtures for plugin authors (ortcore's own tests use them too).
 
-Installed as a pytest plugin (entry point ``pytest11``), so the fixtures are available in any project that has
-ortcore installed::
+Opt-in, so that other projects' pytest runs never import torch because ortcore is installed: load it with
+``pytest -p ortcore.testing`` or a ``conftest.py`` line ``pytest_plugins = ["ortcore.testing"]``, then::
 
     def test_my_plugin_keeps_gradients(ortcore_host, tmp_path):
         host = ortcore_host({"my_plugin": my_plugin}, table={"plugins": {"my_plugin": {"level": 2}}})
@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .config import Config
+from .markers import hookimpl
 from .plugins import PluginHost, set_host
 
 RTOL = 1e-4
@@ -145,3 +146,29 @@ def assert_grads_match(actual: torch.nn.Module, expected: torch.nn.Module, *, rt
             assert ref is None and param.grad is None, f"{name}: grad is {param.grad is not None} in ortcore, {ref is not None} in torch"
             continue
         torch.testing.assert_close(param.grad, ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+class ExecutedGraphs:
+    """A plugin for tests: ORT writes the graph each session runs (after its own optimizations) to
+    ``directory/executed_<n>.onnx``, one file per session made, probes included; :meth:`last` loads the newest.
+
+    Register it with the plugins under test: ``make_host({"executed": ExecutedGraphs(tmp_path), ...})``."""
+
+    def __init__(self, directory: Any):
+        from pathlib import Path
+
+        self.directory = Path(directory)
+        self.sessions = 0
+
+    @hookimpl
+    def ortcore_session_plan(self, plan: Any) -> None:
+        plan.set_session_options(self._write_to_file)
+
+    def _write_to_file(self, session_options: Any) -> None:
+        self.sessions += 1
+        session_options.optimized_model_filepath = str(self.directory / f"executed_{self.sessions}.onnx")
+
+    def last(self) -> Any:
+        import onnx
+
+        return onnx.load(str(self.directory / f"executed_{self.sessions}.onnx"))

@@ -100,7 +100,13 @@ def ortcore_configure(config: Any) -> None:
 
 
 @hookimpl
-def ortcore_provider_options(config: Any, device: torch.device, providers: list[tuple[str, dict[str, str]]]) -> None:
+def ortcore_session_plan(config: Any, graph: Any, plan: Any) -> None:
+    """The CUDA provider's options in the plan of a session on a CUDA device (on another device, a warning that
+    they do nothing, once per set of options)."""
+    set_provider_options(config, plan.device, plan.providers)
+
+
+def set_provider_options(config: Any, device: torch.device, providers: list[tuple[str, dict[str, str]]]) -> None:
     options = _options(config)
     if device.type != "cuda":
         changed = tuple(_set_fields(options))

@@ -14,7 +14,6 @@ from collections import Counter
 from pathlib import Path
 
 import onnx
-import onnxruntime
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,7 @@ from ortcore import ORTModule
 from ortcore.errors import GraphBuildError
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
-from ortcore.testing import assert_grads_match, assert_matches_torch, make_host
+from ortcore.testing import ExecutedGraphs, assert_grads_match, assert_matches_torch, make_host
 
 STRICT = {"fallback_policy": "FALLBACK_DISABLE"}
 
@@ -265,20 +264,7 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-class DumpExecuted:
-    """Makes ORT write the graph it runs; the last one is the session's (probes come first)."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.count = 0
-
-    @hookimpl
-    def ortcore_session_options(self, session_options: onnxruntime.SessionOptions) -> None:
-        self.count += 1
-        session_options.optimized_model_filepath = str(self.directory / f"executed_{self.count}.onnx")
-
-    def last(self) -> onnx.ModelProto:
-        return onnx.load(str(self.directory / f"executed_{self.count}.onnx"))
+DumpExecuted = ExecutedGraphs  # ORT writes each session's graph: ortcore.testing
 
 
 BUILD_PLUGINS = {

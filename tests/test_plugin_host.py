@@ -74,8 +74,9 @@ class RecordingPlugin:
         self.calls.append(f"graph_transformer_config:{training}")
 
     @hookimpl
-    def ortcore_session_options(self, session_options, device):
-        self.calls.append("session_options")
+    def ortcore_session_plan(self, plan):
+        self.calls.append("session_plan")
+        plan.set_session_options(lambda session_options: self.calls.append("session_options"))
 
     @hookimpl
     def ortcore_session_created(self, session):
@@ -95,6 +96,7 @@ def test_hooks_run_in_lifecycle_order_for_one_export_and_training_step():
         "pass",
         "export_done",
         "graph_transformer_config:True",
+        "session_plan",
         "session_options",
         "session_created",
         "pre_forward:0",
@@ -107,14 +109,14 @@ def test_hooks_run_in_lifecycle_order_for_one_export_and_training_step():
     assert plugin.calls == ["pre_forward:1", "post_forward:1", "pre_backward:1", "post_backward:1"]
 
 
-def test_provider_options_hook_sees_the_defaults_and_its_list_reaches_onnx_runtime():
+def test_the_session_plans_providers_start_as_the_defaults_and_reach_onnx_runtime():
     seen = []
 
     class Providers:
         @hookimpl
-        def ortcore_provider_options(self, config, device, providers):
-            seen.append((device.type, [name for name, _ in providers]))
-            providers.insert(0, ("CUDAExecutionProvider", {"device_id": "0"}))
+        def ortcore_session_plan(self, plan):
+            seen.append((plan.device.type, [name for name, _ in plan.providers]))
+            plan.providers.insert(0, ("CUDAExecutionProvider", {"device_id": "0"}))
 
     host = make_host({"providers": Providers()})
     # ONNX Runtime warns about the provider it does not have, which shows the list it was given is the hook's.

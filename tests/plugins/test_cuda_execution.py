@@ -9,6 +9,7 @@ import torch
 
 import ortcore_plugins.cuda_execution as plugin
 from ortcore import ORTModule
+from ortcore.api import LogLevel, SessionPlan
 from ortcore.errors import OptionError
 from ortcore.testing import assert_matches_torch, make_host
 
@@ -23,7 +24,8 @@ def _providers(options_env: dict[str, str], device: str) -> list:
     providers = [("CUDAExecutionProvider", {"device_id": "0"}), ("CPUExecutionProvider", {})]
     if device == "cuda":
         # Only the option mapping is checked here; no GPU is needed for that.
-        host.hooks.provider_options(torch.device("cuda", 0), providers)
+        plan = SessionPlan(device=torch.device("cuda", 0), log_level=LogLevel.WARNING, providers=providers)
+        host.hooks.session_plan(None, plan)
     return providers
 
 

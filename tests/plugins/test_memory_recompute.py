@@ -13,15 +13,13 @@ import logging
 from pathlib import Path
 
 import onnx
-import onnxruntime
 import pytest
 import torch
 
 import ortcore_plugins.memory_recompute as plugin
 from ortcore import ORTModule
 from ortcore.errors import OptionError
-from ortcore.hookspecs import hookimpl
-from ortcore.testing import assert_grads_match, assert_matches_torch
+from ortcore.testing import ExecutedGraphs, assert_grads_match, assert_matches_torch
 from ortcore_plugins.memory_recompute import RecomputeEntry, parse_config, parse_level
 
 
@@ -46,20 +44,7 @@ class Stack(torch.nn.Module):
         return self.blocks(x)
 
 
-class DumpExecutedGraph:
-    """Makes ORT write the graph it optimized and runs, one file per session built."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.sessions = 0
-
-    @hookimpl
-    def ortcore_session_options(self, session_options: onnxruntime.SessionOptions) -> None:
-        self.sessions += 1
-        session_options.optimized_model_filepath = str(self.directory / f"executed_{self.sessions}.onnx")
-
-    def last(self) -> onnx.ModelProto:
-        return onnx.load(str(self.directory / f"executed_{self.sessions}.onnx"))
+DumpExecutedGraph = ExecutedGraphs  # ORT writes each session's graph: ortcore.testing
 
 
 # A fallback to PyTorch would make every parity check pass without ORT: fail instead.

@@ -42,7 +42,7 @@ from ortcore import DebugOptions, ORTModule
 from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber, SubscriberBase
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import PluginHost, set_host
-from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, make_host
+from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, ExecutedGraphs, make_host
 from ortcore_plugins.activation_stats import find_divergence
 
 pytest.importorskip("onnxscript")
@@ -499,21 +499,10 @@ class GeluStack(nn.Module):
         return x
 
 
-class SaveExecuted:
+class SaveExecuted(ExecutedGraphs):
     """Has ORT write each training graph it runs (after its optimizations, recompute nodes included)."""
 
     NAME = "save_executed"
-
-    def __init__(self, directory: Path) -> None:
-        self.directory, self.sessions = directory, 0
-
-    @hookimpl
-    def ortcore_session_options(self, session_options: Any) -> None:
-        self.sessions += 1
-        session_options.optimized_model_filepath = str(self.directory / f"executed_{self.sessions}.onnx")
-
-    def last(self) -> onnx.ModelProto:
-        return onnx.load(str(self.directory / f"executed_{self.sessions}.onnx"))
 
 
 @pytest.mark.parametrize(

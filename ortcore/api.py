@@ -26,6 +26,7 @@ _NAMES: dict[str, str] = {
     "ORTCORE_VERSION": "ortcore.version",
     # hooks
     "hookimpl": "ortcore.markers",
+    "Registry": "ortcore.registry",
     # graph passes
     "GraphPass": "ortcore.graph_passes",
     "PassContext": "ortcore.graph_passes",
@@ -55,7 +56,7 @@ _NAMES: dict[str, str] = {
     "BufferWriteError": "ortcore.errors",
     "GraphBuildError": "ortcore.errors",
     "buffer_owners": "ortcore.errors",
-    "PluginError": "ortcore.plugins",
+    "PluginError": "ortcore.errors",
     # exporters
     "Exporter": "ortcore.exporter",
     "OnnxBuilder": "ortcore.exporter",

@@ -112,7 +112,7 @@ class CoreOptions:
         "torchscript",
         _exporter_name,
         "which exporter turns the model into ONNX: torchscript (the default), dynamo (torch.export + onnxscript), or "
-        "one a plugin names (ortcore_exporters)",
+        "one a plugin registers (ortcore_register)",
         "ORTCORE_EXPORTER",
     )
     verify_gradients: bool = option(

@@ -1,5 +1,5 @@
-"""Public modules whose names come from plugins: ``ortcore.optim`` (``ortcore_optimizers``) and ``ortcore.utils.data``
-(``ortcore_data_utilities``).
+"""Public modules whose names come from plugins: ``ortcore.optim`` (``register.optimizer``) and ``ortcore.utils.data``
+(``register.data_utility``), both through ``ortcore_register``.
 
 Such a module holds a :class:`ContributedNames` and forwards its module-level ``__getattr__``/``__dir__`` to it. A name
 is looked up in the loaded plugins' contributions on first access. When it is missing, the plugin that would provide

@@ -73,3 +73,7 @@ class GraphBuildError(ORTCoreError, RuntimeError):
 
 class FirstRunError(GraphBuildError):
     """ONNX Runtime built a new graph but failed to run its first training step (forward or backward)."""
+
+
+class PluginError(ORTCoreError, RuntimeError):
+    """A plugin failed: to import, to configure, or inside a hook (the message names plugin and hook)."""

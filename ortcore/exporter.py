@@ -963,9 +963,8 @@ class CoreDefaults:
     """The core's default answers, registered as the plugin ``core``."""
 
     @hookimpl
-    def ortcore_exporters(self, config) -> dict[str, Callable[[Any], Exporter]]:
-        return {
-            TORCHSCRIPT: lambda config: TorchScriptExporter(
-                inline_autograd_functions=custom_autograd_disabled(config.env)
-            )
-        }
+    def ortcore_register(self, register) -> None:
+        register.exporter(
+            TORCHSCRIPT,
+            lambda config: TorchScriptExporter(inline_autograd_functions=custom_autograd_disabled(config.env)),
+        )

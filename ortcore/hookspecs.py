@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .graph import ExportedGraph
     from .graph_passes import GraphPass
     from .inspectors import RuntimeInspector
+    from .registry import Registry
     from .repair import Failure, Repair
     from .session import BuiltGraph, SessionPlan, TrainingSession
 
@@ -54,6 +55,11 @@ def ortcore_options_class() -> type | None:
 
 
 @hookspec
+def ortcore_register(config: Config, register: Registry) -> None:
+    """Contribute named things: ``register.exporter``, ``.subscriber_class``, ``.optimizer``, ``.data_utility``."""
+
+
+@hookspec
 def ortcore_configure(config: Config) -> None:
     """The configuration is loaded and validated; read ``config.plugin_options(name)`` here."""
 
@@ -62,11 +68,6 @@ def ortcore_configure(config: Config) -> None:
 @hookspec(firstresult=True)
 def ortcore_exporter(config: Config) -> Exporter | None:
     """An exporter to use instead of the one the ``exporter`` option names, or None."""
-
-
-@hookspec
-def ortcore_exporters(config: Config) -> dict[str, Callable[[Config], Exporter]] | None:
-    """Named exporters this plugin offers, as factories of a Config."""
 
 
 @hookspec
@@ -140,21 +141,6 @@ def ortcore_runtime_inspectors(config: Config, module: torch.nn.Module) -> list[
 @hookspec
 def ortcore_activation_subscribers(config: Config, module: torch.nn.Module) -> list[Any] | None:
     """Subscribers that receive activation tensors (forward outputs and their gradients) during each step."""
-
-
-@hookspec
-def ortcore_subscriber_classes() -> dict[str, type] | None:
-    """Subscriber classes this plugin provides, by name."""
-
-
-@hookspec
-def ortcore_optimizers(config: Config) -> dict[str, Any] | None:
-    """Optimizer classes, factories or wrappers this plugin provides, by name."""
-
-
-@hookspec
-def ortcore_data_utilities(config: Config) -> dict[str, Any] | None:
-    """Data-loading classes (samplers, batch samplers) this plugin provides, by name."""
 
 
 @hookspec(firstresult=True)

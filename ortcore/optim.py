@@ -3,7 +3,7 @@
     from ortcore.optim import FusedAdam, AdamWMode
     optimizer = FusedAdam(model.parameters(), lr=1e-3, adam_w_mode=AdamWMode.ADAMW_TORCH)
 
-Each name comes from a plugin's ``ortcore_optimizers`` hook (the built-in ``fused_adam`` plugin provides
+Each name comes from a plugin's ``ortcore_register`` hook (``register.optimizer``) (the built-in ``fused_adam`` plugin provides
 ``FusedAdam`` and ``AdamWMode``). A name whose plugin is disabled raises an ImportError naming that plugin and how to
 enable it; one that no installed plugin knows raises an AttributeError listing what is available.
 """

@@ -31,8 +31,9 @@ import pluggy
 
 from . import hookspecs
 from .config import Config, CoreOptions, build_options, find_config_file
-from .errors import OptionError, ORTCoreError
+from .errors import OptionError, PluginError
 from .graph_passes import GraphPass, order_passes
+from .registry import Registry
 
 logger = logging.getLogger("ortcore")
 trace_logger = logging.getLogger("ortcore.hooks")
@@ -61,10 +62,6 @@ def builtin_plugins() -> tuple[str, ...]:
             if ep.dist is not None and ep.dist.name == BUILTIN_DISTRIBUTION
         )
     )
-
-
-class PluginError(ORTCoreError, RuntimeError):
-    """A plugin failed: to import, to configure, or inside a hook (the message names plugin and hook)."""
 
 
 @attrs.define
@@ -388,6 +385,7 @@ class Hooks:
     def __init__(self, host: PluginHost):
         self._host = host
         self._hook = host.pm.hook
+        self._registry: Registry | None = None
 
     @property
     def config(self) -> Config:
@@ -400,7 +398,7 @@ class Hooks:
 
     def exporter(self, config: Config | None = None) -> Any:
         """The exporter for an ORTModule with ``config`` (default: the host's): a plugin's ``ortcore_exporter``
-        answer, else the one the ``exporter`` option names among ``ortcore_exporters``."""
+        answer, else the one the ``exporter`` option names among those registered (``ortcore_register``)."""
         from .exporter import exporter_name
 
         config = config or self.config
@@ -417,8 +415,22 @@ class Hooks:
             )
         return factories[name](config)
 
+    def registry(self) -> Registry:
+        """What the plugins registered by name (``ortcore_register``), collected once: each implementation is
+        called on its own (last registered first, as pluggy orders them), so every name is known by its plugin."""
+        if self._registry is None:
+            registry = Registry()
+            arguments = {"config": self.config, "register": registry}
+            for impl in reversed(self._hook.ortcore_register.get_hookimpls()):
+                if impl.hookwrapper or impl.wrapper:
+                    continue
+                registry.plugin = impl.plugin_name
+                impl.function(**{name: arguments[name] for name in impl.argnames})
+            self._registry = registry
+        return self._registry
+
     def exporters(self, config: Config | None = None) -> dict[str, Any]:
-        return self._merged("ortcore_exporters", "offer an exporter named", config=config or self.config)
+        return self.registry().of("exporter")
 
     # -- calling a hook and knowing who answered -------------------------------------------------------------------
     def _call_recorded(self, hook: str, kwargs: Mapping[str, Any]) -> tuple[list[Any], list[_Answer]]:
@@ -534,10 +546,10 @@ class Hooks:
         return [s for group in found for s in group or []]
 
     def subscriber_classes(self) -> dict[str, type]:
-        return self._merged("ortcore_subscriber_classes", "offer a subscriber class named")
+        return self.registry().of("subscriber_class")
 
     def optimizers(self) -> dict[str, type]:
-        return self._merged("ortcore_optimizers", "offer an optimizer", config=self.config)
+        return self.registry().of("optimizer")
 
     def export_contexts(self, module: Any, config: Any = None) -> list[Any]:
         """The context managers plugins enter around tracing ``module`` (``ortcore_export_context``), asked with
@@ -558,7 +570,7 @@ class Hooks:
         self._hook.ortcore_repairs_found(config=self.config, module=module, fingerprint=fingerprint, repairs=repairs)
 
     def data_utilities(self) -> dict[str, Any]:
-        return self._merged("ortcore_data_utilities", "offer a data utility", config=self.config)
+        return self.registry().of("data_utility")
 
     def autograd_function_handler(self, function: type) -> Any:
         return self._hook.ortcore_autograd_function_handler(config=self.config, function=function)

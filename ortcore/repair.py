@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 logger = logging.getLogger("ortcore")
 
 MAX_REPAIRS = 6
-KIND_ORDER = {"switch": 0, "op": 1, "exporter": 2, "region": 3}
+KIND_ORDER = {"switch": 0, "op": 1, "exporter": 2, "region": 3, "exporter_after_regions": 4}
 # A repair whose ``plugin`` is this sets core options (another exporter), over every other layer.
 CORE_REPAIR = "core"
 
@@ -73,7 +73,8 @@ class Repair:
     ortcore.toml would say).
 
     ``kind`` orders the candidates: ``"switch"`` (an optimizer off), ``"op"`` (one op on PyTorch), ``"exporter"``
-    (another exporter for the whole model, everything still in ORT), ``"region"`` (a module on PyTorch). ``plugin``
+    (another exporter for the whole model, everything still in ORT), ``"region"`` (a module on PyTorch),
+    ``"exporter_after_regions"`` (another exporter, once no region helped). ``plugin``
     ``"core"`` (:data:`CORE_REPAIR`) sets core options instead, over the environment too. ``reason`` is filled by
     the core with the failure it repairs."""
 
@@ -93,7 +94,10 @@ class Repair:
 # -- locating -------------------------------------------------------------------------------------------------------
 
 _ATEN = re.compile(r"aten::([A-Za-z0-9_]+)")
-_OPERATOR = re.compile(r"(?:export of operator|the operator|operator '?)(?:aten::)?([a-z][a-z0-9_]*)", re.IGNORECASE)
+_OPERATOR = re.compile(
+    r"(?:export of operator|the operator|operator '?)(?:aten::)?(?!(?:with|that|in|of|for|is|to|on)\b)([a-z][a-z0-9_]*)",
+    re.IGNORECASE,
+)
 _NODE = re.compile(r"[Nn]ode\s*\(?'?([/\w.:\-]+)'?\)?")
 _OP_TYPE = re.compile(r"(?:Op\s*\(|op(?:_| )type[:= ]*\(?'?|for op(?: type)?:? '?)([A-Z][A-Za-z0-9]+)")
 _GRADIENT_OP = re.compile(r"(?:gradient|Grad)\w*\s+(?:builder\s+)?(?:for|of)\s+(?:op\s+)?'?([A-Z][A-Za-z0-9]+)")
@@ -368,5 +372,5 @@ def _chain_text(error: BaseException) -> str:
 
 def order_repairs(repairs: Sequence[Repair]) -> list[Repair]:
     """Smallest change first: switches, then ops, then another exporter, then regions (innermost first, as plugins
-    listed them)."""
+    listed them), then another exporter offered as a last resort."""
     return sorted(repairs, key=lambda r: KIND_ORDER.get(r.kind, len(KIND_ORDER)))

@@ -92,6 +92,8 @@ AUTOGRAD_FUNCTION_PLUGIN = "autograd_function"  # the plugin that runs custom au
 NAME = "dynamo_exporter"
 ENV_VALUE_BRANCHES = "ORTCORE_DYNAMO_VALUE_BRANCHES"
 ENV_TORCHSCRIPT_REPAIR = "ORTCORE_DYNAMO_TORCHSCRIPT_REPAIR"
+# How export() words a capture or translation failure of this route, as opposed to a refusal both routes share.
+_CAPTURE_FAILED = "the dynamo exporter could not export"
 
 
 @attrs.frozen
@@ -836,7 +838,7 @@ class DynamoExporter:
             except Exception as e:  # torch.export and onnxscript raise many types; all mean "this model did not export"
                 text = _first_line(e)
                 raise UnsupportedModelError(
-                    f"the dynamo exporter could not export {type(module).__name__}: {text}",
+                    f"{_CAPTURE_FAILED} {type(module).__name__}: {text}",
                     raised_in_forward=e if raised_in(e, type(module).forward) else None,
                 ) from e
         if refused:
@@ -1088,13 +1090,14 @@ def _decision_site(failure: Any, files: dict[int, str]) -> str:
 
 
 @hookimpl
-def ortcore_exporters(config: Any) -> dict[str, Any]:
-    return {
-        DYNAMO: lambda config: DynamoExporter(
+def ortcore_register(register: Any) -> None:
+    register.exporter(
+        DYNAMO,
+        lambda config: DynamoExporter(
             inline_autograd_functions=custom_autograd_disabled(config.env),
             value_branches=_options(config).value_branches,
-        )
-    }
+        ),
+    )
 
 
 @hookimpl
@@ -1104,17 +1107,19 @@ def ortcore_options_class() -> type:
 
 @hookimpl
 def ortcore_repairs(config: Any, failure: Failure) -> list[Repair] | None:
-    """When a stage fails on a graph of this route, the TorchScript exporter for the whole model: ordered after the
-    op repairs (which keep this route) and before regions (which move work to PyTorch). torch.export's limits
-    (data-dependent shapes in loss code, ops onnxscript cannot translate for these inputs) are not TorchScript's,
-    which traces what this call does."""
+    """When a stage fails on a graph of this route, the TorchScript exporter for the whole model. A failure of
+    torch.export or onnxscript (data-dependent shapes in loss code, an op onnxscript cannot translate for these
+    inputs: limits TorchScript, which traces what this call does, does not share) gets it after the op repairs (which
+    keep this route) and before regions (which move work to PyTorch); any other failure (a build, a run, the audit, a
+    refusal both routes make) only once no region helped."""
     if exporter_name(config) != DYNAMO or not _options(config).torchscript_repair or not torchscript_available():
         return None
+    early = failure.stage == "export" and _CAPTURE_FAILED in failure.message
     return [
         Repair(
             description="the TorchScript exporter instead of torch.export",
             plugin=CORE_REPAIR,
             options={"exporter": TORCHSCRIPT},
-            kind="exporter",
+            kind="exporter" if early else "exporter_after_regions",
         )
     ]

@@ -386,5 +386,5 @@ def FP16_Optimizer(optimizer: Any, **kwargs: Any) -> Any:  # noqa: N802 (upstrea
 
 
 @hookimpl
-def ortcore_optimizers(config: Any) -> dict[str, Any]:
-    return {"FP16_Optimizer": FP16_Optimizer}
+def ortcore_register(register: Any) -> None:
+    register.optimizer("FP16_Optimizer", FP16_Optimizer)

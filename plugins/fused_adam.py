@@ -1,6 +1,6 @@
 """fused_adam: ``FusedAdam``, an Adam/AdamW optimizer that updates all parameters with a few multi-tensor kernels.
 
-Offered under ``ortcore.optim`` through the ``ortcore_optimizers`` hook::
+Offered under ``ortcore.optim`` through the ``ortcore_register`` hook::
 
     from ortcore.optim import AdamWMode, FusedAdam
     optimizer = FusedAdam(model.parameters(), lr=1e-3, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.01)
@@ -240,5 +240,6 @@ def _update(
 
 
 @hookimpl
-def ortcore_optimizers(config: Any) -> dict[str, type]:
-    return {"FusedAdam": FusedAdam, "AdamWMode": AdamWMode}
+def ortcore_register(register: Any) -> None:
+    register.optimizer("FusedAdam", FusedAdam)
+    register.optimizer("AdamWMode", AdamWMode)

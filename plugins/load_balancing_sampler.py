@@ -1,6 +1,6 @@
 """load_balancing_sampler: distributed samplers that give every rank about the same amount of work per step.
 
-Offered under ``ortcore.utils.data`` through the ``ortcore_data_utilities`` hook::
+Offered under ``ortcore.utils.data`` through the ``ortcore_register`` hook::
 
     from ortcore.utils.data import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
     sampler = LoadBalancingDistributedSampler(dataset, complexity_fn=len, num_replicas=world, rank=rank)
@@ -355,8 +355,6 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
 
 
 @hookimpl
-def ortcore_data_utilities(config: Any) -> dict[str, type]:
-    return {
-        "LoadBalancingDistributedSampler": LoadBalancingDistributedSampler,
-        "LoadBalancingDistributedBatchSampler": LoadBalancingDistributedBatchSampler,
-    }
+def ortcore_register(register: Any) -> None:
+    register.data_utility("LoadBalancingDistributedSampler", LoadBalancingDistributedSampler)
+    register.data_utility("LoadBalancingDistributedBatchSampler", LoadBalancingDistributedBatchSampler)

@@ -20,8 +20,8 @@ class BucketSampler:
 
 class BucketPlugin:
     @hookimpl
-    def ortcore_data_utilities(self, config):
-        return {"BucketSampler": BucketSampler}
+    def ortcore_register(self, register):
+        register.data_utility("BucketSampler", BucketSampler)
 
 
 def _host(plugins):
@@ -48,8 +48,8 @@ def test_data_utilities_come_from_the_hook():
 def test_a_name_offered_by_two_plugins_is_an_error_naming_both():
     class Other:
         @hookimpl
-        def ortcore_data_utilities(self, config):
-            return {"BucketSampler": object}
+        def ortcore_register(self, register):
+            register.data_utility("BucketSampler", object)
 
     with pytest.raises(Exception, match=r"plugins '(buckets|other)' and '(buckets|other)' both offer a data utility"):
         _host({"buckets": BucketPlugin(), "other": Other()}).hooks.data_utilities()

@@ -101,6 +101,10 @@ def _facade_calls() -> set[str]:
         function = node.func
         if isinstance(function, ast.Attribute) and function.attr.startswith("ortcore_"):
             called.add(function.attr)
+        # <pm>.hook.ortcore_x.get_hookimpls(): the implementations called one by one (ortcore_register)
+        if isinstance(function, ast.Attribute) and isinstance(function.value, ast.Attribute):
+            if function.value.attr.startswith("ortcore_") and function.attr == "get_hookimpls":
+                called.add(function.value.attr)
         for argument in node.args[:1]:
             if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
                 called.add(argument.value)

@@ -298,24 +298,24 @@ def test_wrapper_plugin_on_graph_passes_takes_effect_in_a_training_step():
 def test_wrapper_exception_names_plugin_and_hook():
     class BrokenWrapper:
         @hookimpl(wrapper=True)
-        def ortcore_subscriber_classes(self):
+        def ortcore_export_symbolics(self):
             yield
             raise ValueError("no")
 
-    with pytest.raises(PluginError, match=r"plugin 'broken' raised in hook ortcore_subscriber_classes \(wrapper\)"):
-        make_host({"broken": BrokenWrapper()}).hooks.subscriber_classes()
+    with pytest.raises(PluginError, match=r"plugin 'broken' raised in hook ortcore_export_symbolics \(wrapper\)"):
+        make_host({"broken": BrokenWrapper()}).hooks.export_symbolics()
 
 
 def test_subscriber_class_offered_by_two_plugins_names_both():
     class One:
         @hookimpl
-        def ortcore_subscriber_classes(self):
-            return {"Stats": type("Stats", (), {})}
+        def ortcore_register(self, register):
+            register.subscriber_class("Stats", type("Stats", (), {}))
 
     class Two:
         @hookimpl
-        def ortcore_subscriber_classes(self):
-            return {"Stats": type("Stats", (), {})}
+        def ortcore_register(self, register):
+            register.subscriber_class("Stats", type("Stats", (), {}))
 
     with pytest.raises(
         PluginError, match=r"plugins '(one|two)' and '(one|two)' both offer a subscriber class named 'Stats'"
@@ -470,7 +470,7 @@ def test_trace_hooks_logs_who_answered_and_how_long(capfd):
     host = make_host({"opts": OptionsPlugin()}, env={"ORTCORE_TRACE_HOOKS": "1"})
     ORTModule(torch.nn.Linear(2, 2), host=host)(torch.randn(1, 2))
     traced = capfd.readouterr().err.splitlines()
-    assert any("hook ortcore_exporters: plugin core answered dict in" in m for m in traced)
+    assert any("hook ortcore_register: plugin core no answer" in m for m in traced)
     assert any("hook ortcore_configure: plugin opts no answer" in m for m in traced)
 
 

@@ -261,6 +261,8 @@ def test_failures_are_located_by_op_node_and_module():
     assert ops_named("Exporting the operator 'aten::fft_rfft' to ONNX opset version 17 is not supported") == (
         "aten::fft_rfft",
     )
+    # "an operator with ..." names no op: a word after "operator" is not an op's name
+    assert ops_named("ONNX export failed on an operator with unrecognized namespace lib::grouped_mm") == ()
     by_node = locate("build", "Node (/module/mix/proj/Gemm) failed", model)
     assert by_node.modules == ("mix.proj", "mix")
     assert with_ancestors(["a.b.c"]) == ("a.b.c", "a.b", "a")

@@ -397,5 +397,5 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def subscriber_classes(host: Any = None) -> dict[str, type]:
-    """Subscriber classes contributed by plugins through ``ortcore_subscriber_classes``, by name."""
+    """Subscriber classes contributed by plugins through ``ortcore_register`` (``register.subscriber_class``), by name."""
     return _host(host).hooks.subscriber_classes()

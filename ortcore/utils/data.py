@@ -5,7 +5,7 @@
     batch_sampler = LoadBalancingDistributedBatchSampler(sampler, batch_fn=batch_fn)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler)
 
-Each name comes from a plugin's ``ortcore_data_utilities`` hook (the built-in ``load_balancing_sampler`` plugin
+Each name comes from a plugin's ``ortcore_register`` hook (``register.data_utility``) (the built-in ``load_balancing_sampler`` plugin
 provides the two samplers). A name whose plugin is disabled raises an ImportError naming that plugin and how to
 enable it; one that no installed plugin knows raises an AttributeError listing what is available.
 """

@@ -50,7 +50,7 @@ _PUBLIC = {
     "Report": "divergence",
 }
 
-__all__ = [*_PUBLIC, "ortcore_commands", "ortcore_subscriber_classes"]
+__all__ = [*_PUBLIC, "ortcore_commands", "ortcore_register"]
 
 
 def __getattr__(name: str) -> Any:
@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Any:
 
 
 @hookimpl
-def ortcore_subscriber_classes() -> dict[str, type]:
+def ortcore_register(register: Any) -> None:
     from .subscriber import StatisticsSubscriber
 
-    return {"StatisticsSubscriber": StatisticsSubscriber}
+    register.subscriber_class("StatisticsSubscriber", StatisticsSubscriber)

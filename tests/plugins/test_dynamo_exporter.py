@@ -89,8 +89,8 @@ def test_a_plugin_offers_a_named_exporter():
 
     class Offers:
         @hookimpl
-        def ortcore_exporters(self, config):
-            return {"named": lambda config: Named()}
+        def ortcore_register(self, config, register):
+            register.exporter("named", lambda config: Named())
 
     host = make_host({"offers": Offers()}, table={"exporter": "named"})
     assert type(ORTModule(Net(), host=host)._ortcore.exporter) is Named
@@ -444,20 +444,30 @@ def test_a_model_torch_export_cannot_capture_is_repaired_with_the_torchscript_ex
     assert model.state_machine.counters.repairs == 1
 
 
-def test_the_torchscript_repair_comes_after_op_repairs_and_before_regions():
+def test_the_torchscript_repair_comes_after_op_repairs_and_before_regions_for_a_capture_failure_only():
+    """torch.export's and onnxscript's failures are this route's own: the other exporter comes before moving modules
+    to PyTorch. Any other failure (a build, the audit, a refusal both routes make, such as a buffer write) tries the
+    regions first and the other exporter last."""
     from ortcore.repair import CORE_REPAIR, Failure, Repair, order_repairs
 
-    failure = Failure(stage="export", message="no", modules=("block",))
     config = dynamo_host().config.with_code_options(None, exporter="dynamo")
-    offered = plugin.ortcore_repairs(config, failure)
-    assert [(r.plugin, dict(r.options)) for r in offered] == [(CORE_REPAIR, {"exporter": "torchscript"})]
     region = Repair("block in PyTorch", "region_routing", {"modules": ["block"]}, kind="region")
     op = Repair("aten::cdist in PyTorch", "aten_fallback", {"ops": ["aten::cdist"]}, kind="op")
+    capture = Failure(stage="export", message="the dynamo exporter could not export M: no", modules=("block",))
+    offered = plugin.ortcore_repairs(config, capture)
+    assert [(r.plugin, dict(r.options)) for r in offered] == [(CORE_REPAIR, {"exporter": "torchscript"})]
     assert order_repairs([region, *offered, op]) == [op, *offered, region]
+    for failure in (
+        Failure(stage="export", message="BufferWriteError: the dynamo exporter traced a forward that writes"),
+        Failure(stage="build", message="ONNX Runtime could not build the training graph: DFT"),
+        Failure(stage="audit", message="gradients differ", modules=("block",)),
+    ):
+        late = plugin.ortcore_repairs(config, failure)
+        assert order_repairs([region, *late, op]) == [op, region, *late], failure.stage
     off = dynamo_host(env={plugin.ENV_TORCHSCRIPT_REPAIR: "0"}).config.with_code_options(None, exporter="dynamo")
-    assert plugin.ortcore_repairs(off, failure) is None
+    assert plugin.ortcore_repairs(off, capture) is None
     torchscript = dynamo_host().config.with_code_options(None, exporter="torchscript")
-    assert plugin.ortcore_repairs(torchscript, failure) is None
+    assert plugin.ortcore_repairs(torchscript, capture) is None
 
 
 def test_a_core_repair_is_validated_and_wins_over_the_environment():

@@ -366,8 +366,8 @@ def test_ortcore_optim_offers_fused_adam_through_the_hook(ortcore_host):
 def test_two_plugins_offering_one_name_is_an_error_naming_both():
     class Other:
         @hookimpl
-        def ortcore_optimizers(self, config):
-            return {"FusedAdam": object}
+        def ortcore_register(self, register):
+            register.optimizer("FusedAdam", object)
 
     host = PluginHost(Config.from_table({}, env={}), autoload=False, plugins={plugin.NAME: plugin, "other": Other()})
     with pytest.raises(

@@ -505,7 +505,11 @@ def test_disabled_plugin_is_named_in_the_import_error():
 
 def test_declared_names_match_the_hook():
     declared = declared_names("ortcore_plugins.load_balancing_sampler", "DATA_UTILITIES")
-    assert set(declared) == set(plugin.ortcore_data_utilities(None))
+    from ortcore.registry import Registry
+
+    registry = Registry()
+    plugin.ortcore_register(registry)
+    assert set(declared) == set(registry.of("data_utility"))
 
 
 # -- benchmark -----------------------------------------------------------------------------------------------------

@@ -367,7 +367,8 @@ def test_disabled_routes_nothing_and_ort_says_why():
 
 
 def test_disabled_leaves_an_op_without_translation_to_the_exporter():
-    host = PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING": "0"}))
+    # this route's own outcome: no repair by the TorchScript exporter
+    host = PluginHost(Config.from_table({}, env={"ORTCORE_OP_ROUTING": "0", "ORTCORE_DYNAMO_TORCHSCRIPT_REPAIR": "0"}))
     model = wrap(Experts(), host)
     with pytest.raises(UnsupportedModelError, match="No ONNX function found for .*grouped_mm"):
         model(torch.randn(6, 16))

@@ -85,8 +85,8 @@ def ortcore_options_class() -> type:
 
 
 @hookimpl
-def ortcore_subscriber_classes() -> dict[str, type]:
-    return {"NormSubscriber": NormSubscriber}
+def ortcore_register(register) -> None:
+    register.subscriber_class("NormSubscriber", NormSubscriber)
 
 
 @hookimpl

@@ -66,7 +66,7 @@ def test_doctor_runs_a_training_step_and_flags_a_misspelled_variable(project, ca
 def test_plugins_lists_the_commands_hook_of_activation_stats(project, capsys):
     assert main(["plugins"]) == 0
     row = _row(capsys.readouterr().out, "activation_stats")
-    assert "subscriber_classes" in row and "commands" in row
+    assert "register" in row and "commands" in row
 
 
 def test_disabled_plugin_command_is_refused(project, capsys):

@@ -836,6 +836,9 @@ def refuse_empty_inputs(args: tuple[Any, ...], input_names: list[str]) -> None:
             )
 
 
+MAX_EXPORT_RETRIES = 33  # exports of one model: the first, then one per op plugins make exportable
+
+
 class TorchScriptExporter:
     """The TorchScript exporter (``dynamo=False``) with the symbolics ORT's training engine needs.
 
@@ -849,6 +852,7 @@ class TorchScriptExporter:
 
     def __init__(self, symbolics: dict[str, Any] | None = None, *, inline_autograd_functions: bool = False):
         self.inline_autograd_functions = inline_autograd_functions
+        self._on_failure: Callable[[UnsupportedModelError], dict | None] | None = None
         default = python_op_symbolic(self._no_function_handler)
         self.symbolics = {**_SYMBOLICS, "prim::PythonOp": default, **(symbolics or {})}
 
@@ -864,7 +868,26 @@ class TorchScriptExporter:
     def fingerprint(self) -> dict[str, Any]:
         return {"inline_autograd_functions": self.inline_autograd_functions, "pooling": POOLING_VERSION}
 
-    def export(
+    def use_hooks(self, hooks: Any, config: Any = None) -> None:
+        """Ask ``hooks`` (``ortcore_export_failed``) for symbolics when an export stops at an op the exporter cannot
+        express (no symbolic, or one that refuses these arguments), then export again: at most
+        :data:`MAX_EXPORT_RETRIES` times. The symbolics added stay for the model's later exports."""
+        self._on_failure = lambda error: hooks.export_failed(error, self.symbolics, config)
+
+    def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
+        for _ in range(MAX_EXPORT_RETRIES):
+            try:
+                return self._export_once(module, args, **kwargs)
+            except UnsupportedModelError as e:
+                added = self._on_failure(e) if self._on_failure is not None else None
+                if not added:
+                    raise
+                self.symbolics.update(added)
+        raise UnsupportedModelError(
+            f"{type(module).__name__} uses more than {MAX_EXPORT_RETRIES} ops the TorchScript exporter cannot express"
+        )
+
+    def _export_once(
         self,
         module: torch.nn.Module,
         args: tuple[torch.Tensor, ...],

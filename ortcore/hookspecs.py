@@ -8,8 +8,8 @@ collected once per model and then called directly.
 
 The build pipeline (docs/architecture.md), in the order data flows, with the hook at each stage:
 
-    export (ortcore_exporter, ortcore_export_symbolics, ortcore_export_context, ortcore_load_export /
-            ortcore_export_done)
+    export (ortcore_exporter, ortcore_export_symbolics, ortcore_export_context, ortcore_export_failed,
+            ortcore_load_export / ortcore_export_done)
       → pre-gradient graph passes (ortcore_graph_passes)
       → gradient build (ortcore_graph_transformer_config)
       → gradient-graph passes (ortcore_gradient_graph_passes)
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from .config import Config
+    from .errors import UnsupportedModelError
     from .exporter import Exporter
     from .graph import ExportedGraph
     from .graph_passes import GraphPass
@@ -68,6 +69,11 @@ def ortcore_configure(config: Config) -> None:
 @hookspec(firstresult=True)
 def ortcore_exporter(config: Config) -> Exporter | None:
     """An exporter to use instead of the one the ``exporter`` option names, or None."""
+
+
+@hookspec(firstresult=True)
+def ortcore_export_failed(config: Config, error: UnsupportedModelError, symbolics: dict[str, Any]) -> dict | None:
+    """Symbolics that let a failed TorchScript export of an op the exporter cannot express succeed, or None."""
 
 
 @hookspec

@@ -492,6 +492,11 @@ class Hooks:
         return {name: value for name, (_, value) in merged.items()}
 
     # -- export ---------------------------------------------------------------------------------------------------
+    def export_failed(self, error: Any, symbolics: dict[str, Any], config: Config | None = None) -> dict | None:
+        """Symbolics a plugin adds so that the TorchScript export ``error`` stopped succeeds (``ortcore_export_failed``,
+        the first answer), or None."""
+        return self._hook.ortcore_export_failed(config=config or self.config, error=error, symbolics=symbolics)
+
     def export_symbolics(self, config: Config | None = None) -> dict[str, Any]:
         return self._merged("ortcore_export_symbolics", "register a symbolic for", config=config or self.config)
 

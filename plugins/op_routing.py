@@ -37,9 +37,10 @@ each such call becomes a wrapper op whose translation (``ortcore_export_translat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -54,17 +55,15 @@ from ortcore.api import (
     GraphPass,
     OptionError,
     PassContext,
-    TorchScriptExporter,
     UnsupportedModelError,
     aten_kind,
-    custom_autograd_disabled,
     exporter_name,
     hookimpl,
     operator_of,
     option,
     parse_bool,
 )
-from ortcore_plugins.aten_fallback import ROUTABLE_OPS, FallbackExporter, prepare_runtime, type_aten_outputs
+from ortcore_plugins.aten_fallback import ROUTABLE_OPS, prepare_runtime, type_aten_outputs
 from ortcore_plugins.services import aten_nodes, aten_program, routed_calls
 from ortcore_plugins.services.aten_nodes import (
     ATEN_DOMAIN,
@@ -1103,49 +1102,37 @@ def as_strided_program(program: torch.export.ExportedProgram) -> int:
     return changed
 
 
-class RoutingExporter(FallbackExporter):
-    """The core's TorchScript exporter that also exports ops without an ONNX symbolic as ATen nodes (``auto``), and
-    ``as_strided`` as reads of its input's storage (:func:`as_strided_exact`), and the calls of an op the exporter
-    fails on (its symbolic raises for these arguments) as ATen nodes (:func:`routed_on_failure`)."""
-
-    def __init__(self, *args: Any, never: tuple[str, ...] = (), **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.never = frozenset(never)
-        self._failed: set[str] = set()  # the ops routed on failure (symbolic names, ``::div``)
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {**super().fingerprint(), "op_routing.never_rewritten": sorted(self.never & REWRITES)}
-
-    def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
-        _failed_ops.clear()
-        for _ in range(MAX_FAILED_OPS + 1):
-            try:
-                with _ExactTracing(self.never):
-                    return super().export(module, args, **kwargs)
-            except UnsupportedModelError as e:
-                op = failed_op(e)
-                # The exporter looks an op ending in "_" up without it (an in-place op, and __and__ as __and_).
-                name = f"::{op[:-1]}" if op is not None and op.endswith("_") else f"::{op}"
-                if op is not None and op.endswith("_") and not op.startswith("__"):
-                    op = op[:-1]  # an in-place call is routed as its functional op
-                op = _NAMED.get(op, op)  # a ^ b is routed as bitwise_xor: the graph's metadata names the op
-                if op is None or not hasattr(torch.ops.aten, op) or name in self._failed:
-                    raise
-                logger.info(
-                    "the TorchScript exporter failed on aten::%s (%s): exporting the calls it fails on as ATen nodes "
-                    "run by PyTorch",
-                    op,
-                    str(e.__cause__ or e).strip().splitlines()[0][:200],
-                )
-                self._failed.add(name)
-                previous = self.symbolics.get(name) or _registered_symbolic(name.removeprefix("::"))
-                self.symbolics[name] = routed_on_failure(op, previous)
-        raise UnsupportedModelError(
-            f"{type(module).__name__} uses more than {MAX_FAILED_OPS} ops the exporter fails on"
-        )
+def symbolics_for_failure(error: UnsupportedModelError, symbolics: dict[str, Any]) -> dict[str, Any] | None:
+    """The TorchScript route (``ortcore_export_failed``): when the exporter failed on a call of an ``aten::`` op
+    (its symbolic refuses these arguments, or there is none), that op's calls the exporter fails on as ATen nodes
+    run by PyTorch (:func:`routed_on_failure`); None when the failure names no such op, or the op was routed on
+    failure already (the core then raises)."""
+    op = failed_op(error)
+    # The exporter looks an op ending in "_" up without it (an in-place op, and __and__ as __and_).
+    name = f"::{op[:-1]}" if op is not None and op.endswith("_") else f"::{op}"
+    if op is not None and op.endswith("_") and not op.startswith("__"):
+        op = op[:-1]  # an in-place call is routed as its functional op
+    op = _NAMED.get(op, op)  # a ^ b is routed as bitwise_xor: the graph's metadata names the op
+    if op is None or not hasattr(torch.ops.aten, op) or getattr(symbolics.get(name), "routes_failures", False):
+        return None
+    logger.info(
+        "the TorchScript exporter failed on aten::%s (%s): exporting the calls it fails on as ATen nodes run by PyTorch",
+        op,
+        str(error.__cause__ or error).strip().splitlines()[0][:200],
+    )
+    previous = symbolics.get(name) or _registered_symbolic(name.removeprefix("::"))
+    return {name: routed_on_failure(op, previous)}
 
 
-MAX_FAILED_OPS = 32
+@contextlib.contextmanager
+def exact_tracing(never: frozenset[str]) -> Iterator[None]:
+    """Around a TorchScript export (``ortcore_export_context``): ``as_strided`` and ``F.embedding`` with
+    ``max_norm`` traced exactly (:class:`_ExactTracing`), and the ops routed on failure counted afresh."""
+    _failed_ops.clear()
+    with _ExactTracing(never):
+        yield
+
+
 # Python operators traced under their dunder names, and the ops they are (same overloads and arguments).
 _NAMED = {
     "__and__": "bitwise_and",
@@ -1206,7 +1193,8 @@ def _functional_call(op: str, args: tuple) -> tuple[Any, tuple]:
 
 def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[..., Any]:
     """The symbolic of ``aten::<op>`` after the exporter failed on it: ``previous`` (the symbolic that failed) where
-    it succeeds, else one ATen node run by PyTorch (calls the exporter writes stay in ORT)."""
+    it succeeds, else one ATen node run by PyTorch (calls the exporter writes stay in ORT). Without a ``previous``
+    (the exporter has no symbolic for the op) every call is routed, for that reason."""
 
     def symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
         if previous is not None:
@@ -1219,9 +1207,10 @@ def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[
             schema, args = _functional_call(op, args)
         if schema is None:
             raise UnsupportedModelError(f"the op_routing plugin cannot run aten::{op}: no overload fits the call")
-        return _emit(g, op, schema, args, EXPORTER_FAILED)
+        return _emit(g, op, schema, args, EXPORTER_FAILED if previous is not None else EXPORTER_GAP)
 
     symbolic.__name__ = f"op_routing_failed_{op}"
+    symbolic.routes_failures = True  # symbolics_for_failure: this op is routed on failure already
     return symbolic
 
 
@@ -1286,11 +1275,17 @@ def ortcore_export_symbolics(config: Config) -> dict[str, Any]:
 
 
 @hookimpl
-def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
+def ortcore_export_failed(config: Config, error: Any, symbolics: dict[str, Any]) -> dict[str, Any] | None:
     if not _options(config).enabled or exporter_name(config) != TORCHSCRIPT:
         return None  # routing by symbolics is the TorchScript route's
-    options = _options(config)
-    return RoutingExporter(inline_autograd_functions=custom_autograd_disabled(config.env), never=options.never)
+    return symbolics_for_failure(error, symbolics)
+
+
+@hookimpl
+def ortcore_export_context(config: Config, module: Any) -> Any:
+    if not _options(config).enabled or exporter_name(config) != TORCHSCRIPT:
+        return None
+    return exact_tracing(frozenset(_options(config).never))
 
 
 @hookimpl
@@ -1334,7 +1329,10 @@ def _distinct_inputs(model: onnx.ModelProto, context: PassContext) -> int:
 @hookimpl
 def ortcore_export_key(config: Config) -> dict[str, Any]:
     options = _options(config)
-    return {"op_routing": {"enabled": options.enabled, "never": sorted(options.never)}}
+    return {
+        "op_routing": {"enabled": options.enabled, "never": sorted(options.never)},
+        "op_routing.never_rewritten": sorted(frozenset(options.never) & REWRITES),
+    }
 
 
 @hookimpl

@@ -13,7 +13,7 @@ import torch
 
 from ortcore import ORTModule
 from ortcore.config import Config, option
-from ortcore.errors import OptionError
+from ortcore.errors import OptionError, UnsupportedModelError
 from ortcore.graph_passes import GraphPass, order_passes
 from ortcore.hookspecs import hookimpl
 from ortcore.inspectors import RuntimeInspector
@@ -568,3 +568,47 @@ def test_restoring_the_previous_host_leaves_the_default_unpinned(monkeypatch):
     monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "ERROR")  # the environment changed: the default host is rebuilt
     rebuilt = get_host()
     assert rebuilt is not default and rebuilt.config.core.log_level.name == "ERROR"
+
+
+def test_export_failed_hook_supplies_the_symbolic_and_the_export_is_retried():
+    """``ortcore_export_failed``: the TorchScript export stops at an op without a symbolic; a plugin's answer is
+    registered and the export repeated; its outputs are torch's (inference: ORT has no CumSum gradient). Asked once
+    more when the op fails again it declines, and the core raises instead of looping."""
+    from torch.onnx import symbolic_helper
+
+    class LogCumSumExp(torch.nn.Module):
+        def forward(self, x):
+            return torch.logcumsumexp(x, 1)
+
+    asked = []
+
+    class Symbolics:
+        @hookimpl
+        def ortcore_export_failed(self, error, symbolics):
+            asked.append(type(error).__name__)
+            if "::logcumsumexp" in symbolics:
+                return None
+
+            @symbolic_helper.parse_args("v", "i")
+            def logcumsumexp(g, x, dim):
+                axis = g.op("Constant", value_t=torch.tensor(dim, dtype=torch.int64))
+                return g.op("Log", g.op("CumSum", g.op("Exp", x), axis))
+
+            return {"::logcumsumexp": logcumsumexp}
+
+    model = ORTModule(LogCumSumExp(), host=make_host({"symbolics": Symbolics()}), fallback_policy="FALLBACK_DISABLE")
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), torch.logcumsumexp(x, 1), rtol=1e-5, atol=1e-6)
+    assert asked == ["UnsupportedModelError"]
+
+    class Declines:
+        @hookimpl
+        def ortcore_export_failed(self, error, symbolics):
+            asked.append("declined")
+            return None
+
+    refused = ORTModule(LogCumSumExp(), host=make_host({"declines": Declines()}), fallback_policy="FALLBACK_DISABLE")
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="logcumsumexp"):
+        refused(x)
+    assert asked[-1] == "declined"

@@ -39,8 +39,6 @@ from ortcore.api import (
     TORCHSCRIPT,
     Config,
     GraphPass,
-    TorchScriptExporter,
-    custom_autograd_disabled,
     exporter_name,
     hookimpl,
 )
@@ -72,9 +70,9 @@ from .options import (
 )
 from .repairs import repairs_for
 from .torch_kernels import prepare_runtime
-from .unexportable_ops import FallbackExporter, fallback_symbolic, fallback_symbolics, program_pass
+from .unexportable_ops import fallback_symbolic, fallback_symbolics, program_pass, symbolics_for_failure
 
-# What other code uses: tests, the op_routing plugin (FallbackExporter, prepare_runtime, type_aten_outputs).
+# What other code uses: tests, the op_routing plugin (prepare_runtime, type_aten_outputs).
 __all__ = [
     "ATEN_DOMAIN",
     "DEFAULT_OPS",
@@ -82,7 +80,6 @@ __all__ = [
     "NAME",
     "ROUTABLE_OPS",
     "ALL",
-    "FallbackExporter",
     "explain_kernel_choices",
     "fallback_symbolic",
     "kernel_choices",
@@ -123,12 +120,13 @@ def ortcore_export_symbolics(config: Config) -> dict[str, Any] | None:
     return {**routing, **fallback_symbolics(listed)}
 
 
-@hookimpl
-def ortcore_exporter(config: Config) -> TorchScriptExporter | None:
-    """With ``fallback_ops = ["auto"]``: the core's exporter, exporting unsupported ``aten::`` ops as ATen nodes."""
+@hookimpl(tryfirst=True)
+def ortcore_export_failed(config: Config, error: Any, symbolics: dict[str, Any]) -> dict[str, Any] | None:
+    """With ``fallback_ops = ["auto"]`` on the TorchScript route: an ``aten::`` op without an ONNX symbolic becomes
+    an ATen node (asked before op_routing, which routes calls whose symbolic refuses them)."""
     if AUTO not in fallback_ops(config) or exporter_name(config) != TORCHSCRIPT:
         return None
-    return FallbackExporter(inline_autograd_functions=custom_autograd_disabled(config.env))
+    return symbolics_for_failure(error, symbolics)
 
 
 PROGRAM_PASS = "aten_fallback.unexportable_ops"

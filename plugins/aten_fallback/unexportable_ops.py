@@ -2,7 +2,7 @@
 
 An op without an ONNX symbolic (``torch.cummax``, ``torch.logcumsumexp``, ``torch.special.*``, ...) is exported as
 one ATen node running the op itself (:func:`fallback_symbolic`), when option ``fallback_ops`` names it
-(:func:`fallback_symbolics`) or names ``auto`` (:class:`FallbackExporter` finds such ops from the exporter's error).
+(:func:`fallback_symbolics`) or names ``auto`` (:func:`symbolics_for_failure`, through ``ortcore_export_failed``, finds such ops from the exporter's error).
 Its gradient re-runs the op under ``torch.autograd`` (:func:`ortcore_plugins.services.aten_nodes.register_vjp_gradient`)
 with respect to the floating-point inputs PyTorch differentiates (:mod:`ortcore_plugins.services.differentiability`);
 the others become stop-gradient edges.
@@ -19,10 +19,9 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import onnx
 import torch
 
-from ortcore.api import TorchScriptExporter, UnsupportedModelError
+from ortcore.api import UnsupportedModelError
 from ortcore_plugins.services import aten_program, routed_calls
 from ortcore_plugins.services.aten_nodes import (
     FLOAT_TYPES,
@@ -127,37 +126,19 @@ def fallback_symbolics(ops: Iterable[str]) -> dict[str, Callable[..., Any]]:
 
 
 _UNSUPPORTED_ATEN = re.compile(r"operator '?aten::(\w+)'?")
-MAX_AUTO_OPS = 32
 
 
-class FallbackExporter(TorchScriptExporter):
-    """The core's TorchScript exporter that, when an ``aten::`` op has no ONNX symbolic, exports it as an ATen node
-    run by PyTorch (:func:`fallback_symbolic`) and exports again: at most :data:`MAX_AUTO_OPS` such ops a model."""
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {**super().fingerprint(), "aten_fallback.auto": True}
-
-    def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
-        for _ in range(MAX_AUTO_OPS + 1):
-            try:
-                return super().export(module, args, **kwargs)
-            except UnsupportedModelError as e:
-                cause = e.__cause__
-                match = (
-                    _UNSUPPORTED_ATEN.search(str(cause))
-                    if isinstance(cause, torch.onnx.errors.UnsupportedOperatorError)
-                    else None
-                )
-                name = f"::{match.group(1)}" if match else None
-                if name is None or name in self.symbolics:
-                    raise
-                logger.info(
-                    "aten::%s has no ONNX symbolic: exporting it as an ATen node run by PyTorch", match.group(1)
-                )
-                self.symbolics[name] = fallback_symbolic(match.group(1))
-        raise UnsupportedModelError(
-            f"{type(module).__name__} uses more than {MAX_AUTO_OPS} ops the exporter cannot express"
-        )
+def symbolics_for_failure(error: UnsupportedModelError, symbolics: dict[str, Any]) -> dict[str, Any] | None:
+    """``fallback_ops = ["auto"]`` on the TorchScript route (``ortcore_export_failed``): when the export stopped at
+    an ``aten::`` op that has no ONNX symbolic, that op as an ATen node run by PyTorch (:func:`fallback_symbolic`);
+    None for any other failure, or an op that has a symbolic already (the core then raises)."""
+    cause = error.__cause__
+    match = _UNSUPPORTED_ATEN.search(str(cause)) if isinstance(cause, torch.onnx.errors.UnsupportedOperatorError) else None
+    name = f"::{match.group(1)}" if match else None
+    if name is None or name in symbolics:
+        return None
+    logger.info("aten::%s has no ONNX symbolic: exporting it as an ATen node run by PyTorch", match.group(1))
+    return {name: fallback_symbolic(match.group(1))}
 
 
 def program_pass(listed: Iterable[str]) -> Callable[[Any, Any], int]:

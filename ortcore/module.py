@@ -33,7 +33,7 @@ from .inspectors import ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .pipeline import Pipeline
 from .plugins import Hooks, PluginHost, get_host
-from .repair import CORE_REPAIR, MAX_REPAIRS, Failure, Repair, locate, order_repairs, trace_modules
+from .repair import CORE_REPAIR, EXPORTER_KINDS, MAX_REPAIRS, Failure, Repair, locate, order_repairs, trace_modules
 from .schema import InputSchema, flatten_inputs
 from .session import TrainingSession
 from .state import ExportStateMachine, GraphKey, describe_violation
@@ -145,8 +145,9 @@ class _Runtime:
 
     def repair(self, failure: Failure) -> Repair | None:
         """Apply the smallest repair of ``failure`` that plugins offer and that changes the effective options
-        (``ortcore_repairs``); None when none is left or :data:`~ortcore.repair.MAX_REPAIRS` were applied."""
-        if len(self.repairs) >= MAX_REPAIRS:
+        (``ortcore_repairs``); None when none is left or :data:`~ortcore.repair.MAX_REPAIRS` routing repairs were applied
+        (another exporter is not counted: it is offered once and routes nothing)."""
+        if sum(r.kind not in EXPORTER_KINDS for r in self.repairs) >= MAX_REPAIRS:
             return None
         for candidate in order_repairs(self.hooks.repairs(failure, self.config)):
             if candidate.key in self.tried:

@@ -32,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger("ortcore")
 
-MAX_REPAIRS = 6
+MAX_REPAIRS = 6  # routing repairs (switches, ops, regions) per model; an exporter switch is not counted
+EXPORTER_KINDS = frozenset({"exporter", "exporter_after_regions"})
 KIND_ORDER = {"switch": 0, "op": 1, "exporter": 2, "region": 3, "exporter_after_regions": 4}
 # A repair whose ``plugin`` is this sets core options (another exporter), over every other layer.
 CORE_REPAIR = "core"

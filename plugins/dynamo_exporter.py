@@ -1109,12 +1109,14 @@ def ortcore_options_class() -> type:
 def ortcore_repairs(config: Any, failure: Failure) -> list[Repair] | None:
     """When a stage fails on a graph of this route, the TorchScript exporter for the whole model. A failure of
     torch.export or onnxscript (data-dependent shapes in loss code, an op onnxscript cannot translate for these
-    inputs: limits TorchScript, which traces what this call does, does not share) gets it after the op repairs (which
-    keep this route) and before regions (which move work to PyTorch); any other failure (a build, a run, the audit, a
-    refusal both routes make) only once no region helped."""
+    inputs: limits TorchScript, which traces what this call does, does not share), and a gradient the audit finds
+    wrong (this route's graphs differ from the TorchScript route's, whose graph fixes have seen more models), get it
+    after the op repairs (which keep this route) and before regions (which move work to PyTorch); a build or run
+    failure (an op ORT cannot build or run, whichever exporter wrote it) and a refusal both routes make (a buffer
+    write) only once no region helped."""
     if exporter_name(config) != DYNAMO or not _options(config).torchscript_repair or not torchscript_available():
         return None
-    early = failure.stage == "export" and _CAPTURE_FAILED in failure.message
+    early = (failure.stage == "export" and _CAPTURE_FAILED in failure.message) or failure.stage == "audit"
     return [
         Repair(
             description="the TorchScript exporter instead of torch.export",

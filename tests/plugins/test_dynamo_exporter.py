@@ -444,23 +444,24 @@ def test_a_model_torch_export_cannot_capture_is_repaired_with_the_torchscript_ex
     assert model.state_machine.counters.repairs == 1
 
 
-def test_the_torchscript_repair_comes_after_op_repairs_and_before_regions_for_a_capture_failure_only():
-    """torch.export's and onnxscript's failures are this route's own: the other exporter comes before moving modules
-    to PyTorch. Any other failure (a build, the audit, a refusal both routes make, such as a buffer write) tries the
-    regions first and the other exporter last."""
+def test_the_torchscript_repair_comes_before_regions_for_a_capture_failure_or_a_wrong_gradient_only():
+    """torch.export's and onnxscript's failures are this route's own, and so is a wrong gradient the audit finds in
+    its graph: the other exporter comes before moving modules to PyTorch. A build or run failure, or a refusal both
+    routes make (a buffer write), tries the regions first and the other exporter last."""
     from ortcore.repair import CORE_REPAIR, Failure, Repair, order_repairs
 
     config = dynamo_host().config.with_code_options(None, exporter="dynamo")
     region = Repair("block in PyTorch", "region_routing", {"modules": ["block"]}, kind="region")
     op = Repair("aten::cdist in PyTorch", "aten_fallback", {"ops": ["aten::cdist"]}, kind="op")
     capture = Failure(stage="export", message="the dynamo exporter could not export M: no", modules=("block",))
-    offered = plugin.ortcore_repairs(config, capture)
-    assert [(r.plugin, dict(r.options)) for r in offered] == [(CORE_REPAIR, {"exporter": "torchscript"})]
-    assert order_repairs([region, *offered, op]) == [op, *offered, region]
+    for failure in (capture, Failure(stage="audit", message="gradients differ", modules=("block",))):
+        offered = plugin.ortcore_repairs(config, failure)
+        assert [(r.plugin, dict(r.options)) for r in offered] == [(CORE_REPAIR, {"exporter": "torchscript"})]
+        assert order_repairs([region, *offered, op]) == [op, *offered, region]
     for failure in (
         Failure(stage="export", message="BufferWriteError: the dynamo exporter traced a forward that writes"),
         Failure(stage="build", message="ONNX Runtime could not build the training graph: DFT"),
-        Failure(stage="audit", message="gradients differ", modules=("block",)),
+        Failure(stage="run", message="ONNX Runtime failed to run the first step"),
     ):
         late = plugin.ortcore_repairs(config, failure)
         assert order_repairs([region, *late, op]) == [op, region, *late], failure.stage

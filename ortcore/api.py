@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (1, 0)
+API_VERSION = (2, 0)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -59,6 +59,7 @@ _NAMES: dict[str, str] = {
     "PluginError": "ortcore.errors",
     # exporters
     "Exporter": "ortcore.exporter",
+    "ExportRequest": "ortcore.exporter",
     "OnnxBuilder": "ortcore.exporter",
     "TorchScriptExporter": "ortcore.exporter",
     "core_symbolic": "ortcore.exporter",

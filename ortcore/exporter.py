@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
+import attrs
 import onnx
 import torch
 
@@ -28,24 +29,31 @@ from .options import LogLevel
 logger = logging.getLogger("ortcore")
 
 
+@attrs.frozen
+class ExportRequest:
+    """What an exporter is asked to export: ``module`` (flat: tensors in, tensors out) called on ``args``, its graph
+    inputs named ``input_names`` (the tensors of ``args``, then whatever the exporter adds, such as parameters),
+    ``output_names`` (empty: the exporter's own), ``dynamic_axes`` per input name, in ``training`` mode, at
+    ``opset``, logging at ``log_level``."""
+
+    module: torch.nn.Module
+    args: tuple[torch.Tensor, ...]
+    input_names: list[str]
+    output_names: list[str]
+    dynamic_axes: dict[str, dict[int, str]]
+    training: bool
+    opset: int
+    log_level: LogLevel
+
+
 class Exporter(Protocol):
-    """Turns a flat module into an ONNX graph. ``name`` is part of every graph key; an exporter with settings that
-    change its graphs also defines ``fingerprint() -> dict`` (JSON-serialisable) so that caches tell them apart."""
+    """Turns a flat module into an ONNX graph (:class:`ExportRequest` in, ``onnx.ModelProto`` out). ``name`` is part
+    of every graph key; an exporter with settings that change its graphs also defines ``fingerprint() -> dict``
+    (JSON-serialisable) so that caches tell them apart."""
 
     name: str
 
-    def export(
-        self,
-        module: torch.nn.Module,
-        args: tuple[torch.Tensor, ...],
-        *,
-        input_names: list[str],
-        output_names: list[str],
-        dynamic_axes: dict[str, dict[int, str]],
-        training: bool,
-        opset: int,
-        log_level: LogLevel,
-    ) -> onnx.ModelProto: ...
+    def export(self, request: ExportRequest) -> onnx.ModelProto: ...
 
 
 def layer_norm(g, input, normalized_shape, weight, bias, eps, cudnn_enable=None):
@@ -874,32 +882,24 @@ class TorchScriptExporter:
         :data:`MAX_EXPORT_RETRIES` times. The symbolics added stay for the model's later exports."""
         self._on_failure = lambda error: hooks.export_failed(error, self.symbolics, config)
 
-    def export(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], **kwargs: Any) -> onnx.ModelProto:
+    def export(self, request: ExportRequest) -> onnx.ModelProto:
         for _ in range(MAX_EXPORT_RETRIES):
             try:
-                return self._export_once(module, args, **kwargs)
+                return self._export_once(request)
             except UnsupportedModelError as e:
                 added = self._on_failure(e) if self._on_failure is not None else None
                 if not added:
                     raise
                 self.symbolics.update(added)
         raise UnsupportedModelError(
-            f"{type(module).__name__} uses more than {MAX_EXPORT_RETRIES} ops the TorchScript exporter cannot express"
+            f"{type(request.module).__name__} uses more than {MAX_EXPORT_RETRIES} ops the TorchScript exporter cannot "
+            "express"
         )
 
-    def _export_once(
-        self,
-        module: torch.nn.Module,
-        args: tuple[torch.Tensor, ...],
-        *,
-        input_names: list[str],
-        output_names: list[str],
-        dynamic_axes: dict[str, dict[int, str]],
-        training: bool,
-        opset: int,
-        log_level: LogLevel,
-    ) -> onnx.ModelProto:
-        if training:
+    def _export_once(self, request: ExportRequest) -> onnx.ModelProto:
+        module, args, log_level, opset = request.module, request.args, request.log_level, request.opset
+        input_names, output_names, dynamic_axes = request.input_names, request.output_names, request.dynamic_axes
+        if request.training:
             refuse_empty_inputs(args, input_names)
         buffer = io.BytesIO()
         handler_for = getattr(self.symbolics.get("prim::PythonOp"), "handler_for", None)

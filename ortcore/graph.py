@@ -21,7 +21,7 @@ import onnx
 import torch
 
 from .errors import BufferWriteError, UnsupportedDataError, UnsupportedModelError, buffer_owners
-from .exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN, Exporter
+from .exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN, Exporter, ExportRequest
 from .graph_passes import GraphPass, PassContext
 from .options import LogLevel
 from .schema import Constant, InputSchema, OutputSchema, flatten_outputs
@@ -678,14 +678,16 @@ def export_graph(
         example = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
         try:
             model = exporter.export(
-                flat,
-                example,
-                input_names=user_names,
-                output_names=[],
-                dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(user_names, tensors)},
-                training=training,
-                opset=opset,
-                log_level=log_level,
+                ExportRequest(
+                    module=flat,
+                    args=example,
+                    input_names=user_names,
+                    output_names=[],
+                    dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(user_names, tensors)},
+                    training=training,
+                    opset=opset,
+                    log_level=log_level,
+                )
             )
         except UnsupportedModelError as e:
             if isinstance(e, BufferWriteError):

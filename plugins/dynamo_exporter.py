@@ -65,6 +65,7 @@ from ortcore.api import (
     TORCH_CHECKPOINT_FUNCTION,
     TORCHSCRIPT,
     BufferWriteError,
+    ExportRequest,
     Failure,
     LogLevel,
     PassContext,
@@ -758,18 +759,15 @@ class DynamoExporter:
 
         return function_apply_replaced(apply)
 
-    def export(
-        self,
-        module: torch.nn.Module,
-        args: tuple[torch.Tensor, ...],
-        *,
-        input_names: list[str],
-        output_names: list[str],
-        dynamic_axes: dict[str, dict[int, str]],
-        training: bool,
-        opset: int,
-        log_level: LogLevel,
-    ) -> onnx.ModelProto:
+    def export(self, request: ExportRequest) -> onnx.ModelProto:
+        module, args, training, opset, log_level = (
+            request.module,
+            request.args,
+            request.training,
+            request.opset,
+            request.log_level,
+        )
+        input_names, output_names, dynamic_axes = request.input_names, request.output_names, request.dynamic_axes
         if training:
             refuse_empty_inputs(args, input_names)
         missing = _missing_package()

@@ -726,9 +726,9 @@ def dynamo_exports(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     original = dynamo_exporter.DynamoExporter.export
 
-    def export(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> onnx.ModelProto:
-        calls.append(type(module).__name__)
-        return original(self, module, *args, **kwargs)
+    def export(self: Any, request: Any) -> onnx.ModelProto:
+        calls.append(type(request.module).__name__)
+        return original(self, request)
 
     monkeypatch.setattr(dynamo_exporter.DynamoExporter, "export", export)
     return calls

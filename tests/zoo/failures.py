@@ -35,8 +35,10 @@ _DATA_DEPENDENT_REPRO = """\
 import os
 
 # By default the dynamo route repeats the capture with torch.export.draft_export and takes the branch this batch
-# takes (one WARNING names it); with value branches off it refuses as torch.export does.
+# takes (one WARNING names it), and a capture that still fails is repaired with the TorchScript exporter; with both
+# off it refuses as torch.export does.
 os.environ["ORTCORE_DYNAMO_VALUE_BRANCHES"] = "0"
+os.environ["ORTCORE_DYNAMO_TORCHSCRIPT_REPAIR"] = "0"
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +93,9 @@ CATEGORIES: tuple[Category, ...] = (
             "`labels.max() >= vocab_size` (`Eq(u0, 1)`). `torch.export` cannot decide such a branch for every "
             "input (`GuardOnDataDependentSymNode`). By default the dynamo route captures again with "
             "`torch.export.draft_export` and takes the branch the first batch takes (one WARNING names each "
-            "decision); a model lands here when that capture fails too, or with `ORTCORE_DYNAMO_VALUE_BRANCHES=0` "
-            "(the repro), and the error names the model's file and line. Written as "
+            "decision), and a capture that still fails is repaired with the TorchScript exporter; a model lands here only "
+            "with both off (`ORTCORE_DYNAMO_VALUE_BRANCHES=0`, `ORTCORE_DYNAMO_TORCHSCRIPT_REPAIR=0`: the repro), and "
+            "the error names the model's file and line. Written as "
             "`torch.cond`, the branch trains (the control_flow plugin runs it with PyTorch); the TorchScript exporter "
             "traces the branch the example takes."
         ),

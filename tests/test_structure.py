@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -431,3 +432,29 @@ def test_every_api_name_resolves_without_importing_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.strip()) >= 50
+
+
+# -- drawing the import graph ------------------------------------------------------------------------------------------
+
+
+def import_graph_dot(which: str) -> str:
+    """The import graph of ``which`` (``core`` or ``plugins``) in Graphviz's DOT language, every import counted as
+    the cycle test counts them (function-local and ``TYPE_CHECKING`` ones too)."""
+    root, package = {"core": (CORE, CORE_PACKAGE), "plugins": (PLUGINS, PLUGINS_PACKAGE)}[which]
+    graph = import_graph(root, package, every_import=True)
+    lines = [f'digraph "{package}" {{', "  rankdir=LR;"]
+    for module in sorted(graph):
+        lines.append(f'  "{module}";')
+        lines += [f'  "{module}" -> "{target}";' for target in sorted(graph[module])]
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def test_the_import_graph_can_be_drawn() -> None:
+    dot = import_graph_dot("core")
+    assert dot.startswith('digraph "ortcore"') and '"ortcore.module" -> "ortcore.pipeline";' in dot
+
+
+if __name__ == "__main__":
+    # python -m tests.test_structure core | dot -Tsvg > core.svg  (or plugins)
+    print(import_graph_dot(sys.argv[1] if len(sys.argv) > 1 else "core"), end="")
+

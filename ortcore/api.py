@@ -48,6 +48,7 @@ _NAMES: dict[str, str] = {
     "TORCHSCRIPT": "ortcore.exporter",
     "DYNAMO": "ortcore.exporter",
     "custom_autograd_disabled": "ortcore.exporter",
+    "AUTOGRAD_FUNCTION_PLUGIN": "ortcore.exporter",
     # errors
     "ORTCoreError": "ortcore.errors",
     "OptionError": "ortcore.errors",

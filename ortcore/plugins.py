@@ -200,8 +200,7 @@ class PluginHost:
                     f"plugin {name!r} ({source}) cannot be disabled: it is essential, {ESSENTIAL_PLUGINS[name]}"
                 )
             if name not in self.records and name not in builtin_plugins():
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else f" Installed plugins: {', '.join(known)}."
+                hint = _suggest(name, known) or f" Installed plugins: {', '.join(known)}."
                 raise OptionError(f"plugin {name!r} ({source}) names no installed plugin.{hint}")
 
     def _register(self, name: str, plugin: Any, record: PluginRecord, where: str | None = None) -> None:
@@ -406,7 +405,7 @@ class Hooks:
         if chosen is not None:
             return chosen
         name = exporter_name(config)
-        factories = self.exporters(config)
+        factories = self.exporters()
         if name not in factories:
             source = config.sources.get("core.exporter", "option")
             raise OptionError(
@@ -429,7 +428,7 @@ class Hooks:
             self._registry = registry
         return self._registry
 
-    def exporters(self, config: Config | None = None) -> dict[str, Any]:
+    def exporters(self) -> dict[str, Any]:
         return self.registry().of("exporter")
 
     # -- calling a hook and knowing who answered -------------------------------------------------------------------

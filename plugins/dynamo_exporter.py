@@ -56,6 +56,7 @@ import onnx.numpy_helper
 import torch
 
 from ortcore.api import (
+    AUTOGRAD_FUNCTION_PLUGIN,
     CORE_REPAIR,
     DYNAMO,
     EXPORT_LOCK,
@@ -87,8 +88,6 @@ from ortcore.api import (
     refuse_empty_inputs,
     torchscript_available,
 )
-
-AUTOGRAD_FUNCTION_PLUGIN = "autograd_function"  # the plugin that runs custom autograd Functions as PythonOps
 
 NAME = "dynamo_exporter"
 ENV_VALUE_BRANCHES = "ORTCORE_DYNAMO_VALUE_BRANCHES"

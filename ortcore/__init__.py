@@ -51,7 +51,8 @@ from .version import ORTCORE_VERSION as __version__  # noqa: E402, F401 (the pac
 # --version stay free of torch and ONNX Runtime. name -> module that defines it.
 _LAZY = {
     "ORTModule": ".module",
-    "GradientMismatchError": ".audit",
+    "GradientMismatchError": ".errors",
+    "StepCheckError": ".errors",
     "ORTCoreError": ".errors",
     "OptionError": ".errors",
     "OptionTypeError": ".errors",
@@ -79,6 +80,7 @@ __all__ = [
     "UnsupportedDeviceError",
     "GraphBuildError",
     "GradientMismatchError",
+    "StepCheckError",
 ]
 
 

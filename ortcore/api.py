@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (2, 0)
+API_VERSION = (2, 1)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -58,6 +58,9 @@ _NAMES: dict[str, str] = {
     "GraphBuildError": "ortcore.errors",
     "buffer_owners": "ortcore.errors",
     "PluginError": "ortcore.errors",
+    "FirstRunError": "ortcore.errors",
+    "StepCheckError": "ortcore.errors",
+    "GradientMismatchError": "ortcore.errors",
     # exporters
     "Exporter": "ortcore.exporter",
     "ExportRequest": "ortcore.exporter",
@@ -90,6 +93,13 @@ _NAMES: dict[str, str] = {
     "SessionPlan": "ortcore.session_plan",
     "RuntimeInspector": "ortcore.inspectors",
     "ForwardInputs": "ortcore.inspectors",
+    "FirstStep": "ortcore.inspectors",
+    "InputSchema": "ortcore.schema",
+    "flatten_outputs": "ortcore.schema",
+    "node_module": "ortcore.repair",
+    "Tapper": "ortcore.hooks._subscribers",
+    "tapping": "ortcore.hooks._subscribers",
+    "subscribers_paused": "ortcore.hooks._subscribers",
     "Failure": "ortcore.repair",
     "Repair": "ortcore.repair",
     "CORE_REPAIR": "ortcore.repair",

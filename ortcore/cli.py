@@ -60,7 +60,14 @@ def _run_plugins(args: argparse.Namespace) -> int:
     if host is None:
         return 1
     rows = [
-        (r.name, r.version, r.source, r.enabled, ", ".join(h.removeprefix("ortcore_") for h in r.hooks), "\n".join(r.options))
+        (
+            r.name,
+            r.version,
+            r.source,
+            r.enabled,
+            ", ".join(h.removeprefix("ortcore_") for h in r.hooks),
+            "\n".join(r.options),
+        )
         for r in plugin_rows(host)
     ]
     _print_table("ortcore plugins", ("name", "version", "source", "enabled", "hooks", "options"), rows)
@@ -122,8 +129,7 @@ def _add_commands_of(pm: pluggy.PluginManager, subparsers: argparse._SubParsersA
             pm.subset_hook_caller("ortcore_commands", remove_plugins=others)(subparsers=subparsers)
         except Exception as e:  # a broken plugin must not take the other commands down
             print(
-                f"ortcore: plugin {name!r} failed to add its commands (hook ortcore_commands): "
-                f"{type(e).__name__}: {e}",
+                f"ortcore: plugin {name!r} failed to add its commands (hook ortcore_commands): {type(e).__name__}: {e}",
                 file=sys.stderr,
             )
     return called

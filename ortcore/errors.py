@@ -75,5 +75,21 @@ class FirstRunError(GraphBuildError):
     """ONNX Runtime built a new graph but failed to run its first training step (forward or backward)."""
 
 
+class StepCheckError(ORTCoreError, RuntimeError):
+    """A check of a new session's first step (``ortcore_check_first_step``) found ONNX Runtime's step differs from
+    PyTorch's. ``module`` names the module a repair should route (None: none named); ``result`` is the check's own
+    report, listed by ``ORTModule.gradient_audits``."""
+
+    def __init__(self, message: str, result: object = None, module: str | None = None):
+        super().__init__(message)
+        self.result = result
+        self.module = module
+
+
+class GradientMismatchError(StepCheckError):
+    """The gradient audit (the ``gradient_audit`` plugin) found an output, the loss or a gradient of ONNX Runtime that
+    differs from PyTorch's. ``result`` is its ``AuditResult``; ``result.location`` names the module."""
+
+
 class PluginError(ORTCoreError, RuntimeError):
     """A plugin failed: to import, to configure, or inside a hook (the message names plugin and hook)."""

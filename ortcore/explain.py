@@ -94,9 +94,7 @@ def explain_graph(
     forward: Counter[tuple[str, str]] = Counter()
     backward: Counter[tuple[str, str]] = Counter()
     side = forward
-    python_ops = {
-        (_function_of(n), "PyTorch") for n in model.graph.node if n.op_type in ("PythonOp", "PythonOpGrad")
-    }
+    python_ops = {(_function_of(n), "PyTorch") for n in model.graph.node if n.op_type in ("PythonOp", "PythonOpGrad")}
     for node in model.graph.node:
         if node.op_type == "YieldOp":
             side = backward
@@ -127,5 +125,7 @@ def explain(module: Any) -> Explanation:
         return Explanation()
     graph, session = current
     rows = explain_graph(session.model, routed_reasons(graph.model), kept_reasons(graph.model))
-    rows.repairs = tuple(f"{r.description.removesuffix(' runs in PyTorch')}, because {r.reason}" for r in module.repairs)
+    rows.repairs = tuple(
+        f"{r.description.removesuffix(' runs in PyTorch')}, because {r.reason}" for r in module.repairs
+    )
     return rows

@@ -15,6 +15,7 @@ The build pipeline (docs/architecture.md), in the order data flows, with the hoo
       → gradient-graph passes (ortcore_gradient_graph_passes)
       → session plan (ortcore_session_plan: providers, config entries, session options)
       → session created once (ortcore_session_created: inspect only; the session is immutable)
+      → the first step of a new session checked (ortcore_check_first_step: the gradient audit)
       → steps (ortcore_runtime_inspectors, ortcore_activation_subscribers; run wrappers from the plan)
     a stage that fails on a new graph → ortcore_repairs (route the failing op or module, export again)
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from .exporter import Exporter
     from .graph import ExportedGraph
     from .graph_passes import GraphPass
-    from .inspectors import RuntimeInspector
+    from .inspectors import FirstStep, RuntimeInspector
     from .registry import Registry
     from .repair import Failure, Repair
     from .session import BuiltGraph, SessionPlan, TrainingSession
@@ -147,6 +148,11 @@ def ortcore_runtime_inspectors(config: Config, module: torch.nn.Module) -> list[
 @hookspec
 def ortcore_activation_subscribers(config: Config, module: torch.nn.Module) -> list[Any] | None:
     """Subscribers that receive activation tensors (forward outputs and their gradients) during each step."""
+
+
+@hookspec
+def ortcore_check_first_step(config: Config, step: FirstStep) -> Any | None:
+    """Check the first step of a newly built training session before it runs; raise StepCheckError to fail it."""
 
 
 @hookspec(firstresult=True)

@@ -1,11 +1,13 @@
-"""Runtime inspectors: objects called around each step of an ORTModule.
+"""What plugins see of a step: runtime inspectors called around each step, and the first step of a new session.
 
 Plugins return inspectors from ``ortcore_runtime_inspectors`` once per model; the core then calls only the methods
-an inspector overrides, directly, so an idle phase costs nothing.
+an inspector overrides, directly, so an idle phase costs nothing. ``ortcore_check_first_step`` receives a
+:class:`FirstStep` once per newly built training session, before the step runs (the gradient audit).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -22,6 +24,27 @@ class ForwardInputs:
     kwargs: dict
     tensors: dict[str, Any]
     session: Any = None
+
+
+@attrs.frozen
+class FirstStep:
+    """The first training step of a newly built session, as the core resolved it, before it runs.
+
+    ``export`` exports the same call anew (no export cache), with activation taps collected by the tapper it is
+    given (``ortcore.api.Tapper``) or none; ``build`` builds a session of the step's key for such a graph, counted
+    by the state machine as a probe (no plugin session hooks). Nothing here may be changed: a check runs beside the
+    step, on aliases and copies of the model's state."""
+
+    model: Any  # the wrapped torch.nn.Module
+    graph: Any  # the step's ExportedGraph
+    session: Any  # the step's TrainingSession
+    schema: Any  # the call's InputSchema
+    tensors: list[Any]  # the call's tensor inputs, in schema order
+    params: dict[str, Any]
+    buffers: dict[str, Any]
+    trainable: tuple[str, ...]  # the parameters that require grad
+    export: Callable[[Any], Any]
+    build: Callable[[Any], Any]
 
 
 class RuntimeInspector:

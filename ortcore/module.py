@@ -17,11 +17,11 @@ import attrs
 import torch
 
 from . import hf as _hf  # noqa: F401  (registers the Hugging Face cache adapter)
-from .audit import AuditRequest, AuditResult, GradientMismatchError, audit
 from .config import Config, CoreOptions
 from .errors import (
     FirstRunError,
     GraphBuildError,
+    StepCheckError,
     UnsupportedDataError,
     UnsupportedDeviceError,
     UnsupportedModelError,
@@ -29,7 +29,7 @@ from .errors import (
 from .exporter import Exporter
 from .graph import ExportedGraph, range_violations, update_batch_norm
 from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of, use_default_host
-from .inspectors import ForwardInputs, phase_callbacks
+from .inspectors import FirstStep, ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .pipeline import Pipeline
 from .plugins import Hooks, PluginHost, get_host
@@ -118,9 +118,13 @@ class _Runtime:
         self.tried: set[tuple] = set()
         self.unrepaired_fingerprint: str | None = None  # the first call's graph fingerprint before any repair
         self.told_empty = False  # a training call with an empty input ran in PyTorch (said once)
-        # The gradient audit's result per training session (docs/gradient_audit.md): each is audited once.
-        self.audited: weakref.WeakKeyDictionary[TrainingSession, AuditResult] = weakref.WeakKeyDictionary()
-        self.audits: list[AuditResult] = []
+        # Each training session's first step is checked once (ortcore_check_first_step: the gradient audit); a
+        # session that failed its check keeps the failure, raised again on every step.
+        self.checked: weakref.WeakKeyDictionary[TrainingSession, StepCheckError | FirstRunError | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.audits: list[Any] = []  # the checks' reports, oldest first
+        self.told_unchecked = False  # verify_gradients is on and no enabled plugin checks (said once)
         try:
             self.signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -154,10 +158,12 @@ class _Runtime:
                 continue
             self.tried.add(candidate.key)
             config, hooks = self._repaired([candidate])
-            if config.core == self.config.core and config.plugin_options(candidate.plugin) == self.config.plugin_options(
+            if config.core == self.config.core and config.plugin_options(
                 candidate.plugin
-            ):
-                logger.info("repair %r changes nothing (an environment variable sets the option)", candidate.description)
+            ) == self.config.plugin_options(candidate.plugin):
+                logger.info(
+                    "repair %r changes nothing (an environment variable sets the option)", candidate.description
+                )
                 continue
             repair = attrs.evolve(candidate, reason=failure.describe())
             self._apply(repair, config, hooks)
@@ -253,15 +259,10 @@ _MISSING = object()
 
 def _stage_of(error: Exception, eager_ran: bool) -> tuple[str | None, str | None]:
     """``(stage, module)`` of a failure a repair may serve (``stage`` None: the model's own error, or bad data);
-    ``module`` is the one the gradient audit named. An error the forward raised while the exporter traced it is the
-    model's own only if the forward fails in eager PyTorch too (``eager_ran`` False)."""
-    if isinstance(error, GradientMismatchError):
-        location = error.result.location
-        if location is not None and location.module:
-            return "audit", location.module
-        # No module named (the tapped graph did not show it): a differing parameter gradient names its module.
-        owners = [d.name.rpartition(".")[0] for d in error.result.differences if d.kind == "gradient of parameter"]
-        return "audit", next((o for o in owners if o), None)
+    ``module`` is the one a first-step check (the gradient audit) named. An error the forward raised while the
+    exporter traced it is the model's own only if the forward fails in eager PyTorch too (``eager_ran`` False)."""
+    if isinstance(error, StepCheckError):
+        return "audit", error.module
     if isinstance(error, FirstRunError):
         return "run", None
     if isinstance(error, GraphBuildError):
@@ -319,7 +320,7 @@ class ORTModule(torch.nn.Module):
         opset: ONNX opset (default 17); ``ORTMODULE_ONNX_OPSET_VERSION`` wins.
         verify_gradients: audit the first step of each new training graph against PyTorch (outputs, loss, every
             gradient; on by default). A difference is repaired by running the first module that differs in PyTorch
-            (``model.repairs``); when nothing repairs it, :class:`ortcore.audit.GradientMismatchError` names the
+            (``model.repairs``); when nothing repairs it, :class:`ortcore.GradientMismatchError` names the
             module. ``ORTCORE_VERIFY_GRADIENTS`` wins. See docs/gradient_audit.md.
         exporter: the exporter to use: a name (``"torchscript"``, the default, or ``"dynamo"``: the ``exporter``
             option) or an exporter object (default: the plugins' choice, else the one the option names).
@@ -433,8 +434,9 @@ class ORTModule(torch.nn.Module):
         return self._ortcore.config
 
     @property
-    def gradient_audits(self) -> list[AuditResult]:
-        """The gradient audits this model ran, oldest first (``verify_gradients``; docs/gradient_audit.md)."""
+    def gradient_audits(self) -> list[Any]:
+        """The reports of the first-step checks this model ran, oldest first: the gradient audit's ``AuditResult``
+        (``verify_gradients``; docs/gradient_audit.md)."""
         return list(self._ortcore.audits)
 
     @property
@@ -476,7 +478,9 @@ class ORTModule(torch.nn.Module):
                 rt.state.fallback_reason = known
                 return self._original_module(*args, **kwargs)
             try:
-                graph, session, key = self._resolve_verified(key, schema, tensors, params, buffers, subscription, args, kwargs)
+                graph, session, key = self._resolve_verified(
+                    key, schema, tensors, params, buffers, subscription, args, kwargs
+                )
             except tuple(_FALLBACK_FLAG) as e:
                 error, failed = e, key
             else:
@@ -514,12 +518,12 @@ class ORTModule(torch.nn.Module):
             try:
                 graph, session, key = self._resolve(key, schema, tensors, subscription)
                 if rt.options.verify_gradients and session.request.build_gradient:
-                    self._audit(graph, session, key, schema, tensors, params, buffers)
+                    self._check_first_step(graph, session, key, schema, tensors, params, buffers)
                 if len(rt.repairs) > in_force:
                     found = [attrs.asdict(r) for r in rt.repairs]
                     rt.hooks.repairs_found(self._original_module, rt.unrepaired_fingerprint, found)
                 return graph, session, key
-            except (UnsupportedModelError, GraphBuildError, GradientMismatchError) as e:
+            except (UnsupportedModelError, GraphBuildError, StepCheckError) as e:
                 if trace is None:
                     trace = trace_modules(self._original_module, args, kwargs)
                 stage, module = _stage_of(e, eager_ran=trace.ran)
@@ -615,7 +619,7 @@ class ORTModule(torch.nn.Module):
                 deliver_forward(step_state, tap.name, outputs[i])
         return graph.output_schema.restore(outputs[:n])
 
-    def _audit(
+    def _check_first_step(
         self,
         graph: ExportedGraph,
         session: TrainingSession,
@@ -625,39 +629,42 @@ class ORTModule(torch.nn.Module):
         params: dict,
         buffers: dict,
     ) -> None:
-        """The gradient audit of a session's first step; a session that failed it fails every step."""
+        """The plugins' checks of a session's first step (``ortcore_check_first_step``), once per session."""
         rt = self._ortcore
-        result = rt.audited.get(session)
-        if result is None:
-            result = audit(
-                AuditRequest(
-                    model=self._original_module,
-                    graph=graph,
-                    session=session,
-                    schema=schema,
-                    tensors=tensors,
-                    params=params,
-                    buffers=buffers,
-                    trainable=key.trainable,
-                    export=lambda tapper: rt.pipeline.export_for_audit(self._original_module, schema, tensors, tapper),
-                    build=lambda g: self._audit_build(g, key),
-                    rtol=rt.options.verify_gradients_rtol,
-                    atol=rt.options.verify_gradients_atol,
-                )
+        if session not in rt.checked:
+            if not rt.hooks.checks_first_steps():
+                if not rt.told_unchecked:
+                    rt.told_unchecked = True
+                    logger.warning(
+                        "verify_gradients is on but no enabled plugin checks first steps (is gradient_audit disabled?)"
+                    )
+                return
+            step = FirstStep(
+                model=self._original_module,
+                graph=graph,
+                session=session,
+                schema=schema,
+                tensors=tensors,
+                params=params,
+                buffers=buffers,
+                trainable=key.trainable,
+                export=lambda tapper: rt.pipeline.export_for_audit(self._original_module, schema, tensors, tapper),
+                build=lambda g: self._check_build(g, key),
             )
-            rt.audited[session] = result
-            rt.audits.append(result)
             rt.state.counters.audits += 1
-            if result.status == "not audited" and result.error is None:
-                logger.warning("%s", result.message())
-            elif result.status == "passed":
-                logger.info("%s", result.message())
-        if result.status == "mismatch":
-            raise GradientMismatchError(result)
-        if result.error is not None:
-            raise FirstRunError(f"ONNX Runtime failed to run the first step: {result.error}") from result.error
+            try:
+                rt.audits.extend(rt.hooks.check_first_step(step))
+                rt.checked[session] = None
+            except (StepCheckError, FirstRunError) as e:
+                report = getattr(e, "result", None)  # the check's report, if it attached one
+                if report is not None:
+                    rt.audits.append(report)
+                rt.checked[session] = e
+        failed = rt.checked[session]
+        if failed is not None:
+            raise failed.with_traceback(None)
 
-    def _audit_build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
+    def _check_build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
         self._ortcore.state.record_probe("gradient audit")
         return self._ortcore.pipeline.build(graph, key, purpose="audit")
 

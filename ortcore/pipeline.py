@@ -52,6 +52,7 @@ logger = logging.getLogger("ortcore")
 
 RUN_KINDS = ("forward", "backward", "inference")
 
+
 def _upstream_mode(training: bool) -> str:
     """The ``<mode>`` of upstream's file names: training for a model in ``train()`` with grad enabled."""
     return "training" if training and torch.is_grad_enabled() else "inference"

@@ -31,7 +31,7 @@ import pluggy
 
 from . import hookspecs
 from .config import Config, CoreOptions, build_options, find_config_file
-from .errors import OptionError, PluginError
+from .errors import FirstRunError, OptionError, PluginError, StepCheckError
 from .graph_passes import GraphPass, order_passes
 from .registry import Registry
 
@@ -240,8 +240,10 @@ class PluginHost:
             start = time.perf_counter()
             try:
                 result = function(*args, **kwargs)
-            except (PluginError, OptionError):
-                raise  # already names what is wrong (an option error names the key or variable)
+            except (PluginError, OptionError, StepCheckError, FirstRunError):
+                # Already name what is wrong (an option error names the key or variable); a failed first-step
+                # check is the hook's answer, which the core's repair loop reads.
+                raise
             except Exception as e:
                 raise PluginError(f"plugin {plugin!r} raised in hook {hook}: {type(e).__name__}: {e}") from e
             _record_answer(hook, _Answer(plugin, result, wrapper=False))
@@ -575,6 +577,14 @@ class Hooks:
 
     def data_utilities(self) -> dict[str, Any]:
         return self.registry().of("data_utility")
+
+    def check_first_step(self, step: Any) -> list[Any]:
+        """The checks' reports on a new session's first step (``ortcore_check_first_step``); a check that fails it
+        raises. Empty when no enabled plugin checks."""
+        return [r for r in self._hook.ortcore_check_first_step(config=self.config, step=step) if r is not None]
+
+    def checks_first_steps(self) -> bool:
+        return bool(self._hook.ortcore_check_first_step.get_hookimpls())
 
     def autograd_function_handler(self, function: type) -> Any:
         return self._hook.ortcore_autograd_function_handler(config=self.config, function=function)

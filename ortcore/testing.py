@@ -16,6 +16,7 @@ from identical weights and compares outputs, loss and every parameter's gradient
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,8 +26,9 @@ import torch.utils._pytree as pytree
 
 from .config import Config
 from .markers import hookimpl
-from .plugins import PluginHost, set_host
+from .plugins import ENTRY_POINT_GROUP, PluginHost, set_host
 
+AUDIT_PLUGIN = "gradient_audit"  # registered on test hosts by default (make_host)
 RTOL = 1e-4
 ATOL = 1e-5
 
@@ -71,10 +73,18 @@ def make_host(
     *,
     table: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
+    audit: bool = True,
 ) -> PluginHost:
-    """A plugin host with only ``plugins`` registered, configured from ``table`` (an ortcore.toml as a dict)."""
+    """A plugin host with only ``plugins`` registered, configured from ``table`` (an ortcore.toml as a dict).
+
+    With ``audit`` (the default) the installed ``gradient_audit`` plugin is registered too, so that every model a
+    test trains on such a host has its first step checked against PyTorch as it would by default."""
     config = Config.from_table(table or {}, env=dict(env or {}))
-    return PluginHost(config, autoload=False, plugins=plugins or {})
+    plugins = dict(plugins or {})
+    if audit and AUDIT_PLUGIN not in plugins:
+        found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=AUDIT_PLUGIN)
+        plugins.update({ep.name: ep.load() for ep in found})
+    return PluginHost(config, autoload=False, plugins=plugins)
 
 
 @pytest.fixture
@@ -137,13 +147,17 @@ def assert_matches_torch(
     return wrapped
 
 
-def assert_grads_match(actual: torch.nn.Module, expected: torch.nn.Module, *, rtol: float = RTOL, atol: float = ATOL) -> None:
+def assert_grads_match(
+    actual: torch.nn.Module, expected: torch.nn.Module, *, rtol: float = RTOL, atol: float = ATOL
+) -> None:
     """Every parameter's gradient matches (and is None exactly where torch's is None)."""
     expected_params = dict(expected.named_parameters())
     for name, param in actual.named_parameters():
         ref = expected_params[name].grad
         if ref is None or param.grad is None:
-            assert ref is None and param.grad is None, f"{name}: grad is {param.grad is not None} in ortcore, {ref is not None} in torch"
+            assert ref is None and param.grad is None, (
+                f"{name}: grad is {param.grad is not None} in ortcore, {ref is not None} in torch"
+            )
             continue
         torch.testing.assert_close(param.grad, ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad of {n}: {m}")
 

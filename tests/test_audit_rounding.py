@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ortcore import audit
 from ortcore.schema import flatten_inputs
+from ortcore_plugins.gradient_audit import audit
 
 
 class Cancelling(nn.Module):

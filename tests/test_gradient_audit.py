@@ -22,16 +22,16 @@ from models import MLP, ConvNet, gpt2_batch, image_batch, tiny_gpt2
 from onnxruntime.capi import _pybind_state as C
 from torch import nn
 
-from ortcore import ORTModule
-from ortcore.audit import GradientMismatchError, compare, node_module, random_nodes
+from ortcore import GradientMismatchError, ORTModule
 from ortcore.config import Config
-from ortcore.errors import OptionError
+from ortcore.errors import OptionError, StepCheckError
 from ortcore.graph_passes import GraphPass
 from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import PluginHost
-from ortcore.testing import make_host
+from ortcore.testing import assert_matches_torch, make_host
 from ortcore_plugins.doctor.checks import doctor
+from ortcore_plugins.gradient_audit.audit import compare, node_module, random_nodes
 
 NO_FALLBACK = {"ORTMODULE_FALLBACK_POLICY": "FALLBACK_DISABLE"}
 
@@ -145,7 +145,9 @@ def test_random_nodes_ignore_zero_rate_and_inference_dropout() -> None:
             if value is None:
                 inputs.append("")
                 continue
-            nodes.append(onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(name, dtype, [], [value])))
+            nodes.append(
+                onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(name, dtype, [], [value]))
+            )
             inputs.append(name)
         nodes.append(onnx.helper.make_node("Dropout", inputs, ["y"], name="/module/drop/Dropout"))
         return onnx.helper.make_model(onnx.helper.make_graph(nodes, "g", [], []))
@@ -180,7 +182,7 @@ class GatedNet(nn.Module):
         return self.b(self.gate(self.a(x), x))
 
 
-def _builtins_without(*names: str) -> Any:
+def _builtins_without(*names: str, extra: dict[str, Any] | None = None) -> Any:
     """A host of every built-in plugin but ``names``: gradient_fixes is essential (no user can disable it), so a
     test that shows what it fixes composes a host without it, as a test kit may."""
     from importlib.metadata import entry_points
@@ -190,7 +192,7 @@ def _builtins_without(*names: str) -> Any:
         for ep in entry_points(group="ortcore.plugins")
         if ep.dist is not None and ep.dist.name == "ortcore" and ep.name not in names
     }
-    return make_host(plugins)
+    return make_host({**plugins, **(extra or {})}, audit="gradient_audit" not in names)
 
 
 def test_gradient_fixes_cannot_be_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -313,7 +315,9 @@ def _scale_block_fc(model: onnx.ModelProto, context: Any) -> None:
 
 
 def test_wrong_forward_names_the_first_module_whose_output_differs() -> None:
-    plugin = types.SimpleNamespace(ortcore_graph_passes=hookimpl(lambda: [GraphPass("scale_block_fc", run=_scale_block_fc)]))
+    plugin = types.SimpleNamespace(
+        ortcore_graph_passes=hookimpl(lambda: [GraphPass("scale_block_fc", run=_scale_block_fc)])
+    )
     host = make_host({"scaler": plugin}, env=NO_FALLBACK)
     wrapped = _audited(Stack(), host=host)
     with pytest.raises(GradientMismatchError) as caught:
@@ -375,7 +379,11 @@ def _user_steps(model: nn.Module, verify: bool, subscribe: bool) -> dict[str, An
     }
 
 
-@pytest.mark.parametrize("make", [DropoutNet, lambda: nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))], ids=["dropout", "batchnorm"])
+@pytest.mark.parametrize(
+    "make",
+    [DropoutNet, lambda: nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))],
+    ids=["dropout", "batchnorm"],
+)
 def test_user_step_is_identical_with_and_without_the_audit(make) -> None:
     torch.manual_seed(0)
     model = make()
@@ -436,7 +444,9 @@ def test_option_from_toml_env_and_keyword(monkeypatch: pytest.MonkeyPatch) -> No
     # the keyword is above the file, below the environment
     keyword = Config.from_table({"verify_gradients": False}, env={}).with_code_options(None, verify_gradients=True)
     assert keyword.core.verify_gradients is True and keyword.sources["core.verify_gradients"] == "argument"
-    env_wins = Config.from_table({}, env={"ORTCORE_VERIFY_GRADIENTS": "0"}).with_code_options(None, verify_gradients=True)
+    env_wins = Config.from_table({}, env={"ORTCORE_VERIFY_GRADIENTS": "0"}).with_code_options(
+        None, verify_gradients=True
+    )
     assert env_wins.core.verify_gradients is False
     monkeypatch.setenv("ORTCORE_VERIFY_GRADIENTS", "yes")
     wrapped = ORTModule(MLP())
@@ -503,3 +513,86 @@ def test_models_helper_is_unchanged_by_the_audit() -> None:
     wrapped(x).square().mean().backward()
     reference(x).square().mean().backward()
     models.assert_grads_match(wrapped, reference)
+
+
+# -- the hook the audit implements: ortcore_check_first_step ---------------------------------------------------------
+
+
+class _Checker:
+    """A first-step check of its own: records each step it sees; fails a graph holding ``block``'s Gemm."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.fail_on = fail_on
+        self.seen: list[Any] = []
+
+    @hookimpl
+    def ortcore_check_first_step(self, config: Config, step: Any) -> Any:
+        self.seen.append(step)
+        names = [n.name for n in step.graph.model.graph.node if n.op_type == "Gemm"]
+        if self.fail_on and any(f"/{self.fail_on}/" in name for name in names):
+            raise StepCheckError(
+                f"{self.fail_on} computes in ORT", result=("failed", self.fail_on), module=self.fail_on
+            )
+        assert step.trainable and step.tensors and set(step.params) >= set(step.trainable)
+        return ("checked", len(step.graph.model.graph.node))
+
+
+def test_hook_ortcore_check_first_step_runs_once_per_session_and_its_reports_are_listed() -> None:
+    checker = _Checker()
+    host = make_host({"checker": checker}, audit=False)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    wrapped = _audited(model, host=host)
+    for _ in range(3):
+        x = torch.randn(16, 12)
+        wrapped(x).square().mean().backward()
+        reference(x).square().mean().backward()
+    assert len(checker.seen) == 1 and wrapped.state_machine.counters.audits == 1
+    assert wrapped.gradient_audits == [("checked", len(checker.seen[0].graph.model.graph.node))]
+    for p, q in zip(wrapped.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)  # the check changed nothing
+    host.close()
+
+
+def test_hook_ortcore_check_first_step_is_not_asked_with_verify_gradients_off() -> None:
+    checker = _Checker(fail_on="embed")
+    host = make_host({"checker": checker}, audit=False)
+    wrapped = ORTModule(Stack(), verify_gradients=False, host=host)
+    wrapped(torch.randn(5, 4)).sum().backward()
+    assert checker.seen == [] and wrapped.gradient_audits == []
+    host.close()
+
+
+def test_a_failed_first_step_check_is_repaired_by_routing_the_module_it_names() -> None:
+    """The contract with the repair loop: StepCheckError(module=...) routes that module to PyTorch, and the new
+    session is checked again (and passes); the trained result is PyTorch's."""
+    checker = _Checker(fail_on="block")
+    host = _builtins_without("gradient_audit", extra={"checker": checker})
+    model = Stack()
+    wrapped = assert_matches_torch(model, (torch.randn(5, 4),), host=host, verify_gradients=True)
+    assert len(checker.seen) == 2, "the repaired session is checked again"
+    assert [r.region for r in wrapped.repairs] == ["block"]
+    assert wrapped.gradient_audits == [("failed", "block"), ("checked", len(checker.seen[1].graph.model.graph.node))]
+    host.close()
+
+
+def test_a_session_that_failed_its_check_fails_every_step() -> None:
+    checker = _Checker(fail_on="block")
+    host = make_host({"checker": checker}, env=NO_FALLBACK, audit=False)  # no routing plugin: nothing repairs it
+    wrapped = _audited(Stack(), host=host)
+    for _ in range(2):
+        with pytest.raises(StepCheckError, match="block computes in ORT"):
+            wrapped(torch.randn(5, 4))
+    assert len(checker.seen) == 1
+    host.close()
+
+
+def test_verify_gradients_without_any_checking_plugin_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    host = make_host({}, audit=False)
+    wrapped = _audited(MLP(), host=host)
+    with caplog.at_level(logging.WARNING, logger="ortcore"):
+        for _ in range(2):
+            wrapped(torch.randn(16, 12)).sum().backward()
+    said = [r.getMessage() for r in caplog.records if "no enabled plugin checks first steps" in r.getMessage()]
+    assert len(said) == 1 and wrapped.gradient_audits == []
+    host.close()

@@ -1,4 +1,4 @@
-"""ortcore.kinks tells float32 rounding at a ReLU kink from a wrong gradient (float64 runs of a small model)."""
+"""ortcore_plugins.gradient_audit.kinks tells float32 rounding at a ReLU kink from a wrong gradient (float64 runs of a small model)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from ortcore.kinks import ReluKinks, explain_by_kinks
+from ortcore_plugins.gradient_audit.kinks import ReluKinks, explain_by_kinks
 
 
 class _Net(torch.nn.Module):

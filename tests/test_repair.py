@@ -12,8 +12,7 @@ import torch
 from models import FFTFilter
 from torch import nn
 
-from ortcore import ORTModule
-from ortcore.audit import GradientMismatchError
+from ortcore import GradientMismatchError, ORTModule
 from ortcore.config import option
 from ortcore.errors import GraphBuildError
 from ortcore.graph_passes import GraphPass
@@ -278,7 +277,9 @@ def test_a_failing_node_names_the_aten_op_it_was_exported_from():
     graph = onnx.helper.make_graph([matmul, col2im], "g", [], [])
     model = onnx.helper.make_model(graph)
     built = locate(
-        "build", "The gradient builder has not been registered: Col2Im for node node_col2im", nn.Linear(2, 2),
+        "build",
+        "The gradient builder has not been registered: Col2Im for node node_col2im",
+        nn.Linear(2, 2),
         onnx_model=model,
     )
     assert built.ops == ("aten::col2im",) and "node_col2im" in built.nodes
@@ -396,7 +397,9 @@ def test_locating_leaves_torch_cond_working_for_the_process():
     x = torch.randn(2, 3)
     trace = trace_modules(model, (x,), {})
     assert trace.ran and "aten::linear" in trace.ops["fc"]
-    torch.testing.assert_close(gated(x), torch.cond(x.sum() > 0, lambda t: torch.relu(t) * 2, lambda t: torch.tanh(t) - 1, (x,)))
+    torch.testing.assert_close(
+        gated(x), torch.cond(x.sum() > 0, lambda t: torch.relu(t) * 2, lambda t: torch.tanh(t) - 1, (x,))
+    )
 
 
 class TwoMixers(nn.Module):

@@ -180,6 +180,7 @@ class _Subscription:
         finally:
             self.depth -= 1
             self.current = saved
+
     def _root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         self.depth += 1
         if self.depth > 1 or _tracing():
@@ -291,6 +292,18 @@ def subscription_of(model: torch.nn.Module) -> _Subscription | None:
     """The subscription of ``model`` (the model an ORTModule wraps), if it is subscribed."""
     found = GlobalSubscriberManager._subscriptions.get(id(model))
     return found if found is not None and found.model is model else None
+
+
+@contextlib.contextmanager
+def subscribers_paused(model: torch.nn.Module) -> Iterator[None]:
+    """A run of ``model`` that is no step of its subscribers (a check's own PyTorch run): it neither starts a step
+    nor records one."""
+    subscription = subscription_of(model)
+    if subscription is None:
+        yield
+        return
+    with subscription.paused():
+        yield
 
 
 def _running() -> list[_Subscription]:

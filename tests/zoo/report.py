@@ -494,7 +494,7 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
         "every input value moved by one ulp (other summation orders and roundings); a point of its AdamW curve that fails the tolerance passes if "
         f"ortcore is within {F64_FACTOR:g}× as far from eager as that run is (marked *curve vs perturbed eager*). "
         "A first-step gradient of such a model that fails both checks passes if float64, with a few ReLU inputs "
-        "lying within rounding of zero taken on the other side of the kink (`ortcore.kinks`), comes within "
+        "lying within rounding of zero taken on the other side of the kink (`ortcore_plugins.gradient_audit.kinks`), comes within "
         f"{F64_FACTOR:g}× float32 eager's own distance of ortcore's (marked *first step: N ReLU kinks*): batch norm "
         "spreads one such element's gradient over its whole channel, and which side a float32 run takes is chance.",
         "",

@@ -25,7 +25,7 @@ ulp; at the zoo's batch both float32 eager runs stay near float64 while ortcore'
 a few such kinks: flipping the one ReLU element of ``denselayer10.relu1`` within 6.2e-7 of zero in a float64 run moves
 that layer's ``norm1.bias`` gradient from 5.1e-4 to 2.1e-5 of ortcore's). There a gradient that fails both checks
 passes if ortcore is within ``F64_FACTOR`` times as far from float64 as the farthest of ``PERTURBED_RUNS`` float32
-eager runs on batches perturbed as above (other random signs), or if ``ortcore.kinks`` explains it: float64 with a
+eager runs on batches perturbed as above (other random signs), or if ``ortcore_plugins.gradient_audit.kinks`` explains it: float64 with a
 few ReLU elements within rounding of zero taken on the other side of the kink comes within ``F64_FACTOR`` times
 eager's own distance of ortcore's gradients (``kinks`` in the result lists the flips).
 
@@ -62,7 +62,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from ortcore.kinks import ReluKinks, explain_by_kinks  # noqa: E402
+from ortcore_plugins.gradient_audit.kinks import ReluKinks, explain_by_kinks  # noqa: E402
 from tests.zoo.catalog import ZooModel  # noqa: E402
 from tests.zoo.catalogs import CATALOGS, DEFAULT_CATALOG, get  # noqa: E402
 

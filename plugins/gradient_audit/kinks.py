@@ -13,7 +13,7 @@ float64 run clearly closer to the float32 result under test. The difference is e
 every value is within its allowed distance. A real error (a wrong formula, a lost accumulation) does not go away by
 flipping a handful of elements that are each within a few units in the last place of zero.
 
-Used by the gradient audit (:mod:`ortcore.audit`) and by the model zoo's judge.
+Used by the gradient audit (:mod:`.audit`) and by the model zoo's judge.
 """
 
 from __future__ import annotations

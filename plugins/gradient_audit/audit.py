@@ -40,11 +40,9 @@ import onnx
 import onnx.numpy_helper
 import torch
 
+from ortcore.api import InputSchema, Tapper, flatten_outputs, node_module, subscribers_paused, tapping
+
 from . import kinks
-from .errors import ORTCoreError
-from .hooks._subscribers import Tapper, subscription_of, tapping
-from .repair import node_module  # noqa: F401 (also read here by tests and plugins)
-from .schema import InputSchema, flatten_outputs
 
 logger = logging.getLogger("ortcore")
 
@@ -90,17 +88,6 @@ ATEN_RANDOM_OPS = frozenset(
     }
 )
 _LEAF = "|"  # separates a module's path from the pytree path of a leaf of its output in tap names
-
-
-class GradientMismatchError(ORTCoreError, RuntimeError):
-    """The gradient audit found an output, the loss or a gradient of ONNX Runtime that differs from PyTorch's.
-
-    ``result`` is the :class:`AuditResult`; ``result.location`` names the module.
-    """
-
-    def __init__(self, result: AuditResult):
-        super().__init__(result.message())
-        self.result = result
 
 
 @attrs.frozen
@@ -320,17 +307,6 @@ def compare(
 
 
 @contextlib.contextmanager
-def _subscribers_paused(model: torch.nn.Module) -> Iterator[None]:
-    """The audit's PyTorch run is no step of the model's subscribers: it neither starts a step nor records one."""
-    subscription = subscription_of(model)
-    if subscription is None:
-        yield
-        return
-    with subscription.paused():
-        yield
-
-
-@contextlib.contextmanager
 def _module_taps(model: torch.nn.Module, tapper: Tapper) -> Iterator[None]:
     """Collect every module's output (each tensor leaf) into ``tapper``, named ``<module path>|<leaf path>``."""
 
@@ -414,7 +390,7 @@ def _run_torch(
     args, kwargs = req.schema.rebuild(inputs)
     collector = _VersionedTapper()
     taps = _module_taps(req.model, collector) if record else contextlib.nullcontext()
-    with _subscribers_paused(req.model), torch.enable_grad(), taps:
+    with subscribers_paused(req.model), torch.enable_grad(), taps:
         result = torch.func.functional_call(req.model, (params, buffers), args, kwargs, tie_weights=True, strict=False)
     output_schema, outputs = flatten_outputs(result)
     side = _Side(outputs=outputs, grads={})
@@ -630,7 +606,7 @@ def _judged_by_kinks(
 ) -> list[Difference]:
     """The differences still beyond float64's judgement are float32 rounding too when float64, with a few ReLU inputs
     that lie within rounding of zero taken on the other side of the kink, lands as close to ONNX Runtime as PyTorch's
-    float32 lands to float64 (:mod:`ortcore.kinks`): in a batch-norm network one such element moves a whole channel's
+    float32 lands to float64 (:mod:`.kinks`): in a batch-norm network one such element moves a whole channel's
     gradients. Only every pending difference explained at once counts."""
     wide_grads = [None if g is None else g.double() for g in output_grads]
 

@@ -1,0 +1,64 @@
+"""gradient_audit: the first training step of each newly built graph is checked against PyTorch.
+
+With ``verify_gradients`` on (``ortcore.toml``, ``ORTCORE_VERIFY_GRADIENTS=1`` or
+``ORTModule(model, verify_gradients=True)``), the core hands the first step of each new training session to
+``ortcore_check_first_step``; this plugin runs that step on both engines beside the user's (:mod:`.audit`), compares
+outputs, loss and every gradient, and on a mismatch names the module (:class:`ortcore.api.GradientMismatchError`,
+which the core's repair loop routes). :mod:`.kinks` tells a difference caused by ReLU-family kinks (where torch and
+ORT may both be right) from a real one. The option switches and tolerances are the core's (``verify_gradients``,
+``verify_gradients_rtol``, ``verify_gradients_atol``): they decide whether first steps are checked at all, by this
+plugin or another. See docs/gradient_audit.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ortcore.api import FirstRunError, FirstStep, GradientMismatchError, hookimpl
+
+from . import audit
+from .audit import AuditRequest, AuditResult
+
+logger = logging.getLogger("ortcore")
+
+
+def mismatched_module(result: AuditResult) -> str | None:
+    """The module a repair should route: the one the audit located, else the owner of the first differing parameter
+    gradient (the tapped graph did not show the module), else None."""
+    location = result.location
+    if location is not None and location.module:
+        return location.module
+    owners = [d.name.rpartition(".")[0] for d in result.differences if d.kind == "gradient of parameter"]
+    return next((o for o in owners if o), None)
+
+
+@hookimpl
+def ortcore_check_first_step(config: Any, step: FirstStep) -> AuditResult:
+    result = audit.audit(
+        AuditRequest(
+            model=step.model,
+            graph=step.graph,
+            session=step.session,
+            schema=step.schema,
+            tensors=step.tensors,
+            params=step.params,
+            buffers=step.buffers,
+            trainable=step.trainable,
+            export=step.export,
+            build=step.build,
+            rtol=config.core.verify_gradients_rtol,
+            atol=config.core.verify_gradients_atol,
+        )
+    )
+    if result.status == "not audited" and result.error is None:
+        logger.warning("%s", result.message())
+    elif result.status == "passed":
+        logger.info("%s", result.message())
+    if result.status == "mismatch":
+        raise GradientMismatchError(result.message(), result=result, module=mismatched_module(result))
+    if result.error is not None:
+        failed = FirstRunError(f"ONNX Runtime failed to run the first step: {result.error}")
+        failed.result = result  # listed by ORTModule.gradient_audits, as a passed audit's report is
+        raise failed from result.error
+    return result

@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (2, 1)
+API_VERSION = (3, 0)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -97,14 +97,21 @@ _NAMES: dict[str, str] = {
     "InputSchema": "ortcore.schema",
     "flatten_outputs": "ortcore.schema",
     "node_module": "ortcore.repair",
-    "Tapper": "ortcore.hooks._subscribers",
-    "tapping": "ortcore.hooks._subscribers",
-    "subscribers_paused": "ortcore.hooks._subscribers",
+    "Tapper": "ortcore.taps",
+    "tapping": "ortcore.taps",
+    "current_tapper": "ortcore.taps",
+    "tensor_leaves": "ortcore.taps",
+    "is_tracing": "ortcore.taps",
+    "subscribers_paused": "ortcore.taps",
+    "StepRecorder": "ortcore.taps",
+    "attach_recorder": "ortcore.taps",
+    "detach_recorder": "ortcore.taps",
+    "recorder_of": "ortcore.taps",
+    "contributed_subscribers": "ortcore.plugins",
     "Failure": "ortcore.repair",
     "Repair": "ortcore.repair",
     "CORE_REPAIR": "ortcore.repair",
-    "SubscriberBase": "ortcore.hooks._subscribers",
-    "GlobalSubscriberManager": "ortcore.hooks._subscribers",
+    "SubscriberBase": "ortcore.taps",
     "versions": "ortcore.identity",
     # graph metadata and node kinds
     "ROUTED_METADATA_PREFIX": "ortcore.explain",

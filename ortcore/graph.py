@@ -660,7 +660,7 @@ def export_graph(
 ) -> ExportedGraph:
     """Export ``module`` for the call described by ``schema`` and apply the core's post-export processing.
 
-    ``tapper`` (a :class:`ortcore.hooks._subscribers.Tapper`) collects a subscribed model's activations while
+    ``tapper`` (a :class:`ortcore.taps.Tapper`) collects a subscribed model's activations while
     tracing; they become extra outputs (:attr:`ExportedGraph.taps`).
     """
     import time

@@ -28,7 +28,6 @@ from .errors import (
 )
 from .exporter import Exporter
 from .graph import ExportedGraph, range_violations, update_batch_norm
-from .hooks._subscribers import deliver_backward, deliver_forward, subscription_of, use_default_host
 from .inspectors import FirstStep, ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .pipeline import Pipeline
@@ -37,10 +36,10 @@ from .repair import CORE_REPAIR, EXPORTER_KINDS, MAX_REPAIRS, Failure, Repair, l
 from .schema import InputSchema, flatten_inputs
 from .session import TrainingSession
 from .state import ExportStateMachine, GraphKey, describe_violation
+from .taps import recorder_of
 
 logger = logging.getLogger("ortcore")
 
-use_default_host(get_host)  # subscriptions made without a host use the process-wide one, as ORTModules do
 
 # Graphs one key may grow for calls whose sizes fall outside the ranges of the graphs before (Module._resolve).
 MAX_SHAPE_CLASSES = 4
@@ -215,7 +214,7 @@ class _ORTFunction(torch.autograd.Function):
         outputs, state = session.run_forward(feeds)
         ctx.session = session
         ctx.runtime = runtime
-        ctx.recording = recording  # (subscribers' step state, the graph's taps) when activations are recorded
+        ctx.recording = recording  # (recorder, its step state, the graph's taps) when activations are recorded
         ctx.step = runtime.step
         ctx.feeds = feeds  # references only: a second backward (retain_graph=True) recomputes the forward
         ctx.state = state
@@ -245,9 +244,9 @@ class _ORTFunction(torch.autograd.Function):
         )
         del state
         if tap_grads:
-            step_state, taps = ctx.recording
+            recorder, step_state, taps = ctx.recording
             for k, grad in tap_grads:
-                deliver_backward(step_state, taps[k].name, grad)
+                recorder.deliver_backward(step_state, taps[k].name, grad)
         for call in phases["post_backward"]:
             call(ctx.step)
         return (None, None, None, None, *grads)
@@ -456,10 +455,10 @@ class ORTModule(torch.nn.Module):
         # One walk of the model's state per step, shared by the key and the feeds.
         params = dict(self._original_module.named_parameters())
         buffers = dict(self._original_module.named_buffers())
-        # Activation subscribers (ortcore.hooks) on the wrapped model: a training step they record runs a graph
-        # with taps.
-        subscription = subscription_of(self._original_module) if self._original_module.training else None
-        taps = subscription is not None and subscription.next_step_active()
+        # A step recorder on the wrapped model (activation subscribers, ortcore.taps): a training step it records
+        # runs a graph with taps.
+        recorder = recorder_of(self._original_module) if self._original_module.training else None
+        taps = recorder is not None and recorder.next_step_active()
         try:
             schema, tensors = flatten_inputs(rt.signature, args, kwargs)
             key = self._graph_key(schema, tensors, params, buffers, taps)
@@ -479,14 +478,15 @@ class ORTModule(torch.nn.Module):
                 return self._original_module(*args, **kwargs)
             try:
                 graph, session, key = self._resolve_verified(
-                    key, schema, tensors, params, buffers, subscription, args, kwargs
+                    key, schema, tensors, params, buffers, recorder, args, kwargs
                 )
             except tuple(_FALLBACK_FLAG) as e:
                 error, failed = e, key
             else:
                 rt.state.record_ort_run(key)
-                step_state = subscription.start_step("ortcore") if subscription is not None else None
-                return self._execute(graph, session, tensors, params, buffers, (args, kwargs), step_state)
+                step_state = recorder.start_step("ortcore") if recorder is not None else None
+                recording = (recorder, step_state) if step_state is not None else None
+                return self._execute(graph, session, tensors, params, buffers, (args, kwargs), recording)
         # Out of the except blocks: an exception the model raises in PyTorch reaches the user as PyTorch raised it,
         # not chained to ortcore's. The model's own forward runs, and its hooks record the step.
         return self._fall_back(error, failed, args, kwargs)
@@ -498,7 +498,7 @@ class ORTModule(torch.nn.Module):
         tensors: list[torch.Tensor],
         params: dict,
         buffers: dict,
-        subscription: Any,
+        recorder: Any,
         args: tuple,
         kwargs: dict,
     ) -> tuple:
@@ -516,7 +516,7 @@ class ORTModule(torch.nn.Module):
         in_force = len(rt.repairs)
         while True:
             try:
-                graph, session, key = self._resolve(key, schema, tensors, subscription)
+                graph, session, key = self._resolve(key, schema, tensors, recorder)
                 if rt.options.verify_gradients and session.request.build_gradient:
                     self._check_first_step(graph, session, key, schema, tensors, params, buffers)
                 if len(rt.repairs) > in_force:
@@ -548,7 +548,7 @@ class ORTModule(torch.nn.Module):
                     raise
                 key = attrs.evolve(key, repairs=rt.repairs_key)
 
-    def _resolve(self, key: GraphKey, schema: InputSchema, tensors: list[torch.Tensor], subscription: Any) -> tuple:
+    def _resolve(self, key: GraphKey, schema: InputSchema, tensors: list[torch.Tensor], recorder: Any) -> tuple:
         """``(graph, session, key)`` for the call. A graph valid for some input sizes only (the exporter's
         ``ortcore.input_ranges``: the model branches on a size) serves the calls within them; a call outside gets a
         graph of its own, under a key that records which ranges it fell outside of (at most
@@ -557,7 +557,7 @@ class ORTModule(torch.nn.Module):
         while True:
             graph, session = rt.state.resolve(
                 key,
-                export=lambda key=key: rt.pipeline.export(self._original_module, schema, tensors, key, subscription),
+                export=lambda key=key: rt.pipeline.export(self._original_module, schema, tensors, key, recorder),
                 build=lambda g, key=key: rt.pipeline.build(g, key),
             )
             violations = range_violations(graph.input_ranges, graph.user_input_names, tensors)
@@ -580,7 +580,7 @@ class ORTModule(torch.nn.Module):
         params: dict,
         buffers: dict,
         call: tuple,
-        step_state: Any = None,
+        step_recording: Any = None,
     ) -> Any:
         by_name = dict(zip(graph.user_input_names, tensors))
         by_name.update(params)
@@ -594,7 +594,7 @@ class ORTModule(torch.nn.Module):
             inputs = ForwardInputs(call[0], call[1], dict(zip(graph.user_input_names, tensors)), session)
             for inspect_call in rt.phases["pre_forward"]:
                 inspect_call(rt.step, inputs)
-        recording = (step_state, graph.taps) if step_state is not None and graph.taps else None
+        recording = (*step_recording, graph.taps) if step_recording is not None and graph.taps else None
         if session.request.build_gradient:
             anchor = None
             if session.grads_handed_over:
@@ -615,8 +615,9 @@ class ORTModule(torch.nn.Module):
         for stats, x in zip(graph.batch_norms, outputs[n:]):
             update_batch_norm(stats, x)
         if recording is not None:
+            recorder, step_state, _ = recording
             for tap, i in zip(graph.taps, graph.tap_outputs):
-                deliver_forward(step_state, tap.name, outputs[i])
+                recorder.deliver_forward(step_state, tap.name, outputs[i])
         return graph.output_schema.restore(outputs[:n])
 
     def _check_first_step(

@@ -35,11 +35,11 @@ from .errors import GraphBuildError
 from .exporter import EXPORT_LOCK
 from .files import atomic_write
 from .graph import ExportedGraph, export_graph
-from .hooks._subscribers import tapping
 from .identity import graph_fingerprint
 from .options import LogLevel
 from .session import BuildRequest, BuiltGraph, TrainingSession, build_graph, default_providers, explain_ort_error
 from .session_plan import RunWrapper, SessionPlan, base_session_options  # noqa: F401 (re-exported: the plan's former home)
+from .taps import tapping
 
 if TYPE_CHECKING:
     from .config import Config, CoreOptions
@@ -113,7 +113,7 @@ class Pipeline:
         schema: InputSchema,
         tensors: list[torch.Tensor],
         key: GraphKey,
-        subscription: Any = None,
+        recorder: Any = None,
     ) -> ExportedGraph:
         """The graph of a call with ``key``: from an export cache (``ortcore_load_export``) or exported anew."""
         opts = self.options
@@ -121,7 +121,7 @@ class Pipeline:
         cached = self.hooks.load_export(module, fp)
         if cached is not None:
             return cached
-        with tapping(subscription) if key.taps else contextlib.nullcontext() as tapper:
+        with tapping(recorder) if key.taps else contextlib.nullcontext() as tapper:
             graph = self._export_graph(module, schema, tensors, passes, tapper, keep_raw=opts.save_onnx)
         self.hooks.export_done(module, fp, graph)
         if opts.save_onnx:

@@ -617,6 +617,12 @@ def get_host() -> PluginHost:
     return _default_host
 
 
+def contributed_subscribers(model: Any, host: PluginHost | None = None) -> list[Any]:
+    """The activation subscribers plugins contribute for ``model`` (``ortcore_activation_subscribers``), asked of
+    ``host`` or of the process-wide host."""
+    return (host or get_host()).hooks.activation_subscribers(model)
+
+
 def set_host(host: PluginHost | None) -> PluginHost | None:
     """Pin the process-wide host (``None`` unpins it); returns the host pinned before, or None if none was, so that
     ``set_host(previous)`` restores exactly what was there. Tests and embedders use this."""

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import torch
 
-from ortcore.api import GlobalSubscriberManager, OptionError, hookimpl, int_at_least, option, parse_bool
+from ortcore.api import OptionError, hookimpl, int_at_least, option, parse_bool, recorder_of
 
 from .subscriber import COLUMNS, NormSubscriber, tensor_norms
 
@@ -94,7 +94,7 @@ def ortcore_activation_subscribers(config, module: torch.nn.Module) -> list[Norm
     options: NormsOptions | None = config.plugin_options(NAME)
     if options is None or not options.enabled:
         return []
-    if module in _from_config and GlobalSubscriberManager.is_subscribed(module):
+    if module in _from_config and recorder_of(module) is not None:
         return []
     subscriber = NormSubscriber(
         options.output_path, options.start_step, options.end_step, options.every, overwrite=options.overwrite

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ortcore.api import GlobalSubscriberManager, SubscriberBase
+from ortcore.api import SubscriberBase, recorder_of
 
 COLUMNS = ("step", "order", "kind", "name", "numel", "l2", "rms", "max_abs")
 KINDS = ("forward", "backward")
@@ -65,7 +65,7 @@ def _writer_of(path: str) -> torch.nn.Module | None:
     """The model whose rows go to ``path``, if it is still subscribed."""
     writer = _writers.get(path)
     model = writer() if writer is not None else None
-    return model if model is not None and GlobalSubscriberManager.is_subscribed(model) else None
+    return model if model is not None and recorder_of(model) is not None else None
 
 
 @atexit.register

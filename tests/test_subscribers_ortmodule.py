@@ -19,10 +19,12 @@ import torch
 
 import ortcore_plugins.activation_stats as activation_stats
 from ortcore import ORTModule
+from ortcore.errors import PluginError
 from ortcore.graph_passes import GraphPass
 from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import set_host
+from ortcore.taps import recorder_of
 from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, make_host
 from ortcore_plugins.activation_stats import find_divergence
 
@@ -292,3 +294,25 @@ def test_deepcopy_before_export_keeps_the_subscribers(host, monkeypatch):
     assert {name for _, name in recorder.forward} == NAMES and {name for _, name in recorder.backward} == NAMES
     GlobalSubscriberManager.unsubscribe(wrapped)
     assert recorder.events[-2:] == [("end", 0), ("unsubscribed", "ActivationNet")]
+
+
+def test_subscribing_with_the_subscriber_manager_disabled_says_so(monkeypatch) -> None:
+    monkeypatch.setenv("ORTCORE_DISABLE_PLUGINS", "subscriber_manager")
+    model = ActivationNet()
+    with pytest.raises(PluginError, match=r"cannot subscribe ActivationNet: the subscriber_manager plugin is disabled"):
+        GlobalSubscriberManager.subscribe(model, [SubscriberBase()])
+    assert not GlobalSubscriberManager.is_subscribed(model)
+    assert recorder_of(model) is None
+
+
+def test_a_subscription_is_the_models_step_recorder_until_unsubscribed(host) -> None:
+    model = ActivationNet()
+    GlobalSubscriberManager.subscribe(model, [SubscriberBase()], host=host)
+    try:
+        recorder = recorder_of(model)
+        assert recorder is not None and recorder.next_step_active()
+        wrapped = ORTModule(model, host=host)
+        assert recorder_of(wrapped.module) is recorder
+    finally:
+        GlobalSubscriberManager.unsubscribe(model)
+    assert recorder_of(model) is None

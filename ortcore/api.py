@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (2, 0)
+API_VERSION = (3, 0)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -61,24 +61,13 @@ _NAMES: dict[str, str] = {
     # exporters
     "Exporter": "ortcore.exporter",
     "ExportRequest": "ortcore.exporter",
-    "OnnxBuilder": "ortcore.exporter",
-    "TorchScriptExporter": "ortcore.exporter",
-    "core_symbolic": "ortcore.exporter",
     "EXPORT_LOCK": "ortcore.exporter",
     "quiet_export": "ortcore.exporter",
     "raised_in": "ortcore.exporter",
     "refuse_empty_inputs": "ortcore.exporter",
     "INLINE": "ortcore.exporter",
-    "function_name": "ortcore.exporter",
-    "python_op_symbolic": "ortcore.exporter",
-    "function_apply_replaced": "ortcore.exporter",
-    "TORCH_CHECKPOINT_FUNCTION": "ortcore.exporter",
-    "average_pool": "ortcore.exporter",
-    "adaptive_average_pool": "ortcore.exporter",
-    "adaptive_max_pool": "ortcore.exporter",
-    "POOLING_VERSION": "ortcore.exporter",
-    "STOP_GRADIENT": "ortcore.exporter",
-    "STOP_GRADIENT_DOMAIN": "ortcore.exporter",
+    "STOP_GRADIENT": "ortcore.domains",
+    "STOP_GRADIENT_DOMAIN": "ortcore.domains",
     # graphs, sessions and what plugins receive from hooks
     "ExportedGraph": "ortcore.graph",
     "GRAPH_FORMAT": "ortcore.graph",

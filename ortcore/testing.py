@@ -9,7 +9,7 @@ Opt-in, so that other projects' pytest runs never import torch because ortcore i
         assert_matches_torch(model, (torch.randn(3, 4),), host=host)
 
 ``ortcore_host`` builds a :class:`~ortcore.plugins.PluginHost` with no autoloading: only the plugins you pass are
-registered, besides the core's defaults. :func:`assert_matches_torch` runs a model in plain PyTorch and in ortcore
+registered, besides the one offering the default exporter (``torchscript_exporter``, which every host has). :func:`assert_matches_torch` runs a model in plain PyTorch and in ortcore
 from identical weights and compares outputs, loss and every parameter's gradient.
 """
 
@@ -72,7 +72,8 @@ def make_host(
     table: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> PluginHost:
-    """A plugin host with only ``plugins`` registered, configured from ``table`` (an ortcore.toml as a dict)."""
+    """A plugin host with only ``plugins`` registered (and the default exporter's plugin), configured from ``table``
+    (an ortcore.toml as a dict)."""
     config = Config.from_table(table or {}, env=dict(env or {}))
     return PluginHost(config, autoload=False, plugins=plugins or {})
 
@@ -137,13 +138,17 @@ def assert_matches_torch(
     return wrapped
 
 
-def assert_grads_match(actual: torch.nn.Module, expected: torch.nn.Module, *, rtol: float = RTOL, atol: float = ATOL) -> None:
+def assert_grads_match(
+    actual: torch.nn.Module, expected: torch.nn.Module, *, rtol: float = RTOL, atol: float = ATOL
+) -> None:
     """Every parameter's gradient matches (and is None exactly where torch's is None)."""
     expected_params = dict(expected.named_parameters())
     for name, param in actual.named_parameters():
         ref = expected_params[name].grad
         if ref is None or param.grad is None:
-            assert ref is None and param.grad is None, f"{name}: grad is {param.grad is not None} in ortcore, {ref is not None} in torch"
+            assert ref is None and param.grad is None, (
+                f"{name}: grad is {param.grad is not None} in ortcore, {ref is not None} in torch"
+            )
             continue
         torch.testing.assert_close(param.grad, ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad of {n}: {m}")
 

@@ -43,7 +43,7 @@ ENTRY_POINT_GROUP = "ortcore.plugins"
 BUILTIN_DISTRIBUTION = "ortcore"
 # Plugins the core cannot serve models correctly without: always loaded from the entry points, and a `[plugins]
 # disable` (or ORTCORE_DISABLE_PLUGINS) naming one is refused. A test kit may still compose a host without them
-# (``ortcore.testing.make_host``), to show what they fix.
+# (``ortcore.testing.make_host``), to show what they fix; the default exporter's plugin it leaves out by disabling it.
 ESSENTIAL_PLUGINS: dict[str, str] = {
     "gradient_fixes": "without it ORT computes some gradients wrongly (Where/Pow with broadcast inputs, ...)",
     "kernel_types": "without it graphs holding ops in types ORT's CPU provider has no kernel for cannot run",

@@ -545,6 +545,16 @@ def test_enabling_a_missing_plugin_names_it():
         PluginHost(Config.from_table({"plugins": {"enable": ["nope"]}}, env={}), autoload=False)
 
 
+def test_every_host_has_the_default_exporter_unless_a_test_kit_leaves_it_out():
+    """A host of a test's plugins alone still exports with ``torchscript``; one composed without the plugin that offers
+    it (a disable entry is honoured without autoloading) names the exporters it has instead of failing later."""
+    assert make_host({}).hooks.registry().owner("exporter", "torchscript") == "torchscript_exporter"
+    host = make_host({}, env={"ORTCORE_DISABLE_PLUGINS": "torchscript_exporter"})
+    assert host.records["torchscript_exporter"].status == "disabled"
+    with pytest.raises(OptionError, match=r"exporter='torchscript' .* exporters offered by the loaded plugins: none"):
+        ORTModule(torch.nn.Linear(2, 2), host=host)
+
+
 def test_exporter_hook_replaces_the_default():
     from ortcore_plugins.torchscript_exporter import TorchScriptExporter
 

@@ -20,8 +20,9 @@ import attrs
 import onnx
 import torch
 
+from .domains import STOP_GRADIENT, STOP_GRADIENT_DOMAIN
 from .errors import BufferWriteError, UnsupportedDataError, UnsupportedModelError, buffer_owners
-from .exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN, Exporter, ExportRequest
+from .exporter import Exporter, ExportRequest
 from .graph_passes import GraphPass, PassContext
 from .options import LogLevel
 from .schema import Constant, InputSchema, OutputSchema, flatten_outputs

@@ -41,14 +41,18 @@ trace_logger = logging.getLogger("ortcore.hooks")
 ENTRY_POINT_GROUP = "ortcore.plugins"
 
 BUILTIN_DISTRIBUTION = "ortcore"
-CORE_PLUGIN = "core"
 # Plugins the core cannot serve models correctly without: always loaded from the entry points, and a `[plugins]
 # disable` (or ORTCORE_DISABLE_PLUGINS) naming one is refused. A test kit may still compose a host without them
-# (``ortcore.testing.make_host``), to show what they fix.
+# (``ortcore.testing.make_host``), to show what they fix; the default exporter's plugin it leaves out by disabling it.
 ESSENTIAL_PLUGINS: dict[str, str] = {
     "gradient_fixes": "without it ORT computes some gradients wrongly (Where/Pow with broadcast inputs, ...)",
     "kernel_types": "without it graphs holding ops in types ORT's CPU provider has no kernel for cannot run",
+    "torchscript_exporter": "without it there is no default exporter (exporter = 'torchscript'), nor the one the "
+    "dynamo route's repair switches a model to",
 }
+# The plugin offering the `exporter` option's default: every host registers it, autoloaded or not, so that a host
+# composed of a few plugins (``ortcore.testing.make_host``) exports as one with all of them does.
+DEFAULT_EXPORTER_PLUGIN = "torchscript_exporter"
 
 
 @functools.cache
@@ -61,6 +65,16 @@ def builtin_plugins() -> tuple[str, ...]:
             for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
             if ep.dist is not None and ep.dist.name == BUILTIN_DISTRIBUTION
         )
+    )
+
+
+@functools.cache
+def _builtin_entry(name: str) -> tuple[Any, ...]:
+    """The entry point of the built-in plugin ``name`` (none if it is not installed), looked up once per process."""
+    return tuple(
+        ep
+        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP, name=name)
+        if ep.dist is not None and ep.dist.name == BUILTIN_DISTRIBUTION
     )
 
 
@@ -124,13 +138,10 @@ class PluginHost:
             trace_logger.addHandler(logging.StreamHandler())
             trace_logger.setLevel(logging.INFO)
             trace_logger.propagate = False
-        from . import exporter  # the core's defaults are a plugin too, marked trylast
-
-        self._register(
-            CORE_PLUGIN, exporter.CoreDefaults(), PluginRecord(CORE_PLUGIN, "ortcore", _version(), True, "loaded")
-        )
         if autoload:
             self._load_entry_points()
+        elif DEFAULT_EXPORTER_PLUGIN not in self.extra_plugins:
+            self._load_entry_points(only=DEFAULT_EXPORTER_PLUGIN)
         for name, plugin in (plugins or {}).items():
             self._register(name, plugin, PluginRecord(name, "<registered>", "", False, "loaded"))
         self._configure()
@@ -150,10 +161,12 @@ class PluginHost:
         return PluginHost(config, autoload=self.autoload, plugins=self.extra_plugins)
 
     # -- loading ----------------------------------------------------------------------------------------------------
-    def _load_entry_points(self) -> None:
+    def _load_entry_points(self, only: str | None = None) -> None:
+        """Load the plugins of the ``ortcore.plugins`` entry points (``only``: the built-in plugin of that name)."""
         disabled = set(self.config.disable)
         distributions: dict[Any, tuple[str, str]] = {}  # each METADATA file read once, not twice per plugin
-        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP) if only is None else _builtin_entry(only)
+        for ep in found:
             if ep.dist is None:
                 dist, version = "<unknown>", ""
             else:
@@ -372,12 +385,6 @@ def _record_answer(hook: str, answer: _Answer) -> None:
 def _suggest(name: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(known), n=1)
     return f" Did you mean {close[0]!r}?" if close else ""
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 class Hooks:

@@ -9,7 +9,7 @@ Opt-in, so that other projects' pytest runs never import torch because ortcore i
         assert_matches_torch(model, (torch.randn(3, 4),), host=host)
 
 ``ortcore_host`` builds a :class:`~ortcore.plugins.PluginHost` with no autoloading: only the plugins you pass are
-registered, besides the core's defaults. :func:`assert_matches_torch` runs a model in plain PyTorch and in ortcore
+registered, besides the one offering the default exporter (``torchscript_exporter``, which every host has). :func:`assert_matches_torch` runs a model in plain PyTorch and in ortcore
 from identical weights and compares outputs, loss and every parameter's gradient.
 """
 
@@ -75,7 +75,8 @@ def make_host(
     env: Mapping[str, str] | None = None,
     audit: bool = True,
 ) -> PluginHost:
-    """A plugin host with only ``plugins`` registered, configured from ``table`` (an ortcore.toml as a dict).
+    """A plugin host with only ``plugins`` registered (and the default exporter's plugin), configured from ``table``
+    (an ortcore.toml as a dict).
 
     With ``audit`` (the default) the installed ``gradient_audit`` plugin is registered too, so that every model a
     test trains on such a host has its first step checked against PyTorch as it would by default."""

@@ -46,12 +46,11 @@ from ortcore.api import (
     OptionError,
     PassContext,
     UnsupportedModelError,
-    function_name,
     hookimpl,
     option,
     parse_bool,
-    python_op_symbolic,
 )
+from ortcore_plugins.services.autograd_functions import function_name, python_op_symbolic
 from ortcore_plugins.services.python_op import (
     PYTHON_OP,
     PYTHON_OP_DOMAIN,
@@ -589,7 +588,7 @@ def ortcore_configure(config: Config) -> None:
 
 @hookimpl
 def ortcore_autograd_function_handler(config: Config, function: type) -> Any:
-    """:data:`ortcore.exporter.INLINE` (trace through), a checkpoint refusal, or a PythonOp handler."""
+    """:data:`ortcore.api.INLINE` (trace through), a checkpoint refusal, or a PythonOp handler."""
     return handler_for(config, function)
 
 

@@ -4,7 +4,7 @@ behind the core's exporter seam.
 Chosen by name: ``exporter = "dynamo"`` in ortcore.toml, ``ORTCORE_EXPORTER=dynamo``, or
 ``ORTModule(model, exporter="dynamo")``; ortcore also takes it by itself on a torch without the TorchScript exporter.
 
-The seam's contract (``ortcore.exporter.Exporter``) holds as on the TorchScript route:
+The seam's contract (``ortcore.api.Exporter``) holds as on the TorchScript route:
 
 * **Parameters and buffers are graph inputs** under their ``state_dict`` names. ``torch.export`` would lift them
   into initializers; instead the module is called through ``torch.func.functional_call`` with them as arguments, so
@@ -62,8 +62,6 @@ from ortcore.api import (
     EXPORT_LOCK,
     INLINE,
     INPUT_RANGES_METADATA,
-    POOLING_VERSION,
-    TORCH_CHECKPOINT_FUNCTION,
     TORCHSCRIPT,
     BufferWriteError,
     ExportRequest,
@@ -72,14 +70,9 @@ from ortcore.api import (
     PassContext,
     Repair,
     UnsupportedModelError,
-    adaptive_average_pool,
-    adaptive_max_pool,
-    average_pool,
     buffer_owners,
     custom_autograd_disabled,
     exporter_name,
-    function_apply_replaced,
-    function_name,
     hookimpl,
     option,
     parse_bool,
@@ -88,6 +81,12 @@ from ortcore.api import (
     refuse_empty_inputs,
     torchscript_available,
 )
+from ortcore_plugins.services.autograd_functions import (
+    TORCH_CHECKPOINT_FUNCTION,
+    function_apply_replaced,
+    function_name,
+)
+from ortcore_plugins.services.pooling import POOLING_VERSION, adaptive_average_pool, adaptive_max_pool, average_pool
 
 NAME = "dynamo_exporter"
 ENV_VALUE_BRANCHES = "ORTCORE_DYNAMO_VALUE_BRANCHES"
@@ -337,7 +336,7 @@ def gather_max_pools(model: onnx.ModelProto) -> int:
 
 
 class OnnxScriptBuilder:
-    """:class:`ortcore.exporter.OnnxBuilder` over onnxscript's opset 18, inside a ``trace_only`` translation."""
+    """:class:`ortcore_plugins.services.pooling.OnnxBuilder` over onnxscript's opset 18, inside a ``trace_only`` translation."""
 
     def op(self, op_type: str, *inputs: Any, **attributes: Any) -> Any:
         from onnxscript import ir, opset18
@@ -358,7 +357,7 @@ def _is_float32(value: Any) -> bool:
 
 
 def _translate_avg_pool(rank: int) -> Callable[..., Any]:
-    """The translation of ``aten.avg_pool{rank}d``: :func:`ortcore.exporter.average_pool` for float32 inputs (ORT's
+    """The translation of ``aten.avg_pool{rank}d``: :func:`ortcore_plugins.services.pooling.average_pool` for float32 inputs (ORT's
     ``AveragePoolGrad`` crashes on dynamic axes, and torchlib's translation drops ``divisor_override``)."""
 
     def translate(
@@ -396,7 +395,7 @@ def _translate_avg_pool(rank: int) -> Callable[..., Any]:
 
 
 def _translate_adaptive_avg_pool(self: Any, output_size: Any) -> Any:
-    """The translation of ``aten.adaptive_avg_pool{1,2,3}d``: :func:`ortcore.exporter.adaptive_average_pool`. The
+    """The translation of ``aten.adaptive_avg_pool{1,2,3}d``: :func:`ortcore_plugins.services.pooling.adaptive_average_pool`. The
     decomposition it replaces fixes the windows for the exporting call's size, so another size got the wrong shape."""
     from onnxscript import ir
 
@@ -406,7 +405,7 @@ def _translate_adaptive_avg_pool(self: Any, output_size: Any) -> Any:
 
 
 def _translate_adaptive_max_pool(self: Any, output_size: Any) -> Any:
-    """The translation of ``aten.adaptive_max_pool{1,2,3}d``: :func:`ortcore.exporter.adaptive_max_pool`, whose
+    """The translation of ``aten.adaptive_max_pool{1,2,3}d``: :func:`ortcore_plugins.services.pooling.adaptive_max_pool`, whose
     windows follow the input's size (the decomposition it replaces gave another size the exporting call's windows
     and shape)."""
     from onnxscript import ir
@@ -727,7 +726,7 @@ class DynamoExporter:
 
     def _custom_functions(self, refused: list[type]) -> contextlib.AbstractContextManager:
         """While tracing, each custom ``torch.autograd.Function`` call goes where its handler says
-        (``ortcore_autograd_function_handler``): traced through (:data:`ortcore.exporter.INLINE`, or the handler's
+        (``ortcore_autograd_function_handler``): traced through (:data:`ortcore.api.INLINE`, or the handler's
         ``traces_through(args)``), or the handler's ``dynamo_apply(cls, apply, args, kwargs)``, which records the call
         in the exported program (a custom op its translation turns into a node). A Function nobody answers for is
         traced through and appended to ``refused`` (the export is refused after tracing, naming them all), unless
@@ -793,7 +792,7 @@ class DynamoExporter:
         )
         start = time.perf_counter()
         refused: list[type] = []
-        # One export at a time in the process (ortcore.exporter.EXPORT_LOCK): torch.export patches torch while it
+        # One export at a time in the process (ortcore.api.EXPORT_LOCK): torch.export patches torch while it
         # traces, and plugins' passes and translations register ops.
         with EXPORT_LOCK:
             try:

@@ -486,9 +486,9 @@ def _node_overload(node: Any) -> str | None:
 
 def _base_symbolic(op: str, opset: int) -> Callable[..., Any] | None:
     """The exporter's own symbolic of ``aten::<op>`` at ``opset`` (not a custom one registered over it)."""
-    from ortcore.api import core_symbolic
+    from ortcore_plugins.services.torchscript_symbolics import exporter_symbolic
 
-    own = core_symbolic(f"::{op}")
+    own = exporter_symbolic(f"::{op}")
     if own is not None:
         return own
     from torch.onnx._internal.torchscript_exporter import registration

@@ -12,8 +12,8 @@ from torch import nn
 
 from ortcore import GraphBuildError, ORTModule
 from ortcore.config import Config
-from ortcore.exporter import TorchScriptExporter
 from ortcore.plugins import PluginHost
+from ortcore_plugins.torchscript_exporter import TorchScriptExporter
 
 
 def _unguarded() -> TorchScriptExporter:
@@ -67,7 +67,9 @@ def test_if_on_a_gradient_path_falls_back_to_torch_by_default(no_routing: Plugin
 
 def test_if_in_an_inference_graph_runs_in_ort(no_routing: PluginHost):
     reference = DiagonalOfInput()
-    model = ORTModule(copy.deepcopy(reference), host=no_routing, exporter=_unguarded(), fallback_policy="FALLBACK_DISABLE")
+    model = ORTModule(
+        copy.deepcopy(reference), host=no_routing, exporter=_unguarded(), fallback_policy="FALLBACK_DISABLE"
+    )
     x = torch.randn(3, 4, 5)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from ortcore import ORTModule, UnsupportedModelError
-from ortcore.exporter import STOP_GRADIENT, STOP_GRADIENT_DOMAIN
+from ortcore.domains import STOP_GRADIENT, STOP_GRADIENT_DOMAIN
 from ortcore.graph import plan_stop_gradients, resolve_stop_gradients, value_dependencies
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -408,9 +408,7 @@ def test_plan_makes_a_detached_shape_an_identity():
 
 
 def test_plan_makes_a_stop_gradient_in_a_gradient_path_an_aten_detach_reading_a_copy_of_an_input():
-    model = _graph(
-        [_detach("w", "d"), helper.make_node("Mul", ["w", "d"], ["y"])], [("w", TensorProto.FLOAT)], ["y"]
-    )
+    model = _graph([_detach("w", "d"), helper.make_node("Mul", ["w", "d"], ["y"])], [("w", TensorProto.FLOAT)], ["y"])
     plan = plan_stop_gradients(model, ["w"], build_gradient=True)
     assert plan.real_stop_gradients == 1
     assert _ops(plan.model) == ["Identity", "ATen", "Mul"]  # the copy first: ORT's builder would count the ATen
@@ -423,9 +421,7 @@ def test_plan_makes_a_stop_gradient_in_a_gradient_path_an_aten_detach_reading_a_
 
 
 def test_plan_without_gradient_makes_every_detach_an_identity():
-    model = _graph(
-        [_detach("w", "d"), helper.make_node("Mul", ["w", "d"], ["y"])], [("w", TensorProto.FLOAT)], ["y"]
-    )
+    model = _graph([_detach("w", "d"), helper.make_node("Mul", ["w", "d"], ["y"])], [("w", TensorProto.FLOAT)], ["y"])
     plan = plan_stop_gradients(model, ["w"], build_gradient=False)
     assert _ops(plan.model) == ["Identity", "Mul"] and plan.no_grad_outputs == {"y"}
 

@@ -470,7 +470,7 @@ def test_trace_hooks_logs_who_answered_and_how_long(capfd):
     host = make_host({"opts": OptionsPlugin()}, env={"ORTCORE_TRACE_HOOKS": "1"})
     ORTModule(torch.nn.Linear(2, 2), host=host)(torch.randn(1, 2))
     traced = capfd.readouterr().err.splitlines()
-    assert any("hook ortcore_register: plugin core no answer" in m for m in traced)
+    assert any("hook ortcore_register: plugin torchscript_exporter no answer" in m for m in traced)
     assert any("hook ortcore_configure: plugin opts no answer" in m for m in traced)
 
 
@@ -524,13 +524,17 @@ def test_disabled_plugin_is_never_imported(monkeypatch):
 
 def test_disabling_a_plugin_nobody_installed_is_an_error_with_a_suggestion():
     """A typo in ``disable`` would leave the plugin on, silently: refused as a typo in ``enable`` is."""
-    with pytest.raises(OptionError, match=r"plugin 'export_cach' .* names no installed plugin. Did you mean 'export_cache'"):
+    with pytest.raises(
+        OptionError, match=r"plugin 'export_cach' .* names no installed plugin. Did you mean 'export_cache'"
+    ):
         PluginHost(Config.from_table({"plugins": {"disable": ["export_cach"]}}, env={}))
-    with pytest.raises(OptionError, match=r"plugin 'zzz' .* names no installed plugin. Installed plugins: .*export_cache"):
+    with pytest.raises(
+        OptionError, match=r"plugin 'zzz' .* names no installed plugin. Installed plugins: .*export_cache"
+    ):
         PluginHost(Config.from_table({}, env={"ORTCORE_DISABLE_PLUGINS": "zzz"}))
 
 
-@pytest.mark.parametrize("name", ["gradient_fixes", "kernel_types"])
+@pytest.mark.parametrize("name", ["gradient_fixes", "kernel_types", "torchscript_exporter"])
 def test_an_essential_plugin_cannot_be_disabled(name):
     with pytest.raises(OptionError, match=rf"plugin '{name}' .* cannot be disabled: it is essential, without it"):
         PluginHost(Config.from_table({"plugins": {"disable": [name]}}, env={}))
@@ -541,8 +545,18 @@ def test_enabling_a_missing_plugin_names_it():
         PluginHost(Config.from_table({"plugins": {"enable": ["nope"]}}, env={}), autoload=False)
 
 
+def test_every_host_has_the_default_exporter_unless_a_test_kit_leaves_it_out():
+    """A host of a test's plugins alone still exports with ``torchscript``; one composed without the plugin that offers
+    it (a disable entry is honoured without autoloading) names the exporters it has instead of failing later."""
+    assert make_host({}).hooks.registry().owner("exporter", "torchscript") == "torchscript_exporter"
+    host = make_host({}, env={"ORTCORE_DISABLE_PLUGINS": "torchscript_exporter"})
+    assert host.records["torchscript_exporter"].status == "disabled"
+    with pytest.raises(OptionError, match=r"exporter='torchscript' .* exporters offered by the loaded plugins: none"):
+        ORTModule(torch.nn.Linear(2, 2), host=host)
+
+
 def test_exporter_hook_replaces_the_default():
-    from ortcore.exporter import TorchScriptExporter
+    from ortcore_plugins.torchscript_exporter import TorchScriptExporter
 
     class Named(TorchScriptExporter):
         name = "named"

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from ortcore.api import core_symbolic
 from ortcore_plugins.services.aten_nodes import (
     ATEN_DOMAIN,
     constant,
@@ -24,6 +23,7 @@ from ortcore_plugins.services.aten_nodes import (
     requires_grad,
     string_constant,
 )
+from ortcore_plugins.services.torchscript_symbolics import exporter_symbolic
 
 from .torch_kernels import _gradient_reaches_first_input
 
@@ -85,7 +85,7 @@ def _symbolic_layer_norm(
     from torch.onnx import symbolic_helper as sh
 
     if not _gradient_reaches_first_input(input, weight, bias):
-        return core_symbolic("::layer_norm")(g, input, normalized_shape, weight, bias, eps)
+        return exporter_symbolic("::layer_norm")(g, input, normalized_shape, weight, bias, eps)
     shape = list(sh._get_const(normalized_shape, "is", "normalized_shape"))
     # Without weight or bias, feed ones and zeros: the gradient definition names a gradient for each, and ORT names
     # every gradient of a missing input "_grad", which would then be defined twice.
@@ -205,7 +205,7 @@ def _default_symbolic(op: str) -> Callable[..., Any]:
     return symbolic
 
 
-# op name -> (TorchScript symbolic names, routed symbolic). layer_norm has no default here: the core registers its own.
+# op name -> (TorchScript symbolic names, routed symbolic). layer_norm has no default here: the TorchScript exporter has its own.
 _SYMBOLICS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "embedding": (("::embedding",), _symbolic_embedding),
     "gelu": (("::gelu",), _symbolic_gelu),
@@ -271,7 +271,7 @@ def auto_symbolics(config: Any) -> dict[str, Callable[..., Any]]:
     """The symbolics of ``torch_kernels = "auto"``: each call is routed or not by its measured decision."""
     result: dict[str, Callable[..., Any]] = {}
     for op, (names, routed) in _SYMBOLICS.items():
-        default = _DEFAULTS.get(op) or core_symbolic("::layer_norm")
+        default = _DEFAULTS.get(op) or exporter_symbolic("::layer_norm")
         result.update(dict.fromkeys(names, _auto_symbolic(op, routed, default, config)))
     for symbol, (_option, name, routed) in _EXTRA_SYMBOLICS.items():
         result[name] = _auto_symbolic(symbol, routed, _DEFAULTS[symbol], config)

@@ -48,6 +48,28 @@ plugins, built-in or third-party: names without a leading underscore are support
     :func:`~ortcore_plugins.services.python_op.install_runners`, which registers the runners with ORT. Used by
     ``autograd_function`` and ``grad_management``.
 
+``autograd_functions``
+    Custom ``torch.autograd.Function`` calls while a model is traced: the ``prim::PythonOp`` symbolic that asks each
+    Function's handler (:func:`~ortcore_plugins.services.autograd_functions.python_op_symbolic`), the tracing through
+    the Functions answered ``INLINE`` (:func:`~ortcore_plugins.services.autograd_functions.tracing_through`), the
+    replacement of ``Function.apply`` the dynamo route sees calls with
+    (:func:`~ortcore_plugins.services.autograd_functions.function_apply_replaced`) and a Function's name
+    (:func:`~ortcore_plugins.services.autograd_functions.function_name`). Used by ``torchscript_exporter``,
+    ``autograd_function``, ``dynamo_exporter`` and ``python_op``.
+
+``pooling``
+    Average, adaptive average and adaptive max pooling written from ops whose gradients ORT computes for any input
+    size (:func:`~ortcore_plugins.services.pooling.average_pool`, ...), once for both exporters through
+    :class:`~ortcore_plugins.services.pooling.OnnxBuilder`; ``POOLING_VERSION`` is part of their graph keys. Used by
+    ``torchscript_symbolics`` and ``dynamo_exporter``.
+
+``torchscript_symbolics``
+    The TorchScript route's own symbolics (:data:`~ortcore_plugins.services.torchscript_symbolics.SYMBOLICS`: layer
+    norm with its saved statistics, eval-mode batch norm, pooling, ``detach`` as a stop-gradient marker, ...), which
+    the ``torchscript_exporter`` plugin's exporter starts from;
+    :func:`~ortcore_plugins.services.torchscript_symbolics.exporter_symbolic` is what a plugin replacing one of them
+    falls back to. Used by ``torchscript_exporter``, ``aten_fallback`` and ``op_routing``.
+
 The core (``ortcore``) never imports these modules: it runs whatever graph the plugins give it, and a missing
 service shows up as a plugin that is not installed (``ortcore/graph.py`` finds out whether an ATen executor is
 registered by running a probe node, not by importing one).

@@ -51,7 +51,9 @@ from typing import Any
 import torch
 import torch.utils.dlpack
 
-from ortcore.api import PYTHON_OP_DOMAIN, UnsupportedModelError, function_name
+from ortcore.api import PYTHON_OP_DOMAIN, UnsupportedModelError
+
+from .autograd_functions import function_name
 
 logger = logging.getLogger("ortcore.autograd_function")
 

@@ -35,10 +35,10 @@ import ortcore_plugins.services.python_op as python_op
 from ortcore import DebugOptions, FallbackPolicy, LogLevel, ORTModule
 from ortcore.config import Config
 from ortcore.errors import OptionError, UnsupportedModelError
-from ortcore.exporter import TorchScriptExporter
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import PluginError, PluginHost
+from ortcore_plugins.torchscript_exporter import TorchScriptExporter
 
 PLUGINS = {"autograd_function": plugin}
 FUNCTION_NAMES = (

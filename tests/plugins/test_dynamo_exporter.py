@@ -17,9 +17,9 @@ import ortcore.exporter as core_exporter
 import ortcore_plugins.dynamo_exporter as plugin
 from ortcore import ORTModule
 from ortcore.errors import OptionError, UnsupportedModelError
-from ortcore.exporter import TorchScriptExporter
 from ortcore.hookspecs import hookimpl
 from ortcore.testing import make_host
+from ortcore_plugins.torchscript_exporter import TorchScriptExporter
 
 pytest.importorskip("onnxscript")
 

@@ -36,13 +36,13 @@ import ortcore_plugins.export_cache as plugin
 from ortcore import ORTModule, identity
 from ortcore.config import option
 from ortcore.errors import OptionError
-from ortcore.exporter import TorchScriptExporter
 from ortcore.graph import ExportedGraph
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
 from ortcore.plugins import PluginHost
 from ortcore.schema import OutputSchema, flatten_outputs
 from ortcore.testing import assert_matches_torch, make_host
+from ortcore_plugins.torchscript_exporter import TorchScriptExporter
 
 # -- helpers ------------------------------------------------------------------------------------------------------
 
@@ -193,7 +193,7 @@ _CHILD = textwrap.dedent(
     import sys
     import torch
     from ortcore import ORTModule, identity
-    from ortcore.exporter import TorchScriptExporter
+    from ortcore_plugins.torchscript_exporter import TorchScriptExporter
     from ortcore.testing import make_host
     import ortcore_plugins.export_cache as plugin
 
@@ -1083,7 +1083,7 @@ def test_tiny_gpt2_second_process_hits_and_attention_implementation_misses(tmp_p
             """
             import sys, torch, transformers
             from ortcore import ORTModule, identity
-            from ortcore.exporter import TorchScriptExporter
+            from ortcore_plugins.torchscript_exporter import TorchScriptExporter
             from ortcore.testing import make_host
             import ortcore_plugins.export_cache as plugin
 

@@ -150,11 +150,19 @@ class BufferFirst(nn.Module):
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]] = {
     "hardswish": (lambda: Apply(F.hardswish), lambda: torch.randn(6, 16) * 3, "hardswish"),
     "hardsigmoid": (lambda: Apply(F.hardsigmoid), lambda: torch.randn(6, 16) * 3, "hardsigmoid"),
-    "einsum": (lambda: Apply(lambda h: torch.einsum("bij,bkj->bik", h, h), shape=(4, 4)), lambda: torch.randn(6, 16), "einsum"),
+    "einsum": (
+        lambda: Apply(lambda h: torch.einsum("bij,bkj->bik", h, h), shape=(4, 4)),
+        lambda: torch.randn(6, 16),
+        "einsum",
+    ),
     "einsum_buffer_first": (BufferFirst, lambda: torch.randn(6, 16), "einsum"),
     "cumsum": (lambda: Apply(lambda h: torch.cumsum(h, 1)), lambda: torch.randn(6, 16), "cumsum"),
     "group_norm": (lambda: Conv1dThen(nn.GroupNorm(2, 8)), lambda: torch.randn(3, 4, 12), "group_norm"),
-    "instance_norm": (lambda: Conv1dThen(nn.InstanceNorm1d(8, affine=True)), lambda: torch.randn(3, 4, 12), "instance_norm"),
+    "instance_norm": (
+        lambda: Conv1dThen(nn.InstanceNorm1d(8, affine=True)),
+        lambda: torch.randn(3, 4, 12),
+        "instance_norm",
+    ),
     "amax": (lambda: Apply(lambda h: torch.amax(h, 1), shape=(4, 4)), lambda: torch.randn(6, 16), "amax"),
     "max_dim": (lambda: Apply(lambda h: torch.max(h, 1).values, shape=(4, 4)), lambda: torch.randn(6, 16), "max"),
     "min_all": (lambda: Apply(lambda h: torch.min(h)), lambda: torch.randn(6, 16), "min"),
@@ -175,9 +183,21 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]
     ),
     "grouped_query_attention": (GroupedQueryAttention, lambda: torch.randn(2, 6, 16), "scaled_dot_product_attention"),
     "bidirectional_rnn": (lambda: RNNOut(nn.RNN(8, 6, bidirectional=True)), lambda: torch.randn(5, 3, 8), "rnn_tanh"),
-    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), lambda: torch.randn(2, 3, 6, 6), "_convolution"),
-    "conv_transpose1d": (lambda: Conv1dThen(nn.ConvTranspose1d(8, 4, 4, stride=2)), lambda: torch.randn(2, 4, 9), "_convolution"),
-    "upsample_nearest": (lambda: Conv2dThen(nn.Upsample(scale_factor=2)), lambda: torch.randn(2, 3, 7, 7), "upsample_nearest2d"),
+    "conv_transpose2d": (
+        lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1),
+        lambda: torch.randn(2, 3, 6, 6),
+        "_convolution",
+    ),
+    "conv_transpose1d": (
+        lambda: Conv1dThen(nn.ConvTranspose1d(8, 4, 4, stride=2)),
+        lambda: torch.randn(2, 4, 9),
+        "_convolution",
+    ),
+    "upsample_nearest": (
+        lambda: Conv2dThen(nn.Upsample(scale_factor=2)),
+        lambda: torch.randn(2, 3, 7, 7),
+        "upsample_nearest2d",
+    ),
     "upsample_bilinear": (
         lambda: Conv2dThen(nn.Upsample(scale_factor=2, mode="bilinear")),
         lambda: torch.randn(2, 3, 7, 7),
@@ -189,8 +209,16 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]
         "upsample_bicubic2d",
     ),
     "flip": (lambda: Apply(lambda h: h * h.flip(1)), lambda: torch.randn(6, 16), "flip"),
-    "diagonal": (lambda: Apply(lambda h: torch.diagonal(h, 1, 1, 2), shape=(4, 4)), lambda: torch.randn(6, 16), "diagonal"),
-    "softplus": (lambda: Apply(lambda h: F.softplus(h, beta=2, threshold=5)), lambda: torch.randn(6, 16) * 3, "softplus"),
+    "diagonal": (
+        lambda: Apply(lambda h: torch.diagonal(h, 1, 1, 2), shape=(4, 4)),
+        lambda: torch.randn(6, 16),
+        "diagonal",
+    ),
+    "softplus": (
+        lambda: Apply(lambda h: F.softplus(h, beta=2, threshold=5)),
+        lambda: torch.randn(6, 16) * 3,
+        "softplus",
+    ),
     "prelu": (lambda: Conv2dThen(nn.PReLU(4)), lambda: torch.randn(2, 3, 7, 7), "prelu"),
     "pixel_shuffle": (lambda: Conv2dThen(nn.PixelShuffle(2)), lambda: torch.randn(2, 3, 7, 7), "pixel_shuffle"),
     "grid_sample": (GridSampler, lambda: torch.randn(2, 3, 7, 7), "grid_sampler"),
@@ -226,7 +254,9 @@ def _compare(ort: nn.Module, ref: nn.Module, x: torch.Tensor, steps: int = 3, **
     for step in range(steps):
         xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
         out_o, out_r = wrapped(xo), ref(xr)
-        for a, b in zip(out_o if isinstance(out_o, tuple) else (out_o,), out_r if isinstance(out_r, tuple) else (out_r,)):
+        for a, b in zip(
+            out_o if isinstance(out_o, tuple) else (out_o,), out_r if isinstance(out_r, tuple) else (out_r,)
+        ):
             _close(a, b, f"step {step} output")
         loss_o, loss_r = _weighted_loss(out_o), _weighted_loss(out_r)
         _close(loss_o, loss_r, f"step {step} loss")
@@ -284,7 +314,7 @@ def _outcomes_without_routing(cases: tuple[str, ...]) -> dict[str, str]:
     code = textwrap.dedent(
         f"""
         import sys
-        sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
+        sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
         import torch
         from test_op_routing import CASES, _weighted_loss
         from ortcore import ORTModule
@@ -332,12 +362,12 @@ _DIAGONAL = textwrap.dedent(
     import sys
     import torch
     from ortcore import ORTModule
-    from ortcore.exporter import TorchScriptExporter
+    from ortcore_plugins.torchscript_exporter import TorchScriptExporter
     class Diagonal(torch.nn.Module):
         def forward(self, x):
             return torch.diagonal(x, 1, 1, 2)
     exporter = None
-    if sys.argv[1] in ("unguarded", "raw"):  # the core's exporter without its diagonal guard
+    if sys.argv[1] in ("unguarded", "raw"):  # the TorchScript exporter without its diagonal guard
         exporter = TorchScriptExporter()
         del exporter.symbolics["::diagonal"]
     if sys.argv[1] == "raw":  # nor the session's refusal of control flow: ORT itself builds the graph
@@ -394,8 +424,16 @@ def test_diagonal_never_reaches_ort(routing: str, guard: str, expected: str):
         (lambda: Apply(lambda h: torch.maximum(h, torch.zeros_like(h))), lambda: torch.randn(6, 16)),
         (lambda: Apply(lambda h: h * torch.cumsum((h > 0).long(), 1)), lambda: torch.randn(6, 16)),
     ],
-    ids=["unidirectional_gru", "gru_two_layers", "gru_two_layers_trained_state", "lstm_two_layers_batch_first",
-         "lstm_two_layers_trained_state", "conv2d", "binary_maximum", "integer_cumsum"],
+    ids=[
+        "unidirectional_gru",
+        "gru_two_layers",
+        "gru_two_layers_trained_state",
+        "lstm_two_layers_batch_first",
+        "lstm_two_layers_trained_state",
+        "conv2d",
+        "binary_maximum",
+        "integer_cumsum",
+    ],
 )
 def test_calls_ort_serves_stay_in_ort(model: Callable[[], nn.Module], x: Callable[[], torch.Tensor]):
     torch.manual_seed(0)

@@ -63,7 +63,6 @@ from ortcore.api import (
     option,
     parse_bool,
 )
-from ortcore_plugins.aten_fallback import ROUTABLE_OPS, prepare_runtime, type_aten_outputs
 from ortcore_plugins.services import aten_nodes, aten_program, routed_calls
 from ortcore_plugins.services.aten_nodes import (
     ATEN_DOMAIN,
@@ -75,7 +74,9 @@ from ortcore_plugins.services.aten_nodes import (
     is_string_constant,
     op_packet,
     register_vjp_gradient,
+    type_aten_outputs,
 )
+from ortcore_plugins.services.torch_kernels import ROUTABLE_OPS, prepare_runtime
 
 logger = logging.getLogger("ortcore.op_routing")
 

@@ -2,8 +2,10 @@
 
 * the core's modules (``ortcore/``), and the plugins' (``plugins/``), import one another without a cycle, counting
   every import (function-local and ``if TYPE_CHECKING:`` ones too);
-* no plugin module reaches into another plugin: no private name (leading underscore) or private module of another
-  plugin is imported or read as an attribute; ``ortcore_plugins.services`` is a public package like any plugin;
+* no plugin imports another (under ``plugins/`` or ``contrib/``, every import counted): what more than one plugin needs
+  is a service of ``ortcore_plugins.services``, so that a plugin can be disabled or deleted without breaking another;
+* no plugin reaches into a service: no private name (leading underscore) or private module of ``ortcore_plugins.services``
+  (or of another plugin) is imported or read as an attribute;
 * the core does not import plugins at module level, except the compatibility shims named in :data:`CORE_TO_PLUGIN`.
 
 Each checker is also run on a small made-up tree, so that a checker that finds nothing is known to be able to.
@@ -147,7 +149,10 @@ def test_the_cycle_finder_sees_function_local_and_type_checking_imports(tmp_path
     assert set(find_cycle(import_graph(package, "pkg", every_import=True)) or []) == {"pkg.a", "pkg.b"}
 
 
-# -- (b) plugins use only other plugins' public names ----------------------------------------------------------------
+# -- (b) plugins import no other plugin, and only the services' public names -----------------------------------------
+
+CONTRIB = ROOT / "contrib"
+SERVICES = f"{PLUGINS_PACKAGE}.services"
 
 
 def _private(name: str) -> bool:
@@ -205,11 +210,75 @@ def private_reaches(root: Path, package: str) -> list[str]:
     return sorted(found, key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
 
 
-def test_plugins_use_only_public_names_of_other_plugins() -> None:
+def test_plugins_use_only_public_names_of_the_services() -> None:
     files = modules_of(PLUGINS, PLUGINS_PACKAGE)
     assert {"ortcore_plugins.services.aten_executor", "ortcore_plugins.aten_fallback"} <= set(files)
     reaches = private_reaches(PLUGINS, PLUGINS_PACKAGE)
-    assert not reaches, "plugins reaching into other plugins:\n" + "\n".join(reaches)
+    assert not reaches, "plugins reaching into the services (or other plugins):\n" + "\n".join(reaches)
+
+
+def contrib_modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file of every contributed plugin's code (``contrib/<project>/``; tests and build output
+    left out, as :func:`ortcore_imports_outside_the_api` leaves them)."""
+    found = {}
+    for project in sorted(p for p in root.iterdir() if p.is_dir()):
+        for path in sorted(project.rglob("*.py")):
+            parts = list(path.relative_to(project).with_suffix("").parts)
+            if {"__pycache__", "tests", "build"} & set(parts):
+                continue
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def owning_plugin(module: str, packages: set[str]) -> str | None:
+    """The plugin ``module`` is part of: a built-in's ``ortcore_plugins.<name>``, a contributed one's top package;
+    None for a module of no plugin (torch, ortcore, the ``ortcore_plugins`` package itself)."""
+    parts = module.split(".")
+    if parts[0] == PLUGINS_PACKAGE:
+        return ".".join(parts[:2]) if len(parts) > 1 else None
+    return parts[0] if parts[0] in packages else None
+
+
+def plugin_imports(files: dict[str, Path], repo: Path = ROOT) -> list[str]:
+    """``"<file>:<line>: imports <module>"`` for every import, at any depth (function-local and ``TYPE_CHECKING``
+    ones too), by a module of ``files`` of a module of another plugin, the services (:data:`SERVICES`) excepted."""
+    packages = {m.split(".")[0] for m in files} - {PLUGINS_PACKAGE}
+    known = set(files)
+    found = []
+    for module, path in files.items():
+        own = owning_plugin(module, packages)
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in all_imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                source = resolve_from(node, module, is_package)
+                # A name imported from the package of the built-ins is a plugin (module or package) of it.
+                targets = [
+                    f"{source}.{alias.name}"
+                    if f"{source}.{alias.name}" in known or source == PLUGINS_PACKAGE
+                    else source
+                    for alias in node.names
+                ]
+            for target in dict.fromkeys(targets):
+                other = owning_plugin(target, packages)
+                if other is not None and other not in (own, SERVICES):
+                    found.append(f"{path.relative_to(repo)}:{node.lineno}: imports {target}")
+    return found
+
+
+def test_no_plugin_imports_another_plugin() -> None:
+    """Only ``ortcore.api`` and the services are shared: a plugin importing another would break when that one is
+    disabled, and ties the two together (what both need belongs in ``ortcore_plugins.services``)."""
+    files = {**modules_of(PLUGINS, PLUGINS_PACKAGE), **contrib_modules(CONTRIB)}
+    assert {"ortcore_plugins.op_routing", "ortcore_plugins.aten_fallback", "ortcore_nan_guard"} <= set(files)
+    found = plugin_imports(files)
+    assert not found, "plugins importing other plugins (move what they share to ortcore_plugins.services):\n" + (
+        "\n".join(found)
+    )
 
 
 def test_shared_services_are_public_modules_each_documented_in_the_package() -> None:
@@ -310,6 +379,67 @@ def test_private_reach_check_finds_each_form(tmp_path: Path, source: str, what: 
     assert len(reaches) == 1 and what in reaches[0] and reaches[0].startswith("plugins/alpha.py:"), reaches
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from ortcore_plugins.beta import helper\n",
+        "from ortcore_plugins import beta\n",
+        "import ortcore_plugins.beta.inner as inner\n",
+        "from ..beta import helper\n",
+        "from ..beta.inner import x\n",
+        "def f():\n    from ortcore_plugins.beta import helper\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ortcore_plugins.beta import helper\n",
+        "import contributed\n",
+    ],
+    ids=[
+        "from",
+        "from-package",
+        "import-as",
+        "relative",
+        "relative-module",
+        "function-local",
+        "type-checking",
+        "contrib",
+    ],
+)
+def test_plugin_import_check_finds_each_form(tmp_path: Path, source: str) -> None:
+    tree = write_tree(
+        tmp_path / "plugins",
+        {
+            "__init__.py": "",
+            "alpha/__init__.py": "from . import own\nfrom .own import y\n",
+            "alpha/own.py": "from ortcore_plugins.services import tool\nfrom ..services.tool import z\nimport torch\n",
+            "alpha/uses.py": source,
+            "beta/__init__.py": "helper = 1\n",
+            "beta/inner.py": "x = 1\n",
+            "services/__init__.py": "",
+            "services/tool.py": "z = 1\n",
+        },
+    )
+    contributed = write_tree(
+        tmp_path / "contrib" / "contributed", {"contributed.py": "import ortcore_plugins.services.tool\n"}
+    )
+    files = {**modules_of(tree, "ortcore_plugins"), **contrib_modules(contributed.parent)}
+    found = plugin_imports(files, tmp_path)
+    assert len(found) == 1 and found[0].startswith("plugins/alpha/uses.py:"), found
+
+
+def test_plugin_import_check_finds_a_contributed_plugin_importing_a_built_in_or_a_service_importing_a_plugin(
+    tmp_path: Path,
+) -> None:
+    tree = write_tree(
+        tmp_path / "plugins",
+        {"__init__.py": "", "beta.py": "", "services/__init__.py": "", "services/tool.py": "from .. import beta\n"},
+    )
+    write_tree(tmp_path / "contrib" / "ortcore-x", {"x/__init__.py": "from ortcore_plugins.beta import y\n"})
+    write_tree(tmp_path / "contrib" / "ortcore-x" / "tests", {"test_x.py": "import ortcore_plugins.beta\n"})
+    files = {**modules_of(tree, "ortcore_plugins"), **contrib_modules(tmp_path / "contrib")}
+    assert sorted(plugin_imports(files, tmp_path)) == [
+        "contrib/ortcore-x/x/__init__.py:1: imports ortcore_plugins.beta",
+        "plugins/services/tool.py:1: imports ortcore_plugins.beta",
+    ]
+
+
 def test_private_reach_check_allows_a_plugins_own_private_names(tmp_path: Path) -> None:
     root = write_tree(
         tmp_path / "plugins",
@@ -369,8 +499,6 @@ def test_importing_ortcore_keeps_onnxruntime_from_importing_upstreams_ortmodule(
 
 
 # -- the plugin API --------------------------------------------------------------------------------------------------
-
-CONTRIB = ROOT / "contrib"
 
 # What plugin code may still import from ortcore outside ``ortcore.api`` (file: name -> why). Empty: every import
 # goes through the API; an entry added here needs a reason, and one that stops being imported must leave.
@@ -457,4 +585,3 @@ def test_the_import_graph_can_be_drawn() -> None:
 if __name__ == "__main__":
     # python -m tests.test_structure core | dot -Tsvg > core.svg  (or plugins)
     print(import_graph_dot(sys.argv[1] if len(sys.argv) > 1 else "core"), end="")
-

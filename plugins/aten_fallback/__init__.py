@@ -22,11 +22,12 @@ Three features, one module each; this module holds the plugin's hooks and re-exp
 * **repairs** (:mod:`.repairs`): when an export fails on an op the exporter cannot write for those inputs, or the
   session on an ONNX node ORT has no kernel for in its types, the plugin offers to list the op in ``fallback_ops``
   (``ortcore_repairs``), the smallest repair there is.
-* **graph passes** (:mod:`.graph_passes`): the written-out tanh-GELU becomes one ATen gelu node, and ATen outputs get
-  types ORT can use.
+* **graph passes** (:mod:`.graph_passes`): the written-out tanh-GELU becomes one ATen gelu node.
 
-Options are in :mod:`.options`. The ATen executor that runs the nodes and the ATen node builder are shared services
-(:mod:`ortcore_plugins.services.aten_executor`, :mod:`ortcore_plugins.services.aten_nodes`).
+Options are in :mod:`.options`. The ATen executor that runs the nodes, the ATen node builder (and the pass that gives
+ATen outputs types ORT can use) and PyTorch's kernels for the routable ops with their gradient definitions are shared
+services (:mod:`ortcore_plugins.services.aten_executor`, :mod:`ortcore_plugins.services.aten_nodes`,
+:mod:`ortcore_plugins.services.torch_kernels`): ``op_routing`` needs them too.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from ortcore.api import (
     hookimpl,
 )
 from ortcore_plugins.services import aten_nodes, aten_program
-from ortcore_plugins.services.aten_nodes import ATEN_DOMAIN, HELPER_NAMESPACE
+from ortcore_plugins.services.aten_nodes import ATEN_DOMAIN, HELPER_NAMESPACE, type_aten_outputs
+from ortcore_plugins.services.torch_kernels import prepare_runtime
 
 from . import kernel_choice
-from .graph_passes import TANH_GELU_PASS, TYPE_OUTPUTS_PASS, replace_tanh_gelu, type_aten_outputs
+from .graph_passes import TANH_GELU_PASS, TYPE_OUTPUTS_PASS, replace_tanh_gelu
 from .kernel_choice import explain_kernel_choices, kernel_choices
 from .kernel_routing import (
     DYNAMO_OPS,
@@ -69,10 +71,9 @@ from .options import (
     routed_ops,
 )
 from .repairs import repairs_for
-from .torch_kernels import prepare_runtime
 from .unexportable_ops import fallback_symbolic, fallback_symbolics, program_pass, symbolics_for_failure
 
-# What other code uses: tests, the op_routing plugin (prepare_runtime, type_aten_outputs).
+# What tests use.
 __all__ = [
     "ATEN_DOMAIN",
     "DEFAULT_OPS",

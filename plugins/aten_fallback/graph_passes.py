@@ -1,5 +1,6 @@
-"""Graph passes over exported graphs with ATen nodes: the written-out tanh-GELU becomes one ATen gelu node
-(:func:`replace_tanh_gelu`), and ATen outputs get types ORT can use (:func:`type_aten_outputs`)."""
+"""Graph passes over exported graphs: the written-out tanh-GELU becomes one ATen gelu node (:func:`replace_tanh_gelu`).
+The pass that gives ATen outputs types ORT can use runs here too (``TYPE_OUTPUTS_PASS``), but is the ATen node
+service's (:func:`ortcore_plugins.services.aten_nodes.type_aten_outputs`), which ``op_routing`` runs as well."""
 
 from __future__ import annotations
 
@@ -224,33 +225,3 @@ def replace_tanh_gelu(
         model.opset_import.append(onnx.helper.make_opsetid(ATEN_DOMAIN, 1))
     logger.debug("replaced %d tanh-GELU formula(s) with ATen gelu", len(typed))
     return len(typed)
-
-
-def _invented(dim: onnx.TensorShapeProto.Dimension) -> bool:
-    # The exporter names an ATen output's dynamic dimensions "ATen<output>_dim_<i>"; ONNX inference copies them on.
-    return dim.HasField("dim_param") and dim.dim_param.startswith("ATen")
-
-
-def type_aten_outputs(model: onnx.ModelProto, context: PassContext | None = None) -> int:
-    """Make the types around ATen nodes usable by ORT; returns how many graph output types were recorded.
-
-    * Dynamic dimensions of ATen outputs lose the names the exporter invented for them: two differently named
-      dimensions are two different sizes to ORT's gradient builder, which then plans broadcasting gradients that do
-      not exist (or fails to). Unknown dimensions make it use its dynamic (shape-reading) path.
-    * Graph output types are also recorded as value_info. ORT turns graph outputs into inputs of its YieldOp and drops
-      their types; it cannot infer an ATen output's type, so a graph output made by an ATen node (a loss; logits once
-      ORT removed a no-op Cast) would fail the session without it.
-    """
-    graph = model.graph
-    aten_outputs = {name for n in graph.node if n.op_type == "ATen" and n.domain == ATEN_DOMAIN for name in n.output}
-    for value in (*graph.value_info, *graph.output):
-        for dim in value.type.tensor_type.shape.dim:
-            if _invented(dim) or (value.name in aten_outputs and dim.HasField("dim_param")):
-                dim.ClearField("dim_param")
-    known = {v.name for v in graph.value_info}
-    recorded = 0
-    for output in graph.output:
-        if output.name not in known and output.type.HasField("tensor_type"):
-            graph.value_info.add().CopyFrom(output)
-            recorded += 1
-    return recorded

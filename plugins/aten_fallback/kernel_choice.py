@@ -505,10 +505,10 @@ def case_of_call(op: str, g: Any, args: tuple) -> Case | Decision | None:
         shapes = [traced[0] or out]
         params = {"approximate": approximate, "bias": _is_bias_add(self)}
     elif op == "layer_norm":
-        from .torch_kernels import _gradient_reaches_first_input
+        from ortcore_plugins.services.torch_kernels import gradient_reaches_first_input
 
         input, normalized_shape, weight, bias, eps = args[:5]
-        if not _gradient_reaches_first_input(input, weight, bias):
+        if not gradient_reaches_first_input(input, weight, bias):
             return None
         normalized = tuple(sh._get_const(normalized_shape, "is", "normalized_shape"))
         traced[0] = traced[0] or out
@@ -535,10 +535,10 @@ def case_of_call(op: str, g: Any, args: tuple) -> Case | Decision | None:
             case = Case(op, tuple(t[0] for t in shapes if t), params=tuple(sorted(params.items())))
             return Decision(case, PYTORCH, REQUIRED, note="ONNX's export of cross-entropy has no label smoothing")
     elif op == "linear":
-        from .torch_kernels import _gradient_reaches_first_input
+        from ortcore_plugins.services.torch_kernels import gradient_reaches_first_input
 
         input, weight, bias = args
-        if not _gradient_reaches_first_input(input, weight, bias):
+        if not gradient_reaches_first_input(input, weight, bias):
             return None
         if traced[0] is None and out is not None and traced[1] is not None:
             traced[0] = ((*out[0][:-1], traced[1][0][1]), out[1], out[2])
@@ -549,10 +549,10 @@ def case_of_call(op: str, g: Any, args: tuple) -> Case | Decision | None:
             "grad_bias": not is_none(bias) and _flag(bias),
         }
     elif op == "addmm":
-        from .torch_kernels import _gradient_reaches_first_input
+        from ortcore_plugins.services.torch_kernels import gradient_reaches_first_input
 
         self, mat1, mat2, beta, alpha = args
-        if not _gradient_reaches_first_input(self, mat1, mat2):
+        if not gradient_reaches_first_input(self, mat1, mat2):
             return None
         scales = [sh._maybe_get_const(v, "f") for v in (beta, alpha)]
         if any(sh._is_value(s) for s in scales):

@@ -4,8 +4,9 @@ Some of ORT's CPU kernels are several times slower than PyTorch's (embedding's G
 LayerNormalizationGrad, the softmax cross-entropy loss; see ``docs/plugins/aten_fallback.md`` for the numbers). The
 symbolics here export those ops as ``org.pytorch.aten::ATen`` nodes, each with a gradient definition made of ATen
 nodes too; the ATen executor (:mod:`ortcore_plugins.services.aten_executor`) runs them with ``torch.ops.aten.*``
-kernels, zero-copy through DLPack. :func:`symbolics_for` gives the symbolics of the chosen ops, and
-:func:`prepare_runtime` what ORT needs before it builds a graph with them.
+kernels, zero-copy through DLPack. :func:`symbolics_for` gives the symbolics of the chosen ops; the helper ops their
+gradients use, and what ORT needs before it builds a graph with them, are the
+:mod:`ortcore_plugins.services.torch_kernels` service's.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from ortcore_plugins.services.aten_nodes import (
     requires_grad,
     string_constant,
 )
+from ortcore_plugins.services.torch_kernels import gradient_reaches_first_input
 from ortcore_plugins.services.torchscript_symbolics import exporter_symbolic
-
-from .torch_kernels import _gradient_reaches_first_input
 
 # -- symbolics --------------------------------------------------------------------------------------------------------
 #
@@ -84,7 +84,7 @@ def _symbolic_layer_norm(
 ) -> Any:
     from torch.onnx import symbolic_helper as sh
 
-    if not _gradient_reaches_first_input(input, weight, bias):
+    if not gradient_reaches_first_input(input, weight, bias):
         return exporter_symbolic("::layer_norm")(g, input, normalized_shape, weight, bias, eps)
     shape = list(sh._get_const(normalized_shape, "is", "normalized_shape"))
     # Without weight or bias, feed ones and zeros: the gradient definition names a gradient for each, and ORT names
@@ -139,7 +139,7 @@ def _symbolic_cross_entropy(
 def _symbolic_linear(g: Any, input: Any, weight: Any, bias: Any) -> Any:
     from torch.onnx import symbolic_helper as sh
 
-    if not _gradient_reaches_first_input(input, weight, bias):
+    if not gradient_reaches_first_input(input, weight, bias):
         return _DEFAULTS["linear"](g, input, weight, bias)
     if sh._is_none(bias):
         # A separate op, so that its gradient definition does not name a gradient for the missing bias.
@@ -154,7 +154,7 @@ def _symbolic_linear(g: Any, input: Any, weight: Any, bias: Any) -> Any:
 def _symbolic_addmm(g: Any, self: Any, mat1: Any, mat2: Any, beta: Any, alpha: Any) -> Any:
     from torch.onnx import symbolic_helper as sh
 
-    if not _gradient_reaches_first_input(self, mat1, mat2):
+    if not gradient_reaches_first_input(self, mat1, mat2):
         return _DEFAULTS["addmm"](g, self, mat1, mat2, beta, alpha)
     scalars = []
     for value in (beta, alpha):

@@ -104,7 +104,9 @@ def _gelu(case: Any, p: dict, rand: Callable[[Sequence[int]], torch.Tensor], gen
     )
 
 
-def _layer_norm(case: Any, p: dict, rand: Callable[[Sequence[int]], torch.Tensor], generator: torch.Generator) -> _OneOp:
+def _layer_norm(
+    case: Any, p: dict, rand: Callable[[Sequence[int]], torch.Tensor], generator: torch.Generator
+) -> _OneOp:
     """LayerNormalization against aten::native_layer_norm (its mean and rstd outputs too)."""
     shape, normalized = case.shapes[0], tuple(case.shapes[1])
     x, w, b = rand(shape), rand(normalized), rand(normalized)
@@ -129,9 +131,11 @@ def _layer_norm(case: Any, p: dict, rand: Callable[[Sequence[int]], torch.Tensor
     )
 
 
-def _cross_entropy_pair(case: Any, p: dict, rand: Callable[[Sequence[int]], torch.Tensor], generator: torch.Generator) -> _OneOp:
+def _cross_entropy_pair(
+    case: Any, p: dict, rand: Callable[[Sequence[int]], torch.Tensor], generator: torch.Generator
+) -> _OneOp:
     """SoftmaxCrossEntropyLoss against ortcore's cross-entropy kernel."""
-    from .torch_kernels import _cross_entropy
+    from ortcore_plugins.services.torch_kernels import cross_entropy
 
     logits_shape, target_shape = case.shapes[0], case.shapes[1]
     logits = rand(logits_shape)
@@ -144,7 +148,7 @@ def _cross_entropy_pair(case: Any, p: dict, rand: Callable[[Sequence[int]], torc
     if len(case.shapes) > 2:
         weight = rand(case.shapes[2]).abs()
         inputs.append(("class_weight", weight))
-    loss, log_probs, total = _cross_entropy(logits, target, weight, reduction, ignore, 0.0)
+    loss, log_probs, total = cross_entropy(logits, target, weight, reduction, ignore, 0.0)
     ort_inputs = ["logits", "target"] + (["class_weight"] if weight is not None else [])
     names = {0: "none", 1: "mean", 2: "sum"}
     return _OneOp(
@@ -187,9 +191,7 @@ def _addmm(case: Any, p: dict, rand: Callable[[Sequence[int]], torch.Tensor], ge
     bias, mat1, mat2 = rand(bias_shape), rand(mat1_shape), rand(mat2_shape)
     beta, alpha = float(p.get("beta", 1.0)), float(p.get("alpha", 1.0))
     train = [
-        n
-        for n, g in (("bias", p.get("grad_bias")), ("mat1", p.get("grad_mat1")), ("mat2", p.get("grad_mat2")))
-        if g
+        n for n, g in (("bias", p.get("grad_bias")), ("mat1", p.get("grad_mat1")), ("mat2", p.get("grad_mat2"))) if g
     ]
     return _OneOp(
         [("bias", bias), ("mat1", mat1), ("mat2", mat2)],
@@ -294,7 +296,7 @@ def _step(session: Any, feeds: list[torch.Tensor], grad: torch.Tensor) -> float:
 def measure_case(case: Any, repeats: int = REPEATS, budget: float = BUDGET_SECONDS) -> tuple[float, float]:
     """``(ort_ms, torch_ms)``: median forward + backward time of ``case`` with ORT's kernels and with the ATen
     nodes the routed symbolic emits, on random inputs of the case's sizes; runs interleaved, order alternating."""
-    from .torch_kernels import prepare_runtime
+    from ortcore_plugins.services.torch_kernels import prepare_runtime
 
     if case.device != "cpu":
         raise ValueError(f"kernel choice measures on CPU only, not {case.device}")

@@ -9,13 +9,13 @@ import attrs
 import torch
 
 from ortcore.api import Config, OptionError, option
+from ortcore_plugins.services.torch_kernels import ROUTABLE_OPS
 
 NAME = "aten_fallback"
 ENV = "ORTCORE_TORCH_KERNELS"
 FALLBACK_ENV = "ORTCORE_ATEN_FALLBACK_OPS"
 
-# Ops this plugin can route, and those routed by default: the ones measured faster in torch than in ORT on CPU.
-ROUTABLE_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy", "linear")
+# Ops routed by default, of the ones this plugin can route (ROUTABLE_OPS, the torch_kernels service's).
 DEFAULT_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy")
 
 AUTO = "auto"

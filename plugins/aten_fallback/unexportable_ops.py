@@ -34,9 +34,9 @@ from ortcore_plugins.services.aten_nodes import (
     schema_type,
 )
 from ortcore_plugins.services.differentiability import differentiates
+from ortcore_plugins.services.torch_kernels import prepare_runtime
 
 from .options import AUTO
-from .torch_kernels import prepare_runtime
 
 logger = logging.getLogger("ortcore.aten_fallback")
 
@@ -133,7 +133,9 @@ def symbolics_for_failure(error: UnsupportedModelError, symbolics: dict[str, Any
     an ``aten::`` op that has no ONNX symbolic, that op as an ATen node run by PyTorch (:func:`fallback_symbolic`);
     None for any other failure, or an op that has a symbolic already (the core then raises)."""
     cause = error.__cause__
-    match = _UNSUPPORTED_ATEN.search(str(cause)) if isinstance(cause, torch.onnx.errors.UnsupportedOperatorError) else None
+    match = (
+        _UNSUPPORTED_ATEN.search(str(cause)) if isinstance(cause, torch.onnx.errors.UnsupportedOperatorError) else None
+    )
     name = f"::{match.group(1)}" if match else None
     if name is None or name in symbolics:
         return None

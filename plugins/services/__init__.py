@@ -13,7 +13,8 @@ plugins, built-in or third-party: names without a leading underscore are support
 ``aten_nodes``
     Builds ATen nodes at export (TorchScript symbolics): :func:`~ortcore_plugins.services.aten_nodes.aten_node`, the
     gradient definitions ORT needs for them, and the VJP helper ops that differentiate any PyTorch op under
-    ``torch.autograd`` (:func:`~ortcore_plugins.services.aten_nodes.register_vjp_gradient`). Used by
+    ``torch.autograd`` (:func:`~ortcore_plugins.services.aten_nodes.register_vjp_gradient`), and the graph pass that
+    gives ATen outputs types ORT can use (:func:`~ortcore_plugins.services.aten_nodes.type_aten_outputs`). Used by
     ``aten_fallback`` and ``op_routing``.
 
 ``aten_program``
@@ -41,6 +42,13 @@ plugins, built-in or third-party: names without a leading underscore are support
     :func:`~ortcore_plugins.services.differentiability.differentiates`. A VJP gradient gives a gradient only to those
     (``fractional_max_pool2d``'s float ``random_samples`` gets none). Used by ``aten_fallback``, ``op_routing`` and
     ``aten_program``.
+
+``torch_kernels``
+    PyTorch's kernels for the ops it may run faster than ORT
+    (:data:`~ortcore_plugins.services.torch_kernels.ROUTABLE_OPS`): the helper ops their ATen nodes' gradients call, the gradient definitions, and
+    :func:`~ortcore_plugins.services.torch_kernels.prepare_runtime`, what a graph with ATen nodes needs before ORT
+    builds it (those helper ops, the gradients, the executor). Used by ``aten_fallback``, which routes and measures
+    these ops, and ``op_routing``, which names the nodes they make and prepares the runtime.
 
 ``python_op``
     Runs ``com.microsoft::PythonOp`` / ``PythonOpGrad`` nodes through PyTorch: the node's op type and domain

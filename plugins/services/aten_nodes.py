@@ -19,7 +19,8 @@ Gradient definitions are lists of :data:`NodeSpec` (:func:`gradient_node`), regi
 :func:`gradient_key` (ORT keeps the first registration of a key in a process). Helper ops live in one
 ``torch.library`` namespace, :data:`HELPER_NAMESPACE` (:func:`helper_library`).
 
-Call :func:`prepare` (or a plugin's own preparation that includes it) before ORT builds a graph with such nodes.
+Call :func:`prepare` (or a plugin's own preparation that includes it) before ORT builds a graph with such nodes, and
+run :func:`type_aten_outputs` over the exported graph: ORT cannot infer an ATen node's output types.
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ import hashlib
 import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ortcore.api import ATEN_DOMAIN
 
 from . import aten_executor
+
+if TYPE_CHECKING:
+    import onnx
+
+    from ortcore.api import PassContext
 
 # The torch.library namespace of the helper ops gradient definitions use.
 HELPER_NAMESPACE = "ortcore_aten"
@@ -478,3 +484,36 @@ def guard_runs(graph: Any, plan: Any) -> None:
     that hit them, naming the op (:func:`aten_executor.guard_runs`), and VJP results never outlive a run."""
     aten_executor.on_run_boundary(clear_vjp_results)
     aten_executor.guard_runs(graph, plan)
+
+
+# -- the exported graph -----------------------------------------------------------------------------------------------
+
+
+def _invented(dim: onnx.TensorShapeProto.Dimension) -> bool:
+    # The exporter names an ATen output's dynamic dimensions "ATen<output>_dim_<i>"; ONNX inference copies them on.
+    return dim.HasField("dim_param") and dim.dim_param.startswith("ATen")
+
+
+def type_aten_outputs(model: onnx.ModelProto, context: PassContext | None = None) -> int:
+    """Make the types around ATen nodes usable by ORT; returns how many graph output types were recorded.
+
+    * Dynamic dimensions of ATen outputs lose the names the exporter invented for them: two differently named
+      dimensions are two different sizes to ORT's gradient builder, which then plans broadcasting gradients that do
+      not exist (or fails to). Unknown dimensions make it use its dynamic (shape-reading) path.
+    * Graph output types are also recorded as value_info. ORT turns graph outputs into inputs of its YieldOp and drops
+      their types; it cannot infer an ATen output's type, so a graph output made by an ATen node (a loss; logits once
+      ORT removed a no-op Cast) would fail the session without it.
+    """
+    graph = model.graph
+    aten_outputs = {name for n in graph.node if n.op_type == "ATen" and n.domain == ATEN_DOMAIN for name in n.output}
+    for value in (*graph.value_info, *graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if _invented(dim) or (value.name in aten_outputs and dim.HasField("dim_param")):
+                dim.ClearField("dim_param")
+    known = {v.name for v in graph.value_info}
+    recorded = 0
+    for output in graph.output:
+        if output.name not in known and output.type.HasField("tensor_type"):
+            graph.value_info.add().CopyFrom(output)
+            recorded += 1
+    return recorded

@@ -185,7 +185,7 @@ class TwoLayerNormsOneInput(nn.Module):
 
 
 def test_layer_norm_backward_runs_one_kernel_per_op_and_keeps_ops_apart(tmp_path: Path, monkeypatch) -> None:
-    from ortcore_plugins.aten_fallback import torch_kernels as kernel_routing
+    from ortcore_plugins.services import torch_kernels as kernel_routing
 
     calls = []
     kernel = kernel_routing._native_layer_norm_backward

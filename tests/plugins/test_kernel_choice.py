@@ -351,9 +351,11 @@ MEASURED_CASES = [
     Case("layer_norm", ((4, 7, 16), (16,)), params=(("eps", 1e-5), ("grad_bias", True), ("grad_weight", True))),
     Case("cross_entropy", ((6, 5), (6,)), params=(("ignore_index", -100), ("reduction", 1))),
     Case("cross_entropy", ((6, 5), (6,), (5,)), params=(("ignore_index", 2), ("reduction", 2))),
-    Case("linear", ((4, 7, 16), (8, 16), (8,)), params=(("grad_bias", True), ("grad_input", True), ("grad_weight", True))),
+    Case(
+        "linear", ((4, 7, 16), (8, 16), (8,)), params=(("grad_bias", True), ("grad_input", True), ("grad_weight", True))
+    ),
     # A frozen weight; a frozen input never gets here (ORT builds an ATen node's gradient only when its first input
-    # needs one, so such a call keeps ORT's kernel: torch_kernels._gradient_reaches_first_input).
+    # needs one, so such a call keeps ORT's kernel: torch_kernels.gradient_reaches_first_input).
     Case("linear", ((6, 16), (8, 16)), params=(("grad_input", True), ("grad_weight", False))),
     Case(
         "linear",
@@ -371,7 +373,7 @@ def test_each_measured_graph_pair_computes_torchs_output_on_both_sides(case):
     measurement sessions, and the timings are positive."""
     from ortcore.api import measurement_sessions
     from ortcore_plugins.aten_fallback import measurement
-    from ortcore_plugins.aten_fallback.torch_kernels import prepare_runtime
+    from ortcore_plugins.services.torch_kernels import prepare_runtime
 
     prepare_runtime()
     pair = measurement.one_op(case, torch.Generator().manual_seed(0))

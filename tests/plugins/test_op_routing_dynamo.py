@@ -21,6 +21,7 @@ from torch import nn
 
 import ortcore_plugins.aten_fallback as aten_fallback
 import ortcore_plugins.op_routing as plugin
+import ortcore_plugins.op_routing.dynamo as dynamo_route
 from ortcore import ORTModule
 from ortcore.config import Config
 from ortcore.errors import GraphBuildError, UnsupportedModelError
@@ -168,7 +169,11 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]
     "flip": (lambda: Apply(lambda h: h * h.flip(1)), lambda: torch.randn(6, 16), "flip"),
     "grouped_query_attention": (GroupedQueryAttention, lambda: torch.randn(2, 6, 16), "scaled_dot_product_attention"),
     "custom_op_without_translation": (Experts, lambda: torch.randn(6, 16), "grouped_mm"),
-    "softplus": (lambda: Apply(lambda h: F.softplus(h, beta=2, threshold=5)), lambda: torch.randn(6, 16) * 3, "softplus"),
+    "softplus": (
+        lambda: Apply(lambda h: F.softplus(h, beta=2, threshold=5)),
+        lambda: torch.randn(6, 16) * 3,
+        "softplus",
+    ),
     "prelu": (lambda: ConvThen(nn.Conv2d(3, 4, 3), nn.PReLU(4)), lambda: torch.randn(2, 3, 7, 7), "prelu"),
     "pixel_shuffle": (
         lambda: ConvThen(nn.Conv2d(3, 4, 3), nn.PixelShuffle(2)),
@@ -233,7 +238,7 @@ def _reason(op: str, case: str = "") -> str:
     return next(
         r.route.reason
         for r in plugin.PROGRAM_ROUTES
-        if op in r.ops and (r.when is plugin._given_state) == given_state
+        if op in r.ops and (r.when is dynamo_route._given_state) == given_state
     )
 
 

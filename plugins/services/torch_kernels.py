@@ -1,8 +1,10 @@
-"""PyTorch's kernels as ORT sees them: the helper ops (backward formulas as single-output ops), their gradient
-definitions, and :func:`prepare_runtime`, what every graph with such ATen nodes needs before ORT builds it.
+"""PyTorch's kernels as ORT sees them: the ops whose PyTorch kernel may beat ORT's (:data:`ROUTABLE_OPS`), the
+helper ops (backward formulas as single-output ops), their gradient definitions, and :func:`prepare_runtime`, what
+every graph with such ATen nodes needs before ORT builds it.
 
-Shared by the kernel routing (:mod:`.kernel_routing`, which exports calls as these nodes) and the kernel choice
-(:mod:`.kernel_choice`, which measures them), neither of which the other needs for this.
+A service rather than part of ``aten_fallback``, which routes and measures these ops, because ``op_routing`` needs the
+same facts without that plugin: which ATen nodes are there for speed (the reason it records for them), and the
+preparation any graph of ATen nodes may need, whichever plugin put the nodes there.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ortcore_plugins.services import aten_executor
-from ortcore_plugins.services.aten_nodes import (
+from . import aten_executor
+from .aten_nodes import (
     NodeSpec,
     gradient_key,
     gradient_node,
@@ -25,6 +27,11 @@ from ortcore_plugins.services.aten_nodes import (
     to_gradient_definition,
 )
 
+# Ops whose PyTorch kernel can replace ORT's, the ones measured faster in torch than in ORT on CPU (aten_fallback's
+# torch_kernels option takes these names; op_routing names them as run on PyTorch for speed).
+ROUTABLE_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy", "linear")
+
+
 # -- helper ops: backward formulas as single-output, self-contained nodes ---------------------------------------------
 #
 # How ORT 1.19.2 handles gradient definitions shapes these ops:
@@ -34,7 +41,7 @@ from ortcore_plugins.services.aten_nodes import (
 #   node's inputs needs no gradient ("... is not a valid intermediate output"), so every node reads only GO(i), I(i)
 #   and O(i); what an op needs beyond those (which gradient, the number of embedding rows) is fixed by the op itself
 #   or read from a forward input;
-# * nothing is built unless the forward node's first input needs a gradient (see _gradient_reaches_first_input).
+# * nothing is built unless the forward node's first input needs a gradient (see gradient_reaches_first_input).
 
 
 _native_layer_norm_backward = torch.ops.aten.native_layer_norm_backward
@@ -92,7 +99,7 @@ def _class_weight_view(weight: torch.Tensor, log_probs: torch.Tensor, dim: int) 
     return weight.view([-1 if d == dim else 1 for d in range(log_probs.dim())])
 
 
-def _cross_entropy(
+def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
@@ -134,7 +141,7 @@ def _cross_entropy_backward(
     label_smoothing: float,
     total_weight: torch.Tensor,
 ) -> torch.Tensor:
-    """Gradient of :func:`_cross_entropy`'s loss with respect to the logits."""
+    """Gradient of :func:`cross_entropy`'s loss with respect to the logits."""
     dim = _class_dim(log_probs)
     rows, flat_target = _as_rows(log_probs, target)
     flat_grad = grad.reshape(-1) if reduction == 0 else grad
@@ -204,7 +211,7 @@ HELPER_OPS: dict[str, tuple[str, Callable[..., Any]]] = {
     "cross_entropy": (
         "(Tensor self, Tensor target, Tensor? weight, int reduction, SymInt ignore_index, float label_smoothing) "
         "-> (Tensor, Tensor, Tensor)",
-        _cross_entropy,
+        cross_entropy,
     ),
     "cross_entropy_backward": (
         "(Tensor grad, Tensor log_probs, Tensor target, Tensor? weight, int reduction, SymInt ignore_index, "
@@ -313,7 +320,7 @@ def prepare_runtime() -> None:
         aten_executor.install()
 
 
-def _gradient_reaches_first_input(first: Any, *others: Any) -> bool:
+def gradient_reaches_first_input(first: Any, *others: Any) -> bool:
     """Can ORT build this ATen node's gradient? Not if only inputs after the first need one.
 
     ORT 1.19.2 builds the gradient of an ATen node only when its first input is on the gradient path: with a

@@ -5,7 +5,7 @@
 
 Each (round, side, model) is a fresh process that imports ortcore from that side's tree (``PYTHONPATH``; the
 built-in plugin package ``ortcore_plugins`` is that tree's ``plugins/``, through a link in a temporary directory) and
-registers that tree's built-in plugins (``ortcore.plugins.builtin_plugins()``, less ``export_cache``: every first step exports and
+registers that tree's built-in plugins (``ortcore.host.builtin_plugins()``, less ``export_cache``: every first step exports and
 builds) on a host of its own, so the installed entry points do not mix the two. Both sides run the same worker code below: a model built from a Hugging Face config with fixed
 seeds, AdamW, the same batches. Rounds alternate the order of the sides, so drift in the machine's load falls on
 both. Reported per model and side: the first step (export, build, and what else the first call does, such as the
@@ -69,12 +69,14 @@ def worker(model_name: str, steps: int) -> None:
 
     import torch
 
-    import ortcore.plugins
     from ortcore import ORTModule
     from ortcore.testing import make_host
 
-    # The tree's built-in plugins: a list in older trees, the installed entry points' in newer ones.
-    names = getattr(ortcore.plugins, "BUILTIN_PLUGINS", None) or ortcore.plugins.builtin_plugins()
+    # The tree's plugin host module (ortcore.plugins in older trees) and built-in plugins: a list in older trees, the
+    # installed entry points' in newer ones.
+    spec = importlib.util.find_spec("ortcore.host")
+    host_module = importlib.import_module("ortcore.host" if spec is not None else "ortcore.plugins")
+    names = getattr(host_module, "BUILTIN_PLUGINS", None) or host_module.builtin_plugins()
     # No export cache: a graph cached by an earlier run would make the first step a cache read.
     # The installed entry points may name plugins the other tree does not have (bench, say): only this tree's count.
     plugins = {

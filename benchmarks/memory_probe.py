@@ -44,7 +44,7 @@ def _worker(model_name: str, setting: str) -> dict:
     if overrides is not None:
         from ortcore import ORTModule
         from ortcore.hookspecs import hookimpl
-        from ortcore.plugins import PluginHost
+        from ortcore.host import PluginHost
 
         class Overrides:
             @hookimpl

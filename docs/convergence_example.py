@@ -27,7 +27,7 @@ from ortcore.files import atomic_write
 from ortcore.graph_passes import GraphPass
 from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginHost, get_host
+from ortcore.host import PluginHost, get_host
 from ortcore_plugins.activation_stats import find_divergence, merge, plot_png, write_html_report
 
 PERTURB: dict[str, object] = {"module": None}

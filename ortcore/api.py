@@ -96,7 +96,7 @@ _NAMES: dict[str, str] = {
     "attach_recorder": "ortcore.taps",
     "detach_recorder": "ortcore.taps",
     "recorder_of": "ortcore.taps",
-    "contributed_subscribers": "ortcore.plugins",
+    "contributed_subscribers": "ortcore.host",
     "Failure": "ortcore.repair",
     "Repair": "ortcore.repair",
     "CORE_REPAIR": "ortcore.repair",

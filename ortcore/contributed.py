@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .plugins import PluginHost
+    from .host import PluginHost
 
 __all__ = ["ContributedNames", "declared_names"]
 
@@ -55,7 +55,7 @@ class ContributedNames:
         self.what = what
 
     def available(self, host: PluginHost | None = None) -> dict[str, Any]:
-        from .plugins import get_host
+        from .host import get_host
 
         return self.collect(host or get_host())
 
@@ -63,7 +63,7 @@ class ContributedNames:
         """``(plugin, status)`` of a plugin that is not loaded (disabled or failed) and declares ``name``, or None."""
         import importlib_metadata
 
-        from .plugins import ENTRY_POINT_GROUP
+        from .host import ENTRY_POINT_GROUP
 
         for plugin, record in sorted(host.records.items()):
             if record.enabled:
@@ -74,7 +74,7 @@ class ContributedNames:
         return None
 
     def resolve(self, name: str, host: PluginHost | None = None) -> Any:
-        from .plugins import get_host
+        from .host import get_host
 
         host = host or get_host()
         available = self.collect(host)

@@ -3,7 +3,7 @@
 Every hook is named ``ortcore_*`` and called by keyword, so argument names are API: a plugin implements a hook
 with any subset of the arguments, in any order. Hooks run last-registered-first; where order matters (graph
 passes) it is declared explicitly, never left to registration order. The core calls hooks through
-:class:`ortcore.plugins.Hooks`, and per-step paths never go through pluggy: inspectors and subscribers are
+:class:`ortcore.host.Hooks`, and per-step paths never go through pluggy: inspectors and subscribers are
 collected once per model and then called directly.
 
 The build pipeline (docs/architecture.md), in the order data flows, with the hook at each stage:

@@ -28,10 +28,10 @@ from .errors import (
 )
 from .exporter import Exporter
 from .graph import ExportedGraph, range_violations, update_batch_norm
+from .host import Hooks, PluginHost, get_host
 from .inspectors import FirstStep, ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .pipeline import Pipeline
-from .plugins import Hooks, PluginHost, get_host
 from .repair import CORE_REPAIR, EXPORTER_KINDS, MAX_REPAIRS, Failure, Repair, locate, order_repairs, trace_modules
 from .schema import InputSchema, flatten_inputs
 from .session import TrainingSession
@@ -324,7 +324,7 @@ class ORTModule(torch.nn.Module):
         exporter: the exporter to use: a name (``"torchscript"``, the default, or ``"dynamo"``: the ``exporter``
             option) or an exporter object (default: the plugins' choice, else the one the option names).
         config: a :class:`ortcore.config.Config` (default: ``ortcore.toml`` and the environment).
-        host: a :class:`ortcore.plugins.PluginHost` (default: the process-wide host); ``config`` then comes from it.
+        host: a :class:`ortcore.host.PluginHost` (default: the process-wide host); ``config`` then comes from it.
     """
 
     def __init__(

@@ -16,7 +16,7 @@ from .contributed import ContributedNames
 from .contributed import declared_names as _declared_names
 
 if TYPE_CHECKING:
-    from .plugins import PluginHost
+    from .host import PluginHost
 
 __all__ = ["optimizers"]
 

@@ -44,7 +44,7 @@ from .taps import tapping
 if TYPE_CHECKING:
     from .config import Config, CoreOptions
     from .exporter import Exporter
-    from .plugins import Hooks
+    from .host import Hooks
     from .schema import InputSchema
     from .state import ExportStateMachine, GraphKey
 

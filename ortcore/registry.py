@@ -3,7 +3,7 @@
 A plugin calls ``register.exporter(name, factory)``, ``register.subscriber_class(name, cls)``,
 ``register.optimizer(name, obj)`` or ``register.data_utility(name, obj)``; the host collects every plugin's calls
 once, remembering who registered what, and refuses one name registered twice with different values (naming both
-plugins). The core reads the kinds through :class:`ortcore.plugins.Hooks` (``exporters()``, ``optimizers()``, ...).
+plugins). The core reads the kinds through :class:`ortcore.host.Hooks` (``exporters()``, ``optimizers()``, ...).
 """
 
 from __future__ import annotations

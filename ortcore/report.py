@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from .config import Config, CoreOptions
-from .plugins import PluginHost
+from .host import PluginHost
 
 
 @attrs.frozen

@@ -8,7 +8,7 @@ Opt-in, so that other projects' pytest runs never import torch because ortcore i
         model = torch.nn.Linear(4, 2)
         assert_matches_torch(model, (torch.randn(3, 4),), host=host)
 
-``ortcore_host`` builds a :class:`~ortcore.plugins.PluginHost` with no autoloading: only the plugins you pass are
+``ortcore_host`` builds a :class:`~ortcore.host.PluginHost` with no autoloading: only the plugins you pass are
 registered, besides the one offering the default exporter (``torchscript_exporter``, which every host has). :func:`assert_matches_torch` runs a model in plain PyTorch and in ortcore
 from identical weights and compares outputs, loss and every parameter's gradient.
 """
@@ -25,8 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .config import Config
+from .host import ENTRY_POINT_GROUP, PluginHost, set_host
 from .markers import hookimpl
-from .plugins import ENTRY_POINT_GROUP, PluginHost, set_host
 
 AUDIT_PLUGIN = "gradient_audit"  # registered on test hosts by default (make_host)
 RTOL = 1e-4

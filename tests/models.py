@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ortcore import FallbackPolicy, ORTModule
-from ortcore.plugins import PluginHost, get_host, set_host
+from ortcore.host import PluginHost, get_host, set_host
 from ortcore.testing import make_host
 
 # fp32 tolerances of the parity suite: outputs and gradients (torch.testing.assert_close), losses (relative).

@@ -100,7 +100,7 @@ def test_fallback_policy_from_file_reaches_the_model():
 def test_a_config_file_written_after_a_failed_construction_is_read(tmp_path, monkeypatch):
     """The process-wide host is rebuilt when the config file changes (path, mtime, size), not only when the
     environment does: an ORTModule that failed to construct must not leave a host that ignores a file written after."""
-    from ortcore.plugins import set_host
+    from ortcore.host import set_host
 
     monkeypatch.chdir(tmp_path)
     previous = set_host(None)  # the unpinned default host, built from this directory

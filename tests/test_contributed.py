@@ -11,7 +11,7 @@ import ortcore.utils.data as data
 from ortcore.config import Config
 from ortcore.contributed import declared_names
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginHost, set_host
+from ortcore.host import PluginHost, set_host
 
 
 class BucketSampler:

@@ -12,7 +12,7 @@ from torch import nn
 
 from ortcore import GraphBuildError, ORTModule
 from ortcore.config import Config
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore_plugins.torchscript_exporter import TorchScriptExporter
 
 

@@ -28,7 +28,7 @@ from ortcore.errors import OptionError, StepCheckError
 from ortcore.graph_passes import GraphPass
 from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore.testing import assert_matches_torch, make_host
 from ortcore_plugins.doctor.checks import doctor
 from ortcore_plugins.gradient_audit.audit import compare, node_module, random_nodes

@@ -19,7 +19,7 @@ from ortcore import ORTModule
 from ortcore.errors import GraphBuildError
 from ortcore.graph_passes import GraphPass, PassContext
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore.session import TrainingSession
 from ortcore.testing import make_host
 

@@ -12,7 +12,7 @@ from ortcore import hookspecs
 
 ROOT = Path(__file__).parents[1]
 REFERENCE = ROOT / "docs" / "hooks.md"
-FACADE = ROOT / "ortcore" / "plugins.py"
+FACADE = ROOT / "ortcore" / "host.py"
 TESTS = Path(__file__).parent
 
 SPECS = sorted(name for name in vars(hookspecs) if name.startswith("ortcore_"))
@@ -113,7 +113,7 @@ def _facade_calls() -> set[str]:
 
 @pytest.mark.parametrize("name", SPECS)
 def test_hookspec_has_a_caller_in_the_core(name):
-    assert name in _facade_calls(), f"ortcore/plugins.py never calls {name}: the core must call it through Hooks"
+    assert name in _facade_calls(), f"ortcore/host.py never calls {name}: the core must call it through Hooks"
 
 
 def test_core_calls_hooks_only_through_the_facade():

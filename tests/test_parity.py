@@ -37,7 +37,7 @@ from models import (
     train_curve,
 )
 
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 
 STEPS = 20
 

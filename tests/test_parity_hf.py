@@ -35,7 +35,7 @@ from models import (
     wrap,
 )
 
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 
 transformers = pytest.importorskip("transformers")
 

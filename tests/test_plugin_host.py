@@ -16,9 +16,9 @@ from ortcore.config import Config, option
 from ortcore.errors import OptionError, UnsupportedModelError
 from ortcore.graph_passes import GraphPass, order_passes
 from ortcore.hookspecs import hookimpl
+from ortcore.host import ENTRY_POINT_GROUP, PluginError, PluginHost, builtin_plugins
 from ortcore.inspectors import RuntimeInspector
 from ortcore.options import parse_bool
-from ortcore.plugins import ENTRY_POINT_GROUP, PluginError, PluginHost, builtin_plugins
 from ortcore.testing import assert_matches_torch, make_host
 
 
@@ -572,7 +572,7 @@ def test_exporter_hook_replaces_the_default():
 
 
 def test_restoring_the_previous_host_leaves_the_default_unpinned(monkeypatch):
-    from ortcore.plugins import get_host, set_host
+    from ortcore.host import get_host, set_host
 
     set_host(None)
     default = get_host()

@@ -243,7 +243,7 @@ def test_verify_gradients_is_on_by_default_and_off_by_env(ortcore_host, monkeypa
     assert [a.status for a in on.gradient_audits] == ["passed"]
     monkeypatch.setenv("ORTCORE_VERIFY_GRADIENTS", "0")
     from ortcore.config import Config
-    from ortcore.plugins import PluginHost
+    from ortcore.host import PluginHost
 
     off = assert_matches_torch(nn.Linear(3, 2), (torch.randn(2, 3),), host=PluginHost(Config.load(), autoload=False))
     assert off.gradient_audits == []

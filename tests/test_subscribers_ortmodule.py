@@ -23,7 +23,7 @@ from ortcore.errors import PluginError
 from ortcore.graph_passes import GraphPass
 from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import set_host
+from ortcore.host import set_host
 from ortcore.taps import recorder_of
 from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, make_host
 from ortcore_plugins.activation_stats import find_divergence

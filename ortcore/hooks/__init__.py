@@ -25,7 +25,7 @@ MANAGER_PLUGIN = "ortcore_plugins.subscriber_manager"
 
 def subscriber_classes(host: Any = None) -> dict[str, type]:
     """Subscriber classes contributed by plugins through ``ortcore_register`` (``register.subscriber_class``), by name."""
-    from ..plugins import get_host
+    from ..host import get_host
 
     return (host or get_host()).hooks.subscriber_classes()
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..contributed import ContributedNames
 
 if TYPE_CHECKING:
-    from ..plugins import PluginHost
+    from ..host import PluginHost
 
 __all__ = ["data_utilities"]
 

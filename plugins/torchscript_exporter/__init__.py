@@ -1,7 +1,7 @@
 """torchscript_exporter: the TorchScript route (``torch.onnx.export(dynamo=False)``), registered as the exporter
 named ``torchscript``, the ``exporter`` option's default.
 
-Essential (``ortcore.plugins.ESSENTIAL_PLUGINS``): ``[plugins] disable = ["torchscript_exporter"]`` is refused with
+Essential (``ortcore.host.ESSENTIAL_PLUGINS``): ``[plugins] disable = ["torchscript_exporter"]`` is refused with
 the reason, and every plugin host registers it, autoloaded or not. The core's default configuration exports with
 it, the dynamo route's repair switches a model that route cannot serve to it, and hosts composed of a few plugins
 (``ortcore.testing.make_host``, third-party plugins' tests) export with it: without it each of these would fail on

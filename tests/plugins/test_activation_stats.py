@@ -17,7 +17,7 @@ import ortcore_plugins.activation_stats as plugin
 import ortcore_plugins.activation_stats.subscriber as subscriber_module
 from ortcore.hooks import SubscriberBase
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import set_host
+from ortcore.host import set_host
 from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, make_host
 
 

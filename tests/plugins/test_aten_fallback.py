@@ -37,7 +37,7 @@ import ortcore_plugins.services.aten_executor as executor
 from ortcore import DebugOptions
 from ortcore.config import Config
 from ortcore.errors import OptionError
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 
 # -- helpers ------------------------------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ import ortcore_plugins.aten_fallback as plugin
 from ortcore import DebugOptions, ORTModule
 from ortcore.config import Config
 from ortcore.errors import OptionError
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 
 
 class CumulativeNet(nn.Module):

@@ -37,7 +37,7 @@ from ortcore.config import Config
 from ortcore.errors import OptionError, UnsupportedModelError
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginError, PluginHost
+from ortcore.host import PluginError, PluginHost
 from ortcore_plugins.torchscript_exporter import TorchScriptExporter
 
 PLUGINS = {"autograd_function": plugin}

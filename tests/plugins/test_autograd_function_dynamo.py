@@ -36,7 +36,7 @@ import ortcore_plugins.services.python_op as python_op
 from ortcore import ORTModule
 from ortcore.config import Config
 from ortcore.errors import UnsupportedModelError
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore_plugins.services.autograd_functions import function_name
 
 from .test_autograd_function import (  # the TorchScript route's test models

@@ -26,7 +26,7 @@ from torch import nn
 import ortcore_plugins.compute_optimizer as plugin
 from ortcore import DebugOptions
 from ortcore.errors import OptionError
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore.testing import assert_matches_torch
 
 ENV = "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"

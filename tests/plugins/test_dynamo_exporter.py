@@ -577,7 +577,7 @@ def test_a_third_party_translation_is_used_with_every_built_in_plugin():
     """An op with no kernel ONNX knows, translated by a third-party plugin, is written by that plugin's function:
     op routing (which runs ops without a translation on PyTorch's kernel) sees the plugin's translation and leaves
     the op alone. Loss and gradients equal PyTorch's (rtol 1e-5, atol 1e-6)."""
-    from ortcore.plugins import builtin_plugins
+    from ortcore.host import builtin_plugins
 
     torch.manual_seed(0)
     reference = UsesHalved()

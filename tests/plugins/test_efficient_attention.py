@@ -39,7 +39,7 @@ import ortcore_plugins.efficient_attention as plugin
 from ortcore import DebugOptions
 from ortcore.config import Config
 from ortcore.errors import OptionError
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 
 STEPS = 5
 LAYERS = 2  # tiny_bert and tiny_gpt2 have two layers, each with one attention
@@ -348,7 +348,7 @@ import ortcore_plugins.services.aten_executor as executor
 import ortcore_plugins.efficient_attention as plugin
 from models import check_step_and_training, gpt2_batch, make_batches, ort_and_torch, tiny_gpt2
 from ortcore.config import Config
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 
 assert not executor.installed()
 host = PluginHost(Config.from_table({"plugins": {"efficient_attention": {"enable": True}}}, env={}),

@@ -39,7 +39,7 @@ from ortcore.errors import OptionError
 from ortcore.graph import ExportedGraph
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore.schema import OutputSchema, flatten_outputs
 from ortcore.testing import assert_matches_torch, make_host
 from ortcore_plugins.torchscript_exporter import TorchScriptExporter

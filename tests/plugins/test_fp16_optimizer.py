@@ -25,7 +25,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 import ortcore_plugins.fp16_optimizer as plugin  # noqa: E402
 from ortcore.config import Config  # noqa: E402
-from ortcore.plugins import PluginHost, set_host  # noqa: E402
+from ortcore.host import PluginHost, set_host  # noqa: E402
 from ortcore_plugins.fp16_optimizer import FP16_Optimizer, has_non_finite, norm_power_sum  # noqa: E402
 
 STEPS = 8

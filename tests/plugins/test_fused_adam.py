@@ -23,7 +23,7 @@ import ortcore_plugins.fused_adam as plugin
 from ortcore import optim
 from ortcore.config import Config
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginHost, set_host
+from ortcore.host import PluginHost, set_host
 from ortcore_plugins.fused_adam import AdamWMode, FusedAdam
 
 STEPS = 100

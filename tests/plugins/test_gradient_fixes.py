@@ -32,7 +32,7 @@ from torch import nn
 
 import ortcore_plugins.gradient_fixes as plugin
 from ortcore import ORTModule
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore.session import TrainingSession
 from ortcore.testing import make_host
 

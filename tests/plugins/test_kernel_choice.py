@@ -35,7 +35,7 @@ import ortcore_plugins.export_cache as export_cache
 from ortcore import DebugOptions
 from ortcore.config import Config
 from ortcore.errors import OptionError
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore_plugins.aten_fallback import kernel_choice
 from ortcore_plugins.aten_fallback.kernel_choice import ORT, PYTORCH, Case, Decision, KernelChooser, choose
 

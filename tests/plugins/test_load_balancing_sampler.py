@@ -30,7 +30,7 @@ import ortcore.utils.data as data
 import ortcore_plugins.load_balancing_sampler as plugin
 from ortcore.config import Config
 from ortcore.contributed import declared_names
-from ortcore.plugins import PluginHost, set_host
+from ortcore.host import PluginHost, set_host
 from ortcore_plugins.load_balancing_sampler import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "load_balancing_sampler_bench.py"

@@ -29,7 +29,7 @@ from ortcore import ORTModule
 from ortcore.errors import OptionError
 from ortcore.explain import operator_of
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import set_host
+from ortcore.host import set_host
 from ortcore_plugins.op_profiler import (
     explain_bench,
     format_profile,

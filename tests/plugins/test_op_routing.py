@@ -26,7 +26,7 @@ import ortcore_plugins.op_routing as plugin
 from ortcore import ORTModule
 from ortcore.config import Config
 from ortcore.errors import GraphBuildError, OptionError
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 
 RTOL, ATOL = 1e-4, 1e-5
 

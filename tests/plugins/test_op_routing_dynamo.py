@@ -26,7 +26,7 @@ from ortcore import ORTModule
 from ortcore.config import Config
 from ortcore.errors import GraphBuildError, UnsupportedModelError
 from ortcore.explain import ROUTED_METADATA_PREFIX, aten_kind, operator_of
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 from ortcore_plugins.services import aten_program
 
 from .test_op_routing import (  # the TorchScript route's test models

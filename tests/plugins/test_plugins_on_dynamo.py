@@ -41,7 +41,7 @@ import ortcore_plugins.sparse_optimizer as sparse_optimizer
 from ortcore import DebugOptions, ORTModule
 from ortcore.hooks import GlobalSubscriberManager, StatisticsSubscriber, SubscriberBase
 from ortcore.hookspecs import hookimpl
-from ortcore.plugins import PluginHost, set_host
+from ortcore.host import PluginHost, set_host
 from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet, ExecutedGraphs, make_host
 from ortcore_plugins.activation_stats import find_divergence
 

@@ -39,7 +39,7 @@ import ortcore_plugins.sparse_optimizer as plugin
 from ortcore import DebugOptions, ORTModule
 from ortcore.errors import OptionError
 from ortcore.graph_passes import PassContext
-from ortcore.plugins import PluginHost
+from ortcore.host import PluginHost
 
 LABEL = "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER"
 EMBEDDING = "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER"

@@ -593,7 +593,7 @@ def test_never_leaves_as_strided_to_the_exporter(exporter: str) -> None:
     if exporter == "dynamo":
         pytest.importorskip("onnxscript")
     from ortcore.config import Config
-    from ortcore.plugins import PluginHost
+    from ortcore.host import PluginHost
 
     host = PluginHost(Config.from_table({"plugins": {"op_routing": {"never": ["as_strided"]}}}, env={}))
     model = OpModel(_as_strided_transposed, (_r(6, 8),))

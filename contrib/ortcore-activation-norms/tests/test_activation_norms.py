@@ -24,7 +24,7 @@ import ortcore_activation_norms as plugin
 from ortcore import ORTModule
 from ortcore.api import OptionError, PluginError
 from ortcore.hooks import GlobalSubscriberManager
-from ortcore.plugins import set_host
+from ortcore.host import set_host
 from ortcore.testing import ACTIVATION_NET_NAMES, ActivationNet
 from ortcore_activation_norms import COLUMNS, NormSubscriber
 from ortcore_activation_norms import subscriber as subscriber_module

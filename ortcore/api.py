@@ -79,6 +79,7 @@ _NAMES: dict[str, str] = {
     "TrainingSession": "ortcore.session",
     "measurement_session": "ortcore.pipeline",
     "measurement_sessions": "ortcore.pipeline",
+    "probe_session": "ortcore.pipeline",
     "SessionPlan": "ortcore.session_plan",
     "RuntimeInspector": "ortcore.inspectors",
     "ForwardInputs": "ortcore.inspectors",

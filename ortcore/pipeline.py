@@ -358,6 +358,28 @@ def measurement_session(
     return session
 
 
+def probe_session(
+    model: onnx.ModelProto, purpose: str, *, threads: int = 0, optimize: bool = True, quiet: bool = False
+) -> Any:
+    """An ONNX Runtime inference session of a small graph that belongs to no model, for a plugin's question to ORT
+    (does a kernel exist for these types; a few integer ops run beside each step). Raises what ORT raises when it
+    refuses the graph: that is the answer to such a question. ``threads`` 0 is ORT's default; ``optimize`` False
+    keeps the graph as given; ``quiet`` logs nothing of ORT's own. CPU. Counted (:func:`measurement_sessions`) and
+    logged at DEBUG with ``purpose``."""
+    import onnxruntime
+
+    global _measurement_sessions
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4 if quiet else 3
+    options.intra_op_num_threads = threads
+    if not optimize:
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    _measurement_sessions += 1
+    logger.debug("probe session %d (%s)", _measurement_sessions, purpose)
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 def measurement_sessions() -> int:
-    """How many :func:`measurement_session` sessions this process built."""
+    """How many sessions this process built for plugins' measurements and probes (:func:`measurement_session`,
+    :func:`probe_session`)."""
     return _measurement_sessions

@@ -44,7 +44,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto
 
-from ortcore.api import Config, GraphPass, PassContext, ValueNames, hookimpl, splice
+from ortcore.api import Config, GraphPass, PassContext, ValueNames, hookimpl, probe_session, splice
 
 logger = logging.getLogger("ortcore.kernel_types")
 
@@ -135,7 +135,9 @@ _ort_runs_lock = threading.Lock()
 _ort_runs: dict[tuple, bool | None] = {}
 
 
-def _probe_model(node: onnx.NodeProto, input_types: Sequence[int | None], opset: int, ir_version: int) -> bytes:
+def _probe_model(
+    node: onnx.NodeProto, input_types: Sequence[int | None], opset: int, ir_version: int
+) -> onnx.ModelProto:
     inputs, names = [], []
     for k, (name, elem_type) in enumerate(zip(node.input, input_types, strict=True)):
         if not name:
@@ -151,7 +153,7 @@ def _probe_model(node: onnx.NodeProto, input_types: Sequence[int | None], opset:
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
     model.ir_version = ir_version
-    return model.SerializeToString()
+    return model
 
 
 def ort_runs(node: onnx.NodeProto, input_types: Sequence[int | None], opset: int, ir_version: int = 8) -> bool | None:
@@ -165,15 +167,9 @@ def ort_runs(node: onnx.NodeProto, input_types: Sequence[int | None], opset: int
     with _ort_runs_lock:
         if key in _ort_runs:
             return _ort_runs[key]
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 4  # a refused probe is an answer, not an error to print
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        onnxruntime.InferenceSession(
-            _probe_model(node, input_types, opset, ir_version), options, providers=["CPUExecutionProvider"]
-        )
+        # A refused probe is an answer, not an error to print; the graph is asked about as it is.
+        probe_session(_probe_model(node, input_types, opset, ir_version), "kernel_types", optimize=False, quiet=True)
         answer: bool | None = True
     except Exception as e:  # ORT raises its own exception classes; the message says why
         text = str(e)

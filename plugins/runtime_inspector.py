@@ -42,7 +42,7 @@ import psutil
 import torch
 from onnx import numpy_helper
 
-from ortcore.api import ForwardInputs, RuntimeInspector, format_table, hookimpl, option, parse_bool
+from ortcore.api import ForwardInputs, RuntimeInspector, format_table, hookimpl, option, parse_bool, probe_session
 
 NAME = "runtime_inspector"
 
@@ -280,10 +280,8 @@ def _probe_session(
         [i for i in model.graph.initializer if i.name in used],
     )
     sub = onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
-    so = onnxruntime.SessionOptions()
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 1  # a few integer ops per step: threads would cost more than they save
-    return onnxruntime.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    # A few integer ops per step: threads would cost more than they save.
+    return probe_session(sub, "runtime_inspector input density", threads=1)
 
 
 # The probe of each built graph, by the session that runs it; a session going away takes its probe with it.

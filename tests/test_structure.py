@@ -535,6 +535,48 @@ def test_plugins_import_ortcore_only_through_its_api() -> None:
     assert not gone, "no longer imported: remove from KNOWN_INTERNAL:\n" + "\n".join(gone)
 
 
+# What makes or changes an ONNX Runtime session or graph build: only the core calls these (plugins ask the core for a
+# measurement or probe session, ortcore.api.measurement_session / probe_session, which it counts).
+SESSION_MAKERS = frozenset(
+    {"InferenceSession", "TrainingAgent", "OrtModuleGraphBuilder", "TrainingSession", "SessionOptions", "build_graph"}
+)
+
+
+def sessions_made(folder: Path, repo: Path = ROOT) -> list[str]:
+    """``path: name`` of each call of a session maker in ``folder`` (tests excepted)."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        if "tests" in path.relative_to(folder).parts or "build" in path.relative_to(folder).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                function = node.func
+                name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+                if name in SESSION_MAKERS:
+                    found.append(f"{path.relative_to(repo)}: {name}")
+    return found
+
+
+def test_no_plugin_creates_or_edits_a_session() -> None:
+    found = sessions_made(PLUGINS) + sessions_made(CONTRIB)
+    assert not found, "plugins make sessions themselves (ask ortcore.api.probe_session or measurement_session):\n" + (
+        "\n".join(found)
+    )
+
+
+def test_session_check_finds_each_form(tmp_path: Path) -> None:
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a.py").write_text(
+        "import onnxruntime as ort\nfrom onnxruntime.capi import _pybind_state as C\n"
+        "def f(m):\n    ort.InferenceSession(m)\n    C.TrainingAgent(m)\n    SessionOptions()\n"
+    )
+    assert sessions_made(tmp_path / "p", tmp_path) == [
+        "p/a.py: InferenceSession",
+        "p/a.py: TrainingAgent",
+        "p/a.py: SessionOptions",
+    ]
+
+
 def test_api_check_finds_each_form(tmp_path: Path) -> None:
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "a.py").write_text(

@@ -37,6 +37,7 @@ from ortcore_plugins.services.example_models import (  # noqa: F401 (PRESETS and
     make_batches,
     preset,
 )
+from ortcore_plugins.services.machine import describe_machine, machine_line
 
 #: "ortcore-cached" is ortcore in a second process on the same export cache (the first one, a one-step run, fills
 #: it): what a restarted job sees. Its first step is the one the export cache and ORT's cached session graph make.
@@ -219,6 +220,7 @@ def _environment() -> dict[str, Any]:
         "onnxruntime": onnxruntime.__version__,
         "transformers": transformers.__version__,
         "python": sys.version.split()[0],
+        "hardware": describe_machine(),
     }
 
 
@@ -620,6 +622,7 @@ def host_environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "ortcore": __version__,
+        "hardware": describe_machine(),
     }
 
 
@@ -784,6 +787,10 @@ def _mode_notes(r: RunResult) -> str:
     return ""
 
 
+#: What a table or plot says of results read from a file written before runs recorded their machine.
+NO_MACHINE = "a machine these results do not name (written by an older ortcore)"
+
+
 def results_table(report: BenchReport) -> Any:
     """A ``rich.table.Table`` of the report: one row per (model, mode), ratios to eager in parentheses."""
     from rich.table import Table
@@ -792,8 +799,10 @@ def results_table(report: BenchReport) -> Any:
     env = next((r.environment for r in report.results if r.environment), {})
     settings = ", ".join(f"{k}={v}" for k, v in report.worker_env.items())
     params = ", ".join(f"{m} {_millions(n)}" for m, n in report.n_params.items())
+    machine = machine_line(env["hardware"]) if env.get("hardware") else NO_MACHINE
     title = (
-        f"ortcore bench, config {report.name!r}: {cfg.steps} AdamW steps, batch {cfg.batch} × seq {cfg.seq}, "
+        f"ortcore bench on {machine}\n"
+        f"config {report.name!r}: {cfg.steps} AdamW steps, batch {cfg.batch} × seq {cfg.seq}, "
         f"hidden {cfg.hidden}, {_plural(cfg.layers, 'layer')}, {_plural(cfg.heads, 'head')}, vocab {cfg.vocab}, "
         f"dropout 0{f'; parameters: {params}' if params else ''}\n"
         f"worker env: {settings} (set before torch is imported), torch threads {env.get('torch_threads', '?')}; "
@@ -929,8 +938,10 @@ def plot_suite(suite: BenchSuite, path: str) -> None:
         ax.set_ylabel(unit)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize="small")
+    machine = next((r.environment.get("hardware") for rep in suite.reports for r in rep.results if r.environment), None)
     fig.suptitle(f"ortcore bench: eager vs torch.compile vs ortcore (config{'s' if len(configs) > 1 else ''} "
-                 f"{', '.join(configs)}); ×: ratio to eager")  # fmt: skip
+                 f"{', '.join(configs)}); ×: ratio to eager\n"
+                 f"on {machine_line(machine) if machine else NO_MACHINE}")  # fmt: skip
     with atomic_writer(path, "wb") as f:
         fig.savefig(f, format="png", dpi=PLOT_DPI)
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from ortcore_plugins.services.machine import describe_machine, machine_line
+
 
 @attrs.frozen
 class Finding:
@@ -25,12 +27,18 @@ def doctor(host: Any, load_error: Exception | None = None, env: Mapping[str, str
     import onnx
     import torch
 
-    findings.append(Finding("ok", f"python {sys.version.split()[0]}, torch {torch.__version__}, onnx {onnx.__version__}"))
+    findings.append(
+        Finding("ok", f"python {sys.version.split()[0]}, torch {torch.__version__}, onnx {onnx.__version__}")
+    )
+    # Speed depends on the CPU more than on anything else: every number should say where it was measured.
+    findings.append(Finding("ok", f"machine: {machine_line(describe_machine())}"))
     try:
         import onnxruntime
         from onnxruntime.capi import _pybind_state as C
     except ImportError as e:
-        findings.append(Finding("error", f"onnxruntime does not import: {e}", "pip install onnxruntime-training-cpu==1.19.2"))
+        findings.append(
+            Finding("error", f"onnxruntime does not import: {e}", "pip install onnxruntime-training-cpu==1.19.2")
+        )
         return findings
     missing = [n for n in ("OrtModuleGraphBuilder", "TrainingAgent", "PartialGraphExecutionState") if not hasattr(C, n)]
     if missing:
@@ -42,8 +50,17 @@ def doctor(host: Any, load_error: Exception | None = None, env: Mapping[str, str
             )
         )
     else:
-        findings.append(Finding("ok", f"onnxruntime {onnxruntime.__version__} with training bindings, providers {onnxruntime.get_available_providers()}"))
-    wheels = [d for d in ("onnxruntime", "onnxruntime-training", "onnxruntime-training-cpu", "onnxruntime-gpu") if _installed(d)]
+        findings.append(
+            Finding(
+                "ok",
+                f"onnxruntime {onnxruntime.__version__} with training bindings, providers {onnxruntime.get_available_providers()}",
+            )
+        )
+    wheels = [
+        d
+        for d in ("onnxruntime", "onnxruntime-training", "onnxruntime-training-cpu", "onnxruntime-gpu")
+        if _installed(d)
+    ]
     if len(wheels) > 1:
         findings.append(
             Finding(
@@ -54,7 +71,11 @@ def doctor(host: Any, load_error: Exception | None = None, env: Mapping[str, str
         )
     if torch.cuda.is_available() and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         findings.append(
-            Finding("warning", "torch sees a GPU but onnxruntime has no CUDA provider", "pip install 'ortcore[cuda]' (onnxruntime-training)")
+            Finding(
+                "warning",
+                "torch sees a GPU but onnxruntime has no CUDA provider",
+                "pip install 'ortcore[cuda]' (onnxruntime-training)",
+            )
         )
     if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         findings.append(
@@ -93,7 +114,9 @@ def _gradient_audit_finding(host: Any) -> Finding:
     """Whether new graphs are audited against PyTorch (on by default): a note, not a problem, when switched off."""
     if host is not None and host.config.core.verify_gradients:
         source = host.config.sources.get("core.verify_gradients", "default")
-        return Finding("ok", f"gradient audit on (verify_gradients, from {source}): each new training graph is checked once")
+        return Finding(
+            "ok", f"gradient audit on (verify_gradients, from {source}): each new training graph is checked once"
+        )
     source = host.config.sources.get("core.verify_gradients", "default") if host is not None else "default"
     return Finding(
         "ok",
@@ -123,7 +146,9 @@ def smoke_test() -> Finding:
     from ortcore.api import ORTModule
 
     try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2)
+        )
         reference = copy.deepcopy(model)
         wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE")
         x = torch.randn(3, 4)
@@ -131,6 +156,10 @@ def smoke_test() -> Finding:
         reference(x).square().sum().backward()
         worst = max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
     except Exception as e:  # the doctor reports any failure instead of crashing
-        return Finding("error", f"a one-step training smoke test failed: {type(e).__name__}: {e}", "run with ORTMODULE_LOG_LEVEL=INFO for details")
+        return Finding(
+            "error",
+            f"a one-step training smoke test failed: {type(e).__name__}: {e}",
+            "run with ORTMODULE_LOG_LEVEL=INFO for details",
+        )
     level = "ok" if worst < 1e-5 else "error"
     return Finding(level, f"one training step in ONNX Runtime matches torch (max gradient difference {worst:.1e})")

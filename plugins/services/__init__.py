@@ -31,6 +31,11 @@ plugins, built-in or third-party: names without a leading underscore are support
     :func:`~ortcore_plugins.services.example_models.make_batches`). Used by ``bench``, ``explain`` and
     ``op_profiler``.
 
+``machine``
+    The machine a number was measured on: :func:`~ortcore_plugins.services.machine.describe_machine` (CPU model,
+    cores, ISA level, the GEMM code torch and ONNX Runtime run there) and its one-line form
+    :func:`~ortcore_plugins.services.machine.machine_line`. Used by ``bench`` and ``doctor``.
+
 ``routed_calls``
     A traced TorchScript call of an aten op as one ATen node running a wrapper op (inputs flattened, one that may
     need a gradient first, a tensor passed twice given once) with its VJP gradient:

@@ -1,0 +1,113 @@
+"""The machine a number was measured on: CPU model, cores, instruction-set level, and the GEMM code each engine runs.
+
+Step times depend on the CPU more than on anything ortcore does: on one 2-core machine ONNX Runtime's GEMMs beat
+PyTorch's by 2x, on another they tie. Every speed number ortcore prints (``ortcore bench``: table, JSON, plot;
+``ortcore doctor``) carries :func:`describe_machine`'s answer, so that a number is never read as if it held
+elsewhere.
+
+The instruction-set level is read from the CPU's flags (``/proc/cpuinfo`` on Linux): AMX, AVX-512, AVX2, AVX or
+baseline. Which GEMM each side runs follows from it: PyTorch's float32 matmul goes to its BLAS (MKL, OpenBLAS, ...,
+as ``torch.__config__.show()`` reports, with oneDNN for some ops) at the ISA torch reports
+(``torch.backends.cpu.get_cpu_capability()``); ONNX Runtime's CPU provider runs its own MLAS, whose float32 GEMM
+kernel is chosen by ISA the same way (AVX-512F, else FMA3/AVX2, else AVX, else SSE).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+#: ISA levels, best first: (name, the CPU flags that make it).
+ISA_LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("AMX", ("amx_tile", "amx_bf16")),
+    ("AVX-512", ("avx512f", "avx512bw", "avx512vl")),
+    ("AVX2", ("avx2", "fma")),
+    ("AVX", ("avx",)),
+)
+
+#: MLAS's float32 GEMM kernel for each ISA level (onnxruntime/core/mlas/lib/platform.cpp picks it at start-up).
+MLAS_SGEMM = {"AMX": "AVX-512F", "AVX-512": "AVX-512F", "AVX2": "FMA3 (AVX2)", "AVX": "AVX", "baseline": "SSE2"}
+
+
+def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first processor's fields of ``/proc/cpuinfo`` (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return fields
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block is enough
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def isa_level(flags: set[str]) -> str:
+    """The best ISA level all of whose flags the CPU has, or ``"baseline"``."""
+    for name, needed in ISA_LEVELS:
+        if all(f in flags for f in needed):
+            return name
+    return "baseline"
+
+
+def _torch_blas() -> str:
+    """PyTorch's BLAS and oneDNN, as its build configuration names them."""
+    try:
+        import torch
+    except ImportError:
+        return "torch not installed"
+    config = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    onednn = re.search(r"MKL-DNN v([\d.]+)", config)
+    parts = [blas.group(1) if blas else "unknown BLAS"]
+    if onednn:
+        parts.append(f"oneDNN {onednn.group(1)}")
+    return " + ".join(parts)
+
+
+def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """What a measurement on this machine should name: ``cpu``, ``cores`` (logical, and those this process may
+    use), ``isa``, ``torch_cpu_capability``, ``torch_gemm`` and ``ort_gemm``."""
+    info = _cpuinfo(cpuinfo)
+    flags = set(info.get("flags", "").split())
+    isa = isa_level(flags) if flags else "unknown"
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    try:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError):
+        capability = "unknown"
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if not re.search(r"\d", name) and "cpu family" in info:  # a virtual machine's bare "AMD EPYC": say which one
+        name = f"{name} (family {info['cpu family']}, model {info.get('model', '?')})"
+    return {
+        "cpu": name,
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "isa": isa,
+        "torch_cpu_capability": capability,
+        "torch_gemm": _torch_blas(),
+        "ort_gemm": f"MLAS, {MLAS_SGEMM.get(isa, 'kernel chosen by ISA')} float32 kernel",
+    }
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    """One line naming the machine, for a table's title or a plot's."""
+    cores = machine.get("cores")
+    usable = machine.get("usable_cores")
+    core_text = f"{cores} cores" if usable in (None, cores) else f"{usable} of {cores} cores"
+    return (
+        f"{machine.get('cpu', '?')}, {core_text}, {machine.get('isa', '?')}; GEMMs: torch "
+        f"{machine.get('torch_gemm', '?')} at {machine.get('torch_cpu_capability', '?')}, ORT {machine.get('ort_gemm', '?')}"
+    )

@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (3, 0)
+API_VERSION = (3, 1)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -75,6 +75,8 @@ _NAMES: dict[str, str] = {
     "ExportedGraph": "ortcore.graph",
     "GRAPH_FORMAT": "ortcore.graph",
     "INPUT_RANGES_METADATA": "ortcore.graph",
+    "StopGradientLowering": "ortcore.graph",
+    "value_dependencies": "ortcore.graph",
     "BuiltGraph": "ortcore.session",
     "TrainingSession": "ortcore.session",
     "measurement_session": "ortcore.pipeline",

@@ -21,7 +21,7 @@ import onnx
 import torch
 
 from .domains import STOP_GRADIENT, STOP_GRADIENT_DOMAIN
-from .errors import BufferWriteError, UnsupportedDataError, UnsupportedModelError, buffer_owners
+from .errors import BufferWriteError, GraphBuildError, UnsupportedDataError, UnsupportedModelError, buffer_owners
 from .exporter import Exporter, ExportRequest
 from .graph_passes import GraphPass, PassContext
 from .options import LogLevel
@@ -350,21 +350,6 @@ def _is_stop_gradient(node: onnx.NodeProto) -> bool:
     return node.domain == STOP_GRADIENT_DOMAIN and node.op_type == STOP_GRADIENT
 
 
-def _is_real_stop_gradient(node: onnx.NodeProto) -> bool:
-    return node.domain == ATEN_DOMAIN and node.op_type == "ATen" and node.name.startswith(REAL_STOP_GRADIENT_PREFIX)
-
-
-def _to_identity(node: onnx.NodeProto) -> None:
-    node.op_type, node.domain = "Identity", ""
-
-
-def _drop_unused_domain(model: onnx.ModelProto) -> None:
-    if not any(n.domain == STOP_GRADIENT_DOMAIN for n in model.graph.node):
-        kept = [o for o in model.opset_import if o.domain != STOP_GRADIENT_DOMAIN]
-        del model.opset_import[:]
-        model.opset_import.extend(kept)
-
-
 # Inputs through which neither torch nor ONNX Runtime's gradient builder passes a gradient: indices, shapes, masks,
 # counts, running statistics (ORT's STOP_GRADIENT_EDGES, less Pow's exponent and Clip's bounds, which torch
 # differentiates and ORT does not).
@@ -387,7 +372,7 @@ _FLOAT_TYPES = frozenset(
 
 def _gradient_inputs(node: onnx.NodeProto) -> list[str]:
     """The inputs of ``node`` that a gradient of its outputs flows back to."""
-    if _is_stop_gradient(node) or _is_real_stop_gradient(node):
+    if _is_stop_gradient(node):
         return []
     if node.domain in ("", "ai.onnx"):
         if node.op_type == "Cast" and next((a.i for a in node.attribute if a.name == "to"), 0) not in _FLOAT_TYPES:
@@ -401,8 +386,9 @@ def value_dependencies(
     model: onnx.ModelProto, values: list[str], sources: set[str] | None = None
 ) -> dict[str, set[str]]:
     """For each value, the ``sources`` (default: the graph inputs) its gradient flows back to: a reverse walk of the
-    graph that does not cross a detach (the exporter's stop-gradient marker, or its ATen form) nor an index, shape or
-    mask input. A source missing from a value's set gets no gradient from it, as in torch."""
+    graph that does not cross a detach (the exporter's stop-gradient marker) nor an index, shape or mask input. A
+    source missing from a value's set gets no gradient from it, as in torch. It reads the exported graph, markers and
+    all: to it, a lowered marker (an ATen stop-gradient) is an op like any other."""
     producer = {out: node for node in model.graph.node for out in node.output if out}
     inputs = {i.name for i in model.graph.input} if sources is None else set(sources)
     memo: dict[str, frozenset[str]] = {}
@@ -444,176 +430,68 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     }
 
 
-def _scope(node: onnx.NodeProto) -> str:
-    module = ".".join(node.name.strip("/").split("/")[1:-1])
-    return f"module {module}" if module else "the model's own forward"
+@attrs.define(eq=False)
+class StopGradientLowering:
+    """What ``ortcore_lower_stop_gradients`` receives: one forward graph about to be built, and the plan a plugin
+    decides for its detach() markers (:meth:`decide`).
 
-
-def plan_stop_gradients(model: onnx.ModelProto, train_names: list[str], build_gradient: bool) -> StopGradientPlan:
-    """Decide, for each detach the exporter marked, how ONNX Runtime runs it, with torch's gradients exactly.
-
-    ORT has no stop-gradient op, but its gradient builder never differentiates an input that is registered as a
-    stop-gradient edge of an ATen node. Each detach becomes
-
-    * an ``Identity`` where that is exact, which needs nothing at run time:
-
-      - its input carries no gradient (a constant, a shape, ``torch.tensor(h.size(-1))``, an integer);
-      - nothing downstream of it requires grad (a detached output): torch gives those outputs no gradient, so ORT
-        is fed zeros for them;
-      - every name to train upstream of it gets no gradient from the outputs anyway (a frozen teacher's
-        ``teacher(x).detach()``): ORT computes a gradient for them that torch would not, and ortcore hands torch
-        None for a name that no output depends on (:func:`value_dependencies` stops at the detach);
-
-    * otherwise (``y * y.detach()``, ``w.detach() * a + w * b``) a real stop-gradient: an
-      ``org.pytorch.aten::ATen`` node running ``aten::detach_copy``, whose input is registered with ORT
-      (``register_custom_stop_gradient_edges``) as one no gradient crosses. It is run by the process's ATen
-      executor, which the ``aten_fallback`` plugin installs; without it the model is refused, naming the plugin.
-
-    Names to train whose every path to the outputs goes through a real stop-gradient get no gradient in torch and
-    are left out of ``train_names``.
+    ORT has no stop-gradient op, so each marker must become something its gradient builder knows before the build;
+    how is a plugin's choice (gradient_fixes'). What requires grad (``requires_grad``, as torch's ``requires_grad``:
+    detaches stop it) the core computes once, since a graph without markers needs it too: torch gives an output
+    computed from nothing trained no gradient, and ortcore must treat that output the same way.
     """
-    train = set(train_names) if build_gradient else set()
-    types = _elem_types(model)
 
-    def differentiable(value: str) -> bool:
-        return types.get(value, onnx.TensorProto.FLOAT) in _FLOAT_TYPES
+    forward: onnx.ModelProto  # the exported graph, markers and all: decide on a copy, never edit it
+    train_names: tuple[str, ...]  # the parameters and inputs asked to get a gradient
+    build_gradient: bool  # False: an inference graph (every marker can go)
+    requires_grad: frozenset[str]  # values that require grad; empty when no gradient graph is built
+    plan: StopGradientPlan | None = None  # the decision; None until a plugin decides
+    refusal: UnsupportedModelError | None = None  # a plugin's reason this model cannot be built (:meth:`refuse`)
 
-    carries = set(train)  # values that require grad, as torch's requires_grad (detaches stop it)
-    for node in model.graph.node:  # ONNX nodes are in topological order
-        if any(i in carries for i in _gradient_inputs(node)):
-            carries.update(o for o in node.output if o and differentiable(o))
-    no_grad_outputs = {o.name for o in model.graph.output if o.name not in carries}
-    detaches = [n for n in model.graph.node if _is_stop_gradient(n)]
-    if not detaches:
-        return StopGradientPlan(model, no_grad_outputs, list(train_names), 0)
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    detaches = [n for n in model.graph.node if _is_stop_gradient(n)]
-    outputs = [o.name for o in model.graph.output if o.name in carries]
-    reach = value_dependencies(model, outputs + [n.input[0] for n in detaches], sources=train)
-    trained = set().union(*(reach[o] for o in outputs))  # names that get a gradient from some output
-    real = []
-    for node in detaches:
-        if node.input[0] not in carries or not differentiable(node.output[0]) or not reach[node.input[0]] & trained:
-            _to_identity(node)
-            continue
-        downstream = {node.output[0]}
-        for later in model.graph.node:
-            if any(i in downstream for i in later.input):
-                downstream.update(o for o in later.output if o)
-        if downstream & carries:
-            real.append(node)
-        else:
-            _to_identity(node)
-    if real:
-        _require_aten_executor(sorted({_scope(n) for n in real}))
-        _to_real_stop_gradients(model, real, types)
-    _drop_unused_domain(model)
-    if real:
-        # ORT refuses to differentiate a name no output reaches; torch gives it None.
-        reached = set().union(*value_dependencies(model, [o.name for o in model.graph.output], train).values())
-        train_names = [n for n in train_names if n in reached]
-    return StopGradientPlan(model, no_grad_outputs, list(train_names), len(real))
+    @classmethod
+    def of(cls, model: onnx.ModelProto, train_names: list[str], build_gradient: bool) -> StopGradientLowering:
+        train = set(train_names) if build_gradient else set()
+        types = _elem_types(model)
+        carries = set(train)
+        for node in model.graph.node:  # ONNX nodes are in topological order
+            if any(i in carries for i in _gradient_inputs(node)):
+                carries.update(o for o in node.output if o and types.get(o, onnx.TensorProto.FLOAT) in _FLOAT_TYPES)
+        return cls(model, tuple(train_names), build_gradient, frozenset(carries))
 
+    @property
+    def markers(self) -> list[onnx.NodeProto]:
+        """The forward graph's stop-gradient markers (``STOP_GRADIENT`` in ``STOP_GRADIENT_DOMAIN``)."""
+        return [n for n in self.forward.graph.node if _is_stop_gradient(n)]
 
-def resolve_stop_gradients(
-    model: onnx.ModelProto, train_names: list[str], build_gradient: bool
-) -> tuple[onnx.ModelProto, set[str]]:
-    """:func:`plan_stop_gradients` for callers that train every name of ``train_names``: its graph and the outputs
-    that do not require grad. Refuses a model whose plan leaves a name to train out (see the plan)."""
-    plan = plan_stop_gradients(model, train_names, build_gradient)
-    left_out = [n for n in train_names if n not in plan.train_names] if build_gradient else []
-    if left_out:
-        raise UnsupportedModelError(
-            f"{', '.join(left_out)} reach the outputs only through a detach() whose upstream also has values that "
-            "need a gradient; ortcore cannot leave them out of the gradient graph yet"
-        )
-    return plan.model, plan.no_grad_outputs
+    @property
+    def no_grad_outputs(self) -> set[str]:
+        """The forward graph's outputs that do not require grad."""
+        return {o.name for o in self.forward.graph.output if o.name not in self.requires_grad}
 
+    def decide(self, model: onnx.ModelProto, train_names: list[str], real_stop_gradients: int = 0) -> None:
+        """The graph to build (no marker left in it) and the names to train in it; the outputs that do not require
+        grad are the forward graph's, whatever became of the markers."""
+        self.plan = StopGradientPlan(model, self.no_grad_outputs, list(train_names), real_stop_gradients)
 
-from .domains import ATEN_DOMAIN  # noqa: E402
+    def refuse(self, error: UnsupportedModelError) -> None:
+        """Refuse the model, which then falls back or fails as any unsupported model does (raised in a hook, the
+        error would reach the user as the plugin's failure instead)."""
+        self.refusal = error
 
-REAL_STOP_GRADIENT_PREFIX = "ortcore.stop_gradient::"
-_DETACH_OPERATOR = ("detach_copy", "default")  # a copy: ORT must own the output, not alias its input
-_registered_edges = False
-_executor_seen = False
-
-
-def _to_real_stop_gradients(model: onnx.ModelProto, nodes: list[onnx.NodeProto], types: dict[str, int]) -> None:
-    """Make each marker an ATen ``detach_copy`` whose input no gradient crosses."""
-    global _registered_edges
-    if not _registered_edges:
-        from onnxruntime.capi import _pybind_state as C
-
-        # Process-wide and first-registration-wins in ORT; the key is one no other ATen node uses.
-        C.register_custom_stop_gradient_edges(f"{ATEN_DOMAIN}::ATen::{'::'.join(_DETACH_OPERATOR)}", {0})
-        _registered_edges = True
-    graph = model.graph
-    graph_inputs = {i.name for i in graph.input}
-    copies = []
-    for node in nodes:
-        name, source, output = f"{REAL_STOP_GRADIENT_PREFIX}{node.name}", node.input[0], node.output[0]
-        if source in graph_inputs:
-            # ORT's builder counts every consumer of a trained input as a gradient contribution, stop edge or not:
-            # read a copy instead, whose Identity no gradient reaches.
-            copied = f"{name}::input"
-            copies.append(onnx.helper.make_node("Identity", [source], [copied], name=copied))
-            node.input[0] = copied
-        node.op_type, node.domain, node.name = "ATen", ATEN_DOMAIN, name
-        del node.attribute[:]
-        node.attribute.extend(
-            [
-                onnx.helper.make_attribute("operator", _DETACH_OPERATOR[0]),
-                onnx.helper.make_attribute("overload_name", _DETACH_OPERATOR[1]),
-            ]
-        )
-        if output not in types and source in types:  # ORT cannot infer an ATen node's output type
-            graph.value_info.append(onnx.helper.make_tensor_value_info(output, types[source], None))
-    if copies:  # they read graph inputs only: first in topological order
-        nodes_in_order = copies + [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node]
-        del graph.node[:]
-        graph.node.extend(nodes_in_order)
-    if not any(o.domain == ATEN_DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(ATEN_DOMAIN, 1))
-
-
-def _require_aten_executor(scopes: list[str]) -> None:
-    """Refuse the model, naming the plugin, if no ATen executor is registered with ORT in this process.
-
-    ORT cannot be asked; running one ``detach_copy`` node tells (about 10 ms, once: an executor stays registered).
-    """
-    global _executor_seen
-    if _executor_seen:
-        return
-    import numpy as np
-    import onnxruntime
-
-    helper = onnx.helper
-    node = helper.make_node("ATen", ["x"], ["y"], domain=ATEN_DOMAIN, operator=_DETACH_OPERATOR[0],
-                            overload_name=_DETACH_OPERATOR[1])  # fmt: skip
-    probe = helper.make_model(
-        helper.make_graph(
-            [node],
-            "ortcore_aten_executor_probe",
-            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
-        ),
-        ir_version=8,
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ATEN_DOMAIN, 1)],
-    )
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 4  # the failure below is the answer, not an error to log
-    try:
-        session = onnxruntime.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        _executor_seen = session.run(None, {"x": np.ones(1, np.float32)})[0].tolist() == [1.0]
-    except Exception:  # ORT: "ATenOperatorExecutor is not initialized"
-        _executor_seen = False
-    if not _executor_seen:
-        raise UnsupportedModelError(
-            f"a detach() in {', '.join(scopes)} stops a gradient that also flows on (as in y * y.detach()); "
-            "ONNX Runtime runs that stop-gradient as an ATen node, and no ATen executor is registered in this "
-            "process: enable the aten_fallback plugin, which registers PyTorch's (op_routing and efficient_attention "
-            "do too)"
-        )
+    def result(self) -> StopGradientPlan:
+        """The decision; for a graph without markers that no plugin decided on, the graph as it is. Markers left
+        (no plugin lowered them) are a :class:`GraphBuildError` naming the plugin that does."""
+        if self.refusal is not None:
+            raise self.refusal
+        plan = self.plan or StopGradientPlan(self.forward, self.no_grad_outputs, list(self.train_names), 0)
+        left = [n.name or n.output[0] for n in plan.model.graph.node if _is_stop_gradient(n)]
+        if left:
+            raise GraphBuildError(
+                f"the graph holds {len(left)} detach() marker(s) ({', '.join(left[:3])}) that no plugin lowered "
+                "before ONNX Runtime's gradient build (hook ortcore_lower_stop_gradients): the essential "
+                "gradient_fixes plugin does; a host composed without it cannot build a model that calls detach()"
+            )
+        return plan
 
 
 def update_batch_norm(stats: BatchNormStats, x: torch.Tensor) -> None:

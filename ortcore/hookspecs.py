@@ -11,6 +11,7 @@ The build pipeline (docs/architecture.md), in the order data flows, with the hoo
     export (ortcore_exporter, ortcore_export_symbolics, ortcore_export_context, ortcore_export_failed,
             ortcore_load_export / ortcore_export_done)
       → pre-gradient graph passes (ortcore_graph_passes)
+      → detach() markers lowered (ortcore_lower_stop_gradients: gradient_fixes)
       → gradient build (ortcore_graph_transformer_config)
       → gradient-graph passes (ortcore_gradient_graph_passes)
       → session plan (ortcore_session_plan: providers, config entries, session options)
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from .config import Config
     from .errors import UnsupportedModelError
     from .exporter import Exporter
-    from .graph import ExportedGraph
+    from .graph import ExportedGraph, StopGradientLowering
     from .graph_passes import GraphPass
     from .inspectors import FirstStep, RuntimeInspector
     from .registry import Registry
@@ -118,6 +119,11 @@ def ortcore_export_done(config: Config, module: torch.nn.Module, fingerprint: st
 
 
 # -- graph build ----------------------------------------------------------------------------------------------------
+@hookspec
+def ortcore_lower_stop_gradients(config: Config, lowering: StopGradientLowering) -> None:
+    """Decide how the forward graph's detach() markers run before ONNX Runtime's gradient build: ``lowering.decide``."""
+
+
 @hookspec
 def ortcore_graph_transformer_config(config: Config, transformer_config: Any, training: bool) -> None:
     """Adjust ORT's TrainingGraphTransformerConfiguration in place."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import difflib
 import functools
+import importlib
 import logging
 import os
 import time
@@ -43,7 +44,8 @@ ENTRY_POINT_GROUP = "ortcore.plugins"
 BUILTIN_DISTRIBUTION = "ortcore"
 # Plugins the core cannot serve models correctly without: always loaded from the entry points, and a `[plugins]
 # disable` (or ORTCORE_DISABLE_PLUGINS) naming one is refused. A test kit may still compose a host without them
-# (``ortcore.testing.make_host``), to show what they fix; the default exporter's plugin it leaves out by disabling it.
+# (``ortcore.testing.make_host``), to show what they fix; the default exporter's plugin, and gradient_fixes' lowering
+# of detach() markers, which every host has, it leaves out by disabling them.
 ESSENTIAL_PLUGINS: dict[str, str] = {
     "gradient_fixes": "without it ORT computes some gradients wrongly (Where/Pow with broadcast inputs, ...)",
     "kernel_types": "without it graphs holding ops in types ORT's CPU provider has no kernel for cannot run",
@@ -53,6 +55,11 @@ ESSENTIAL_PLUGINS: dict[str, str] = {
 # The plugin offering the `exporter` option's default: every host registers it, autoloaded or not, so that a host
 # composed of a few plugins (``ortcore.testing.make_host``) exports as one with all of them does.
 DEFAULT_EXPORTER_PLUGIN = "torchscript_exporter"
+# The module of gradient_fixes that lowers traced detach() markers (ortcore_lower_stop_gradients): a host composed
+# without gradient_fixes registers it alone, as "gradient_fixes.stop_gradients", so that a model calling detach()
+# builds there as on any host (the rest of gradient_fixes is what a kit leaves out to show what it fixes). A kit
+# leaves this out too by disabling gradient_fixes; a model with detach() markers is then refused, naming the plugin.
+STOP_GRADIENT_LOWERING = ("gradient_fixes", "stop_gradients")
 
 
 @functools.cache
@@ -140,8 +147,11 @@ class PluginHost:
             trace_logger.propagate = False
         if autoload:
             self._load_entry_points()
-        elif DEFAULT_EXPORTER_PLUGIN not in self.extra_plugins:
-            self._load_entry_points(only=DEFAULT_EXPORTER_PLUGIN)
+        else:
+            if DEFAULT_EXPORTER_PLUGIN not in self.extra_plugins:
+                self._load_entry_points(only=DEFAULT_EXPORTER_PLUGIN)
+            if STOP_GRADIENT_LOWERING[0] not in self.extra_plugins:
+                self._load_entry_points(only=STOP_GRADIENT_LOWERING[0], part=STOP_GRADIENT_LOWERING[1])
         for name, plugin in (plugins or {}).items():
             self._register(name, plugin, PluginRecord(name, "<registered>", "", False, "loaded"))
         self._configure()
@@ -161,8 +171,9 @@ class PluginHost:
         return PluginHost(config, autoload=self.autoload, plugins=self.extra_plugins)
 
     # -- loading ----------------------------------------------------------------------------------------------------
-    def _load_entry_points(self, only: str | None = None) -> None:
-        """Load the plugins of the ``ortcore.plugins`` entry points (``only``: the built-in plugin of that name)."""
+    def _load_entry_points(self, only: str | None = None, part: str | None = None) -> None:
+        """Load the plugins of the ``ortcore.plugins`` entry points (``only``: the built-in plugin of that name;
+        ``part``: only that module of it, registered as ``<plugin>.<part>``)."""
         disabled = set(self.config.disable)
         distributions: dict[Any, tuple[str, str]] = {}  # each METADATA file read once, not twice per plugin
         found = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP) if only is None else _builtin_entry(only)
@@ -174,30 +185,31 @@ class PluginHost:
                 if key not in distributions:
                     distributions[key] = (ep.dist.name, ep.dist.version)
                 dist, version = distributions[key]
+            name = ep.name if part is None else f"{ep.name}.{part}"
             record = PluginRecord(
-                ep.name,
+                name,
                 dist,
                 version,
                 builtin=dist == BUILTIN_DISTRIBUTION,
                 status="disabled",
             )
-            if ep.name in self.records:
+            if name in self.records:
                 raise PluginError(
-                    f"two plugins are named {ep.name!r}: from {self.records[ep.name].distribution!r} and {dist!r}"
+                    f"two plugins are named {name!r}: from {self.records[name].distribution!r} and {dist!r}"
                 )
             if ep.name in disabled:
-                self.records[ep.name] = record  # never imported
+                self.records[name] = record  # never imported
                 continue
-            where = f"plugin {ep.name!r} (distribution {dist!r}, entry point {ep.value!r})"
+            where = f"plugin {name!r} (distribution {dist!r}, entry point {ep.value!r})"
             stage = "import"
             try:
-                plugin = ep.load()
+                plugin = ep.load() if part is None else importlib.import_module(f"{ep.module}.{part}")
                 stage = "register"  # pluggy refuses a hook implementation whose arguments its spec does not have
-                self._register(ep.name, plugin, record, where=where)
+                self._register(name, plugin, record, where=where)
             except Exception as e:  # any failure of one plugin to load must not take ortcore down
                 failure = str(e) if isinstance(e, PluginError) else f"{type(e).__name__}: {e}"
                 record.status, record.error, record.plugin = "failed", failure, None
-                self.records[ep.name] = record
+                self.records[name] = record
                 message = failure if isinstance(e, PluginError) else f"{where} failed to {stage}: {failure}"
                 if ep.name in self.config.enable:
                     raise PluginError(message) from e
@@ -535,6 +547,11 @@ class Hooks:
         self._hook.ortcore_graph_transformer_config(
             config=self.config, transformer_config=transformer_config, training=training
         )
+
+    def lower_stop_gradients(self, lowering: Any) -> None:
+        """Let plugins decide how ``lowering``'s detach() markers run (``ortcore_lower_stop_gradients``); what they
+        left undecided the core reads from ``lowering.result()``."""
+        self._hook.ortcore_lower_stop_gradients(config=self.config, lowering=lowering)
 
     def gradient_graph_passes(self) -> list[GraphPass]:
         found = self._collect_items("ortcore_gradient_graph_passes", config=self.config)

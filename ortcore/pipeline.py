@@ -5,6 +5,7 @@ Stages, in the order data flows, with the hook plugins implement at each (docs/a
     export                     ortcore_exporter, ortcore_export_symbolics (TorchScript) or ortcore_export_translations
                                and ortcore_program_passes (dynamo), ortcore_load_export/ortcore_export_done
     pre-gradient graph passes  ortcore_graph_passes
+    detach() markers lowered   ortcore_lower_stop_gradients                (StopGradientLowering)
     gradient build             ortcore_graph_transformer_config            -> BuiltGraph
     gradient-graph passes      ortcore_gradient_graph_passes               (edit BuiltGraph.model)
     session plan               ortcore_session_plan (providers, config entries, session options: one plan)
@@ -219,7 +220,7 @@ class Pipeline:
             taps=[(tap.value, tap.output) for tap in graph.taps],
         )
         try:
-            built = build_graph(request, purpose)
+            built = build_graph(request, purpose, self.hooks.lower_stop_gradients)
             self._run_gradient_graph_passes(built)
             plan = self._plan(built)
             written_elsewhere = None

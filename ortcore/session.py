@@ -11,7 +11,7 @@ import contextlib
 import logging
 import re
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -21,8 +21,8 @@ import torch
 import torch.utils.dlpack
 from onnxruntime.capi import _pybind_state as C
 
-from .errors import GraphBuildError, UnsupportedModelError
-from .graph import plan_stop_gradients, through_identities, value_dependencies
+from .errors import GraphBuildError, PluginError, UnsupportedModelError
+from .graph import StopGradientLowering, through_identities, value_dependencies
 from .options import LogLevel
 
 logger = logging.getLogger("ortcore")
@@ -134,12 +134,15 @@ class BuiltGraph:
         self.grads_handed_over.add(feed_index)
 
 
-def build_graph(request: BuildRequest, purpose: str = "train") -> BuiltGraph:
+def build_graph(
+    request: BuildRequest, purpose: str = "train", lower_stop_gradients: Callable[[Any], None] | None = None
+) -> BuiltGraph:
     """Run ONNX Runtime's gradient builder (or forward builder) on ``request.model``, plus the core's own edits of
-    the result (stop-gradients, activation taps)."""
+    the result (activation taps). ``lower_stop_gradients`` (the hooks' ``ortcore_lower_stop_gradients``) first
+    decides how the graph's detach() markers run; a graph that holds none needs no plugin for it."""
     try:
-        return _GraphBuild(request, purpose).built
-    except (GraphBuildError, UnsupportedModelError):
+        return _GraphBuild(request, purpose, lower_stop_gradients).built
+    except (GraphBuildError, UnsupportedModelError, PluginError):
         raise
     except Exception as e:  # pybind raises RuntimeError/Fail/InvalidGraph...: all mean "ORT cannot build this"
         kind = "training" if request.build_gradient else "inference"
@@ -153,8 +156,11 @@ _UNREACHABLE = re.compile(r"Cannot compute the partial derivative for '([^']+)' 
 class _GraphBuild:
     """One run of ORT's graph builder and the core's edits of what it made."""
 
-    def __init__(self, r: BuildRequest, purpose: str):
-        plan = plan_stop_gradients(r.model, r.train_names, r.build_gradient)
+    def __init__(self, r: BuildRequest, purpose: str, lower_stop_gradients: Callable[[Any], None] | None):
+        lowering = StopGradientLowering.of(r.model, r.train_names, r.build_gradient)
+        if lower_stop_gradients is not None:
+            lower_stop_gradients(lowering)
+        plan = lowering.result()
         model, no_grad_outputs, train_names = plan.model, plan.no_grad_outputs, plan.train_names
         if r.build_gradient:
             _refuse_differentiated_control_flow(model)

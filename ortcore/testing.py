@@ -75,8 +75,9 @@ def make_host(
     env: Mapping[str, str] | None = None,
     audit: bool = True,
 ) -> PluginHost:
-    """A plugin host with only ``plugins`` registered (and the default exporter's plugin), configured from ``table``
-    (an ortcore.toml as a dict).
+    """A plugin host with only ``plugins`` registered (and the default exporter's plugin, and gradient_fixes' lowering
+    of detach() markers: :data:`ortcore.host.STOP_GRADIENT_LOWERING`), configured from ``table`` (an ortcore.toml as
+    a dict).
 
     With ``audit`` (the default) the installed ``gradient_audit`` plugin is registered too, so that every model a
     test trains on such a host has its first step checked against PyTorch as it would by default."""

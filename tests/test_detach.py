@@ -2,7 +2,8 @@
 
 Every model is compared with the same model run in PyTorch (outputs, loss, every parameter's gradient including
 which ones are None, a 3-step AdamW loss curve) at float32 tolerances rtol 1e-5 / atol 1e-6. The decisions of
-:func:`ortcore.graph.plan_stop_gradients` (Identity or a real stop-gradient) are checked on small hand-made graphs.
+:func:`ortcore_plugins.gradient_fixes.plan_stop_gradients` (Identity or a real stop-gradient) are checked on small
+hand-made graphs.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from ortcore import ORTModule, UnsupportedModelError
+from ortcore.api import GraphBuildError, StopGradientLowering, hookimpl
 from ortcore.domains import STOP_GRADIENT, STOP_GRADIENT_DOMAIN
-from ortcore.graph import plan_stop_gradients, resolve_stop_gradients, value_dependencies
+from ortcore.graph import StopGradientPlan, value_dependencies
+from ortcore.testing import assert_matches_torch, make_host
+from ortcore_plugins.gradient_fixes import plan_stop_gradients, resolve_stop_gradients
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
@@ -454,3 +458,66 @@ def test_value_dependencies_stop_at_detaches_and_index_inputs():
         ["y"],
     )
     assert value_dependencies(model, ["y"]) == {"y": {"c"}}
+
+
+# -- the hook: ortcore_lower_stop_gradients ---------------------------------------------------------------------------
+
+NO_FALLBACK = {"ORTMODULE_FALLBACK_POLICY": "FALLBACK_DISABLE"}
+
+
+class PlanObserver:
+    """Sees what was decided, after every other implementation."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, StopGradientPlan]] = []
+
+    @hookimpl(trylast=True)
+    def ortcore_lower_stop_gradients(self, lowering: StopGradientLowering) -> None:
+        self.seen.append((len(lowering.markers), lowering.plan))
+
+
+class MarkersAsIdentities:
+    """Lowers every marker to an Identity, its own way (exact for a detached constant, not in general)."""
+
+    def __init__(self):
+        self.plans: list[StopGradientPlan] = []
+
+    @hookimpl(tryfirst=True)
+    def ortcore_lower_stop_gradients(self, lowering: StopGradientLowering) -> None:
+        model = onnx.ModelProto.FromString(lowering.forward.SerializeToString())
+        for node in model.graph.node:
+            if node.domain == STOP_GRADIENT_DOMAIN:
+                node.op_type, node.domain = "Identity", ""
+        kept = [o for o in model.opset_import if o.domain != STOP_GRADIENT_DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(kept)
+        lowering.decide(model, list(lowering.train_names))
+        self.plans.append(lowering.plan)
+
+
+def test_hook_lower_stop_gradients_on_a_bare_host_is_gradient_fixes_lowering_which_a_plugin_observes():
+    observer = PlanObserver()
+    host = make_host({"observer": observer}, env=NO_FALLBACK)
+    assert host.records["gradient_fixes.stop_gradients"].enabled and "gradient_fixes" not in host.records
+    assert_matches_torch(ScaledByConstant(), (features(torch.Generator().manual_seed(1)),), host=host)
+    assert observer.seen and all(markers > 0 and plan.real_stop_gradients == 0 for markers, plan in observer.seen)
+    assert all(plan.train_names and "StopGradient" not in _ops(plan.model) for _, plan in observer.seen)
+    host.close()
+
+
+def test_hook_lower_stop_gradients_answered_first_by_another_plugin_is_left_to_it():
+    own, observer = MarkersAsIdentities(), PlanObserver()
+    host = make_host({"own": own, "observer": observer}, env=NO_FALLBACK)
+    assert_matches_torch(ScaledByConstant(), (features(torch.Generator().manual_seed(2)),), host=host)
+    assert own.plans and [plan for _, plan in observer.seen] == own.plans  # gradient_fixes did not decide again
+    host.close()
+
+
+def test_a_host_composed_without_gradient_fixes_refuses_a_detach_naming_the_plugin():
+    host = make_host({}, env={"ORTCORE_DISABLE_PLUGINS": "gradient_fixes", **NO_FALLBACK})
+    assert host.records["gradient_fixes.stop_gradients"].status == "disabled"
+    x = features(torch.Generator().manual_seed(3))
+    with pytest.raises(GraphBuildError, match=r"detach\(\) marker.* no plugin lowered .* gradient_fixes"):
+        ORTModule(ScaledByConstant(), host=host)(x)
+    assert_matches_torch(nn.Linear(4, 3), (x,), host=host)  # a graph without markers needs no plugin
+    host.close()

@@ -34,9 +34,14 @@ A second pass, :func:`fix_conv_gradients`, works around two bugs of ORT's CPU ``
 * ``auto_pad`` is ignored (only ``pads`` is read), so ``padding="same"`` (exported as ``SAME_UPPER``) is
   differentiated as an unpadded convolution. ``SAME_UPPER``/``SAME_LOWER`` become the explicit ``pads`` ONNX defines.
 
-The package: :mod:`.onnx_passes` (the ONNX passes, both routes), :mod:`.torchscript` (``no_grad`` regions on the
-TorchScript route), :mod:`.dynamo` (program passes of the dynamo route); this module holds the hooks. Dropping a
-route drops its module.
+Every traced ``detach()`` reaches the graph as a stop-gradient marker, which ORT cannot build:
+:mod:`.stop_gradients` lowers each before the gradient build (``ortcore_lower_stop_gradients``), to an ``Identity``
+where that is exact, else to a real stop-gradient (an ATen ``detach_copy`` no gradient crosses).
+
+The package: :mod:`.onnx_passes` (the ONNX passes, both routes), :mod:`.stop_gradients` (the detach lowering, which
+a host composed without this plugin registers alone), :mod:`.torchscript` (``no_grad`` regions on the TorchScript
+route), :mod:`.dynamo` (program passes of the dynamo route); this module holds the hooks (the lowering's is its
+module's). Dropping a route drops its module.
 """
 
 from __future__ import annotations
@@ -75,6 +80,12 @@ from .onnx_passes import (  # noqa: F401 (re-exported: the plugin's names)
     infer_shapes,
     stateless_batch_norms_as_arithmetic,
 )
+from .stop_gradients import (  # noqa: F401 (re-exported: the plugin's names; the hook is the plugin's too)
+    REAL_STOP_GRADIENT_PREFIX,
+    ortcore_lower_stop_gradients,
+    plan_stop_gradients,
+    resolve_stop_gradients,
+)
 from .torchscript import NoGradInputsDetached  # noqa: F401
 
 # -- hooks ----------------------------------------------------------------------------------------------------------
@@ -94,7 +105,6 @@ def _run_matmul(model: onnx.ModelProto, context: PassContext) -> None:
 
 def _run_stateless_batch_norms(model: onnx.ModelProto, context: PassContext) -> None:
     stateless_batch_norms_as_arithmetic(model, context)
-
 
 
 @hookimpl

@@ -71,7 +71,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         type=_choice_list("config", tuple(PRESETS)),
         help=f"comma-separated presets to run, each in turn: {', '.join(PRESETS)} (default: default)",
     )
-    which.add_argument("--quick", action="store_true", help="same as --config quick: a short smoke run of everything")
+    which.add_argument("--quick", action="store_true", help="same as --config quick: a short smoke run (modes eager, ortcore, ortcore-dynamo unless --modes)")
     p.add_argument("--models", type=_choice_list("model", MODELS), help=f"default: {','.join(MODELS)}")
     p.add_argument("--modes", type=_choice_list("mode", MODES), help=f"default: {','.join(MODES)}")
     p.add_argument("--steps", type=positive_int, help=f"training steps per run (config's: {preset_values('steps')})")
@@ -144,7 +144,7 @@ def _bench_configs(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from .suite import MODELS, MODES, load_suite, plot_suite, run_suite, write_json
+    from .suite import MODELS, MODES, QUICK_MODES, load_suite, plot_suite, run_suite, write_json
 
     parser: argparse.ArgumentParser = args.parser
     if args.from_json:
@@ -184,9 +184,18 @@ def _run_bench(args: argparse.Namespace) -> int:
             what = escape(what) if ok else f"[red]{escape(what)}[/red]"  # ORT messages contain [brackets]
             progress.print(f"      done in {wall_s:.0f} s: {what}", highlight=False)
 
+        modes = args.modes or list(QUICK_MODES if args.quick else MODES)
+        if args.quick and not args.modes:
+            progress.print(
+                f"a smoke run: modes {', '.join(QUICK_MODES)}; "
+                f"{', '.join(m for m in MODES if m not in QUICK_MODES)} left out (torch.compile's cold compile and the "
+                "second processes of the cached modes are most of a full run's time; --modes names them)",
+                highlight=False,
+                markup=False,
+            )
         suite = run_suite(
             args.models or list(MODELS),
-            [] if args.explain_only else (args.modes or list(MODES)),
+            [] if args.explain_only else modes,
             configs,
             overrides=overrides,
             explain=explain,

@@ -44,6 +44,10 @@ from ortcore_plugins.services.machine import describe_machine, machine_line
 #: The "ortcore-dynamo" pair is the same on the dynamo exporter (torch.export + onnxscript).
 MODES: tuple[str, ...] = ("eager", "compile", "ortcore", "ortcore-cached", "ortcore-dynamo", "ortcore-dynamo-cached")
 
+#: The modes of ``--quick``, a smoke run: every engine once; torch.compile's cold compile and the cached modes' second
+#: processes, most of a full run's time, only when named.
+QUICK_MODES: tuple[str, ...] = ("eager", "ortcore", "ortcore-dynamo")
+
 #: The exporter each ortcore mode runs on, set in its worker's environment (ORTCORE_EXPORTER) and passed to ORTModule.
 ORTCORE_EXPORTERS: dict[str, str] = {
     "ortcore": "torchscript",

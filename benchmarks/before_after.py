@@ -65,24 +65,27 @@ def _model(name: str):
 
 def worker(model_name: str, steps: int) -> None:
     import importlib
-    import importlib.util
 
     import torch
 
+    import ortcore
+    import ortcore_plugins
     from ortcore import ORTModule
     from ortcore.testing import make_host
 
     # The tree's plugin host module (ortcore.plugins in older trees) and built-in plugins: a list in older trees, the
-    # installed entry points' in newer ones.
-    spec = importlib.util.find_spec("ortcore.host")
-    host_module = importlib.import_module("ortcore.host" if spec is not None else "ortcore.plugins")
+    # installed entry points' in newer ones. Asked of the tree's files: an installed editable finder answers imports
+    # of submodules for its own tree, whatever the package's path.
+    newer = (Path(ortcore.__file__).parent / "host.py").exists()
+    host_module = importlib.import_module("ortcore.host" if newer else "ortcore.plugins")
     names = getattr(host_module, "BUILTIN_PLUGINS", None) or host_module.builtin_plugins()
     # No export cache: a graph cached by an earlier run would make the first step a cache read.
     # The installed entry points may name plugins the other tree does not have (bench, say): only this tree's count.
+    tree_plugins = Path(ortcore_plugins.__file__).parent
     plugins = {
         n: importlib.import_module(f"ortcore_plugins.{n}")
         for n in names
-        if n != "export_cache" and importlib.util.find_spec(f"ortcore_plugins.{n}") is not None
+        if n != "export_cache" and ((tree_plugins / n).is_dir() or (tree_plugins / f"{n}.py").exists())
     }
     host = make_host(plugins, env=dict(os.environ))  # the environment, as ORTModule reads it
     model, batch = _model(model_name)

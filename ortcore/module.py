@@ -637,7 +637,8 @@ class ORTModule(torch.nn.Module):
                 if not rt.told_unchecked:
                     rt.told_unchecked = True
                     logger.warning(
-                        "verify_gradients is on but no enabled plugin checks first steps (is gradient_audit disabled?)"
+                        "verify_gradients is on but no enabled plugin checks first steps (is gradient_audit "
+                        "disabled?): nothing is audited; verify_gradients = false (ORTCORE_VERIFY_GRADIENTS=0) says so"
                     )
                 return
             step = FirstStep(

@@ -430,6 +430,10 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     }
 
 
+def _differentiable(types: dict[str, int], value: str) -> bool:
+    return types.get(value, onnx.TensorProto.FLOAT) in _FLOAT_TYPES
+
+
 @attrs.define(eq=False)
 class StopGradientLowering:
     """What ``ortcore_lower_stop_gradients`` receives: one forward graph about to be built, and the plan a plugin
@@ -445,6 +449,7 @@ class StopGradientLowering:
     train_names: tuple[str, ...]  # the parameters and inputs asked to get a gradient
     build_gradient: bool  # False: an inference graph (every marker can go)
     requires_grad: frozenset[str]  # values that require grad; empty when no gradient graph is built
+    types: dict[str, int] = attrs.Factory(dict)  # the element type of each value whose type the graph declares
     plan: StopGradientPlan | None = None  # the decision; None until a plugin decides
     refusal: UnsupportedModelError | None = None  # a plugin's reason this model cannot be built (:meth:`refuse`)
 
@@ -455,12 +460,21 @@ class StopGradientLowering:
         carries = set(train)
         for node in model.graph.node:  # ONNX nodes are in topological order
             if any(i in carries for i in _gradient_inputs(node)):
-                carries.update(o for o in node.output if o and types.get(o, onnx.TensorProto.FLOAT) in _FLOAT_TYPES)
-        return cls(model, tuple(train_names), build_gradient, frozenset(carries))
+                carries.update(o for o in node.output if o and _differentiable(types, o))
+        return cls(model, tuple(train_names), build_gradient, frozenset(carries), types)
+
+    @staticmethod
+    def is_marker(node: onnx.NodeProto) -> bool:
+        """Whether ``node`` is a stop-gradient marker (``STOP_GRADIENT`` in ``STOP_GRADIENT_DOMAIN``)."""
+        return _is_stop_gradient(node)
+
+    def differentiable(self, value: str) -> bool:
+        """Whether ``value`` can carry a gradient (a floating-point type, or a type the graph does not declare)."""
+        return _differentiable(self.types, value)
 
     @property
     def markers(self) -> list[onnx.NodeProto]:
-        """The forward graph's stop-gradient markers (``STOP_GRADIENT`` in ``STOP_GRADIENT_DOMAIN``)."""
+        """The forward graph's stop-gradient markers."""
         return [n for n in self.forward.graph.node if _is_stop_gradient(n)]
 
     @property

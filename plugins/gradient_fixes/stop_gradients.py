@@ -12,7 +12,6 @@ import onnx
 
 from ortcore.api import (
     ATEN_DOMAIN,
-    STOP_GRADIENT,
     STOP_GRADIENT_DOMAIN,
     Config,
     StopGradientLowering,
@@ -24,9 +23,6 @@ from ortcore.api import (
 
 REAL_STOP_GRADIENT_PREFIX = "ortcore.stop_gradient::"
 _DETACH_OPERATOR = ("detach_copy", "default")  # a copy: ORT must own the output, not alias its input
-_FLOAT_TYPES = frozenset(
-    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
-)
 _registered_edges = False
 _executor_seen = False
 
@@ -40,10 +36,6 @@ def ortcore_lower_stop_gradients(config: Config, lowering: StopGradientLowering)
             lowering.refuse(e)
 
 
-def _is_stop_gradient(node: onnx.NodeProto) -> bool:
-    return node.domain == STOP_GRADIENT_DOMAIN and node.op_type == STOP_GRADIENT
-
-
 def _to_identity(node: onnx.NodeProto) -> None:
     node.op_type, node.domain = "Identity", ""
 
@@ -53,15 +45,6 @@ def _drop_unused_domain(model: onnx.ModelProto) -> None:
         kept = [o for o in model.opset_import if o.domain != STOP_GRADIENT_DOMAIN]
         del model.opset_import[:]
         model.opset_import.extend(kept)
-
-
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    graph = model.graph
-    return {
-        v.name: v.type.tensor_type.elem_type
-        for v in (*graph.input, *graph.value_info, *graph.output)
-        if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type
-    }
 
 
 def _scope(node: onnx.NodeProto) -> str:
@@ -106,12 +89,9 @@ def lower(lowering: StopGradientLowering) -> None:
     train = set(train_names) if lowering.build_gradient else set()
     carries = lowering.requires_grad
     model = onnx.ModelProto.FromString(lowering.forward.SerializeToString())
-    types = _elem_types(model)
-
-    def differentiable(value: str) -> bool:
-        return types.get(value, onnx.TensorProto.FLOAT) in _FLOAT_TYPES
-
-    detaches = [n for n in model.graph.node if _is_stop_gradient(n)]
+    types = lowering.types  # by value name: the same in the copy
+    differentiable = lowering.differentiable
+    detaches = [n for n in model.graph.node if lowering.is_marker(n)]
     outputs = [o.name for o in model.graph.output if o.name in carries]
     reach = value_dependencies(model, outputs + [n.input[0] for n in detaches], sources=train)
     trained = set().union(*(reach[o] for o in outputs))  # names that get a gradient from some output

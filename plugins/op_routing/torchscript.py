@@ -178,24 +178,21 @@ def match_overload(op: str, args: tuple, node: Any = None) -> Any:
     first whose argument count, tensor lists and strings fit (``gru.input`` and ``gru.data`` both take nine
     arguments; ``repeat_interleave.self_int`` and ``.self_Tensor`` are told apart only by the node)."""
     packet = getattr(torch.ops.aten, op)
+
+    def fits(schema: Any) -> bool:
+        return (
+            not schema.is_mutable
+            and len(schema.arguments) == len(args)
+            and all(_kind_fits(a, v) for a, v in zip(schema.arguments, args, strict=True))
+        )
+
     named = _node_overload(node)
-    if named is not None and named in packet.overloads():
-        schema = getattr(packet, named)._schema
-        # The exporter's copy of the node may name an out= overload of the same arity (max.out for max.dim).
-        if (
-            not schema.is_mutable
-            and len(schema.arguments) == len(args)
-            and all(_kind_fits(a, v) for a, v in zip(schema.arguments, args, strict=True))
-        ):
-            return schema
+    # The exporter's copy of the node may name an out= overload of the same arity (max.out for max.dim): checked too.
+    if named is not None and named in packet.overloads() and fits(getattr(packet, named)._schema):
+        return getattr(packet, named)._schema
     for name in sorted(packet.overloads(), key=lambda n: n != "default"):
-        schema = getattr(packet, name)._schema
-        if (
-            not schema.is_mutable
-            and len(schema.arguments) == len(args)
-            and all(_kind_fits(a, v) for a, v in zip(schema.arguments, args, strict=True))
-        ):
-            return schema
+        if fits(getattr(packet, name)._schema):
+            return getattr(packet, name)._schema
     return None
 
 

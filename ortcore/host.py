@@ -23,7 +23,7 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -125,6 +125,9 @@ class PluginHost:
         config: the configuration (default: :meth:`Config.load`).
         autoload: load plugins from the ``ortcore.plugins`` entry points.
         plugins: extra ``{name: plugin}`` objects to register (tests register only the plugin under test).
+        builtins: without ``autoload``, built-in plugins to load from their entry points all the same (the default
+            exporter's and gradient_fixes' lowering of detach() markers always are), unless ``plugins`` has one of
+            that name.
     """
 
     def __init__(
@@ -133,10 +136,12 @@ class PluginHost:
         *,
         autoload: bool = True,
         plugins: Mapping[str, Any] | None = None,
+        builtins: Sequence[str] = (),
     ):
         self.config = config if config is not None else Config.load()
         self.autoload = autoload
         self.extra_plugins = dict(plugins or {})
+        self.builtins = tuple(builtins)
         self.pm = pluggy.PluginManager("ortcore")
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
@@ -148,10 +153,10 @@ class PluginHost:
         if autoload:
             self._load_entry_points()
         else:
-            if DEFAULT_EXPORTER_PLUGIN not in self.extra_plugins:
-                self._load_entry_points(only=DEFAULT_EXPORTER_PLUGIN)
-            if STOP_GRADIENT_LOWERING[0] not in self.extra_plugins:
-                self._load_entry_points(only=STOP_GRADIENT_LOWERING[0], part=STOP_GRADIENT_LOWERING[1])
+            wanted = [(DEFAULT_EXPORTER_PLUGIN, None), STOP_GRADIENT_LOWERING, *((name, None) for name in builtins)]
+            for name, part in wanted:
+                if name not in self.extra_plugins:
+                    self._load_entry_points(only=name, part=part)
         for name, plugin in (plugins or {}).items():
             self._register(name, plugin, PluginRecord(name, "<registered>", "", False, "loaded"))
         self._configure()
@@ -168,7 +173,7 @@ class PluginHost:
         for name, values in changes.items():
             tables.setdefault(name, {}).update(values)
         config = attrs.evolve(self.config, plugin_tables=tables, plugins={})
-        return PluginHost(config, autoload=self.autoload, plugins=self.extra_plugins)
+        return PluginHost(config, autoload=self.autoload, plugins=self.extra_plugins, builtins=self.builtins)
 
     # -- loading ----------------------------------------------------------------------------------------------------
     def _load_entry_points(self, only: str | None = None, part: str | None = None) -> None:

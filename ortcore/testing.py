@@ -16,7 +16,6 @@ from identical weights and compares outputs, loss and every parameter's gradient
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .config import Config
-from .host import ENTRY_POINT_GROUP, PluginHost, set_host
+from .host import PluginHost, set_host
 from .markers import hookimpl
 
 AUDIT_PLUGIN = "gradient_audit"  # registered on test hosts by default (make_host)
@@ -82,11 +81,7 @@ def make_host(
     With ``audit`` (the default) the installed ``gradient_audit`` plugin is registered too, so that every model a
     test trains on such a host has its first step checked against PyTorch as it would by default."""
     config = Config.from_table(table or {}, env=dict(env or {}))
-    plugins = dict(plugins or {})
-    if audit and AUDIT_PLUGIN not in plugins:
-        found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=AUDIT_PLUGIN)
-        plugins.update({ep.name: ep.load() for ep in found})
-    return PluginHost(config, autoload=False, plugins=plugins)
+    return PluginHost(config, autoload=False, plugins=plugins or {}, builtins=(AUDIT_PLUGIN,) if audit else ())
 
 
 @pytest.fixture

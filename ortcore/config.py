@@ -41,6 +41,19 @@ def _str(value: object, source: str) -> str:
     return value
 
 
+DYNAMIC_SHAPES = ("auto", "always")
+
+
+def _dynamic_shapes(value: object, source: str) -> str:
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in DYNAMIC_SHAPES:
+        raise OptionError(
+            f"{source}={value!r} is not allowed; allowed: auto (export the first call's sizes, a dimension dynamic "
+            "once a call changes it) or always (every dimension dynamic from the first export)"
+        )
+    return text
+
+
 def _exporter_name(value: object, source: str) -> str:
     """An exporter's name; which names exist is known once plugins are loaded (``Hooks.exporter`` checks it)."""
     if not isinstance(value, str) or not value.strip().isidentifier():
@@ -108,6 +121,14 @@ class CoreOptions:
         True, parse_bool, "trace a deep copy of the model", "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT"
     )
     max_cached_graphs: int = option(8, _positive_int, "graphs and sessions kept per model (LRU)")
+    dynamic_shapes: str = option(
+        "auto",
+        _dynamic_shapes,
+        "auto: the graph is exported for the first call's input sizes and a dimension becomes dynamic once a call "
+        "changes it (as torch.compile's automatic dynamic shapes); always: every input dimension dynamic from the "
+        "first export",
+        "ORTCORE_DYNAMIC_SHAPES",
+    )
     exporter: str = option(
         "torchscript",
         _exporter_name,

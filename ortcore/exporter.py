@@ -31,8 +31,9 @@ logger = logging.getLogger("ortcore")
 class ExportRequest:
     """What an exporter is asked to export: ``module`` (flat: tensors in, tensors out) called on ``args``, its graph
     inputs named ``input_names`` (the tensors of ``args``, then whatever the exporter adds, such as parameters),
-    ``output_names`` (empty: the exporter's own), ``dynamic_axes`` per input name, in ``training`` mode, at
-    ``opset``, logging at ``log_level``."""
+    ``output_names`` (empty: the exporter's own), ``dynamic_axes`` per input name (an input or dimension not named
+    there keeps the size it has in ``args``: the graph serves only that size), in ``training`` mode, at ``opset``,
+    logging at ``log_level``."""
 
     module: torch.nn.Module
     args: tuple[torch.Tensor, ...]

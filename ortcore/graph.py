@@ -550,8 +550,12 @@ def export_graph(
     config: Any = None,
     keep_raw: bool = False,
     tapper: Any = None,
+    dynamic_dims: dict[int, list[int]] | None = None,
 ) -> ExportedGraph:
     """Export ``module`` for the call described by ``schema`` and apply the core's post-export processing.
+
+    ``dynamic_dims`` names, per tensor input (by position), the dimensions exported as dynamic; the others keep the
+    call's sizes. None: every dimension is dynamic.
 
     ``tapper`` (a :class:`ortcore.taps.Tapper`) collects a subscribed model's activations while
     tracing; they become extra outputs (:attr:`ExportedGraph.taps`).
@@ -576,7 +580,11 @@ def export_graph(
                     args=example,
                     input_names=user_names,
                     output_names=[],
-                    dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(user_names, tensors)},
+                    dynamic_axes={
+                        n: {d: f"{n}_dim{d}" for d in dims}
+                        for i, (n, t) in enumerate(zip(user_names, tensors))
+                        if (dims := range(t.dim()) if dynamic_dims is None else dynamic_dims.get(i, ()))
+                    },
                     training=training,
                     opset=opset,
                     log_level=log_level,

@@ -117,6 +117,9 @@ class _Runtime:
         self.tried: set[tuple] = set()
         self.unrepaired_fingerprint: str | None = None  # the first call's graph fingerprint before any repair
         self.told_empty = False  # a training call with an empty input ran in PyTorch (said once)
+        # Per kind of call (a key's export fields, sizes aside, and grad mode): the sizes graphs are exported for,
+        # None where a call changed a dimension (dynamic_shapes = "auto", :meth:`static_sizes`).
+        self.sizes: dict[tuple, tuple] = {}
         # Each training session's first step is checked once (ortcore_check_first_step: the gradient audit); a
         # session that failed its check keeps the failure, raised again on every step.
         self.checked: weakref.WeakKeyDictionary[TrainingSession, StepCheckError | FirstRunError | None] = (
@@ -141,6 +144,50 @@ class _Runtime:
         if hasattr(self.exporter, "use_hooks"):  # an exporter that takes its own contributions (the dynamo route)
             self.exporter.use_hooks(hooks, config)
         self.pipeline = Pipeline(config, hooks, self.exporter, self.state)
+
+    def static_sizes(self, key: GraphKey, tensors: list[torch.Tensor]) -> tuple:
+        """The sizes ``key``'s graph is exported for (``dynamic_shapes = "auto"``): the first call's, with each
+        dimension that a later call of the same kind (same export key otherwise, and grad mode) changed as None,
+        dynamic from then on.
+        Dimensions only ever become dynamic, so a model whose sizes vary gets at most one graph more per dimension."""
+        sizes = tuple(tuple(t.shape) for t in tensors)
+        # Training and no_grad calls apart: an evaluation batch of another size leaves the training graph static.
+        family = (key.export_key, key.grad_enabled)
+        known = self.sizes.get(family)
+        if known is None:
+            self.sizes[family] = sizes
+            return sizes
+        merged = tuple(
+            tuple(k if k == s else None for k, s in zip(known_dims, dims)) for known_dims, dims in zip(known, sizes)
+        )
+        if merged != known:
+            names = [name for name, *_ in key.inputs]
+            changed = [
+                f"{names[i]} dimension {d} ({known[i][d]} -> {sizes[i][d]})"
+                for i, dims in enumerate(merged)
+                for d, size in enumerate(dims)
+                if size is None and known[i][d] is not None
+            ]
+            logger.info("input sizes changed: the next graph is dynamic in %s", ", ".join(changed))
+            self.sizes[family] = merged
+        return merged
+
+    def all_dynamic(self, key: GraphKey, error: Exception) -> GraphKey | None:
+        """``key`` with every dimension dynamic, if its graph was exported for static sizes, else None. A graph for
+        static sizes that ORT fails to build or run is the first thing given up: ORT's graph
+        transformers and gradient builders take other paths on static shapes (a reshaped graph output's gradient is
+        one that fails), and the dynamic graph is the one every repair was made for. A wrong gradient the audit finds is
+        repaired by routing as on any graph."""
+        if not any(size is not None for sizes in key.static_sizes for size in sizes):
+            return None
+        dynamic = tuple((None,) * len(sizes) for sizes in key.static_sizes)
+        self.sizes[(attrs.evolve(key, static_sizes=()).export_key, key.grad_enabled)] = dynamic
+        logger.info(
+            "the graph exported for the call's sizes failed (%s: %s); exporting it with every dimension dynamic",
+            type(error).__name__,
+            str(error).splitlines()[0][:300] if str(error) else "",
+        )
+        return attrs.evolve(key, static_sizes=dynamic)
 
     @property
     def repairs_key(self) -> tuple:
@@ -481,7 +528,8 @@ class ORTModule(torch.nn.Module):
                     key, schema, tensors, params, buffers, recorder, args, kwargs
                 )
             except tuple(_FALLBACK_FLAG) as e:
-                error, failed = e, key
+                # The key the next such call gets: a graph for static sizes that failed made its sizes dynamic.
+                error, failed = e, self._graph_key(schema, tensors, params, buffers, taps)
             else:
                 rt.state.record_ort_run(key)
                 step_state = recorder.start_step("ortcore") if recorder is not None else None
@@ -509,7 +557,7 @@ class ORTModule(torch.nn.Module):
         rt = self._ortcore
         trace = None
         if rt.unrepaired_fingerprint is None:  # the model's first resolve: repairs an earlier process found
-            rt.unrepaired_fingerprint = rt.pipeline.fingerprint(self._original_module, key)
+            rt.unrepaired_fingerprint = rt.pipeline.fingerprint(self._original_module, key, sizes=False)
             stored = rt.hooks.load_repairs(self._original_module, rt.unrepaired_fingerprint)
             if stored and rt.restore(stored):
                 key = attrs.evolve(key, repairs=rt.repairs_key)
@@ -524,6 +572,10 @@ class ORTModule(torch.nn.Module):
                     rt.hooks.repairs_found(self._original_module, rt.unrepaired_fingerprint, found)
                 return graph, session, key
             except (UnsupportedModelError, GraphBuildError, StepCheckError) as e:
+                dynamic = rt.all_dynamic(key, e) if isinstance(e, GraphBuildError) else None
+                if dynamic is not None:  # the static graph failed: the one dynamic in every dimension comes first
+                    key = dynamic
+                    continue
                 if trace is None:
                     trace = trace_modules(self._original_module, args, kwargs)
                 stage, module = _stage_of(e, eager_ran=trace.ran)
@@ -650,7 +702,7 @@ class ORTModule(torch.nn.Module):
                 params=params,
                 buffers=buffers,
                 trainable=key.trainable,
-                export=lambda tapper: rt.pipeline.export_for_audit(self._original_module, schema, tensors, tapper),
+                export=lambda tapper: rt.pipeline.export_for_audit(self._original_module, schema, tensors, tapper, key),
                 build=lambda g: self._check_build(g, key),
             )
             rt.state.counters.audits += 1
@@ -687,7 +739,7 @@ class ORTModule(torch.nn.Module):
         rt = self._ortcore
         trainable = tuple(n for n, p in params.items() if p.requires_grad)
         inputs_rg = tuple(n for n, t in zip(schema.names, tensors) if t.requires_grad)
-        return GraphKey(
+        key = GraphKey(
             structure=schema.structure,
             constants=schema.constants,
             inputs=schema.tensors,
@@ -704,6 +756,9 @@ class ORTModule(torch.nn.Module):
             taps=taps,
             repairs=rt.repairs_key,
         )
+        if rt.options.dynamic_shapes == "always":
+            return key
+        return attrs.evolve(key, static_sizes=rt.static_sizes(key, tensors))
 
     def _fall_back(self, error: Exception, failed: Any, args: tuple, kwargs: dict) -> Any:
         """Run the call in PyTorch as the policy allows, remembering ``failed`` (the call's key) as falling back.

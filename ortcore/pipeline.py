@@ -105,7 +105,7 @@ class Pipeline:
         self.hooks = hooks
         self.exporter = exporter
         self.state = state
-        self._last_identity: tuple[GraphKey, list, str] | None = None
+        self._last_identity: tuple[GraphKey, list, str, Any] | None = None
 
     # -- export and pre-gradient passes ----------------------------------------------------------------------------
     def export(
@@ -118,12 +118,14 @@ class Pipeline:
     ) -> ExportedGraph:
         """The graph of a call with ``key``: from an export cache (``ortcore_load_export``) or exported anew."""
         opts = self.options
-        passes, fp = self._identity(module, key)
+        passes, fp, _ = self._identity(module, key)
         cached = self.hooks.load_export(module, fp)
         if cached is not None:
             return cached
         with tapping(recorder) if key.taps else contextlib.nullcontext() as tapper:
-            graph = self._export_graph(module, schema, tensors, passes, tapper, keep_raw=opts.save_onnx)
+            graph = self._export_graph(
+                module, schema, tensors, passes, tapper, keep_raw=opts.save_onnx, dynamic_dims=key.dynamic_dims
+            )
         self.hooks.export_done(module, fp, graph)
         if opts.save_onnx:
             mode = "training" if graph.training else "eval"
@@ -132,27 +134,38 @@ class Pipeline:
             # graph.raw_model stays: each build saves it under upstream's name for its mode
         return graph
 
-    def fingerprint(self, module: torch.nn.Module, key: GraphKey) -> str:
-        """What the export cache stores the graph of ``key`` under (:func:`ortcore.identity.graph_fingerprint`)."""
-        return self._identity(module, key)[1]
+    def fingerprint(self, module: torch.nn.Module, key: GraphKey, sizes: bool = True) -> str:
+        """What the export cache stores the graph of ``key`` under (:func:`ortcore.identity.graph_fingerprint`);
+        with ``sizes=False``, the same for every input size (what repairs are stored under: they hold for the model,
+        whatever the sizes of the call that found them)."""
+        passes, fp, plugin_keys = self._identity(module, key)
+        if sizes or not key.static_sizes:
+            return fp
+        return graph_fingerprint(
+            attrs.evolve(key, static_sizes=()), module, passes=passes, exporter=self.exporter, plugin_keys=plugin_keys
+        )
 
-    def _identity(self, module: torch.nn.Module, key: GraphKey) -> tuple[list, str]:
-        """The graph passes and the fingerprint of ``key``'s export, asked of the hooks once per key (the export
-        asks again for a key the state machine decided to export once more)."""
+    def _identity(self, module: torch.nn.Module, key: GraphKey) -> tuple[list, str, Any]:
+        """The graph passes, the fingerprint of ``key``'s export and the plugins' export keys, asked of the hooks
+        once per key (the export asks again for a key the state machine decided to export once more)."""
         if self._last_identity is not None and self._last_identity[0] == key:
-            _, passes, fp = self._last_identity
+            _, passes, fp, plugin_keys = self._last_identity
             self._last_identity = None
-            return passes, fp
+            return passes, fp, plugin_keys
         passes = self.hooks.graph_passes()
-        fp = graph_fingerprint(key, module, passes=passes, exporter=self.exporter, plugin_keys=self.hooks.export_key())
-        self._last_identity = (key, passes, fp)
-        return passes, fp
+        plugin_keys = self.hooks.export_key()
+        fp = graph_fingerprint(key, module, passes=passes, exporter=self.exporter, plugin_keys=plugin_keys)
+        self._last_identity = (key, passes, fp, plugin_keys)
+        return passes, fp, plugin_keys
 
     def export_for_audit(
-        self, module: torch.nn.Module, schema: InputSchema, tensors: list[torch.Tensor], tapper: Any
+        self, module: torch.nn.Module, schema: InputSchema, tensors: list[torch.Tensor], tapper: Any, key: GraphKey
     ) -> ExportedGraph:
-        """A graph of this call for the gradient audit: exported anew (no export cache), taps from ``tapper``."""
-        return self._export_graph(module, schema, tensors, self.hooks.graph_passes(), tapper)
+        """A graph of this call for the gradient audit: exported anew (no export cache) with ``key``'s dynamic
+        dimensions, taps from ``tapper``."""
+        return self._export_graph(
+            module, schema, tensors, self.hooks.graph_passes(), tapper, dynamic_dims=key.dynamic_dims
+        )
 
     def _export_graph(
         self,
@@ -162,8 +175,10 @@ class Pipeline:
         passes: list,
         tapper: Any,
         keep_raw: bool = False,
+        dynamic_dims: dict[int, list[int]] | None = None,
     ) -> ExportedGraph:
-        """One export, inside the plugins' export contexts (``ortcore_export_context``)."""
+        """One export, inside the plugins' export contexts (``ortcore_export_context``); ``dynamic_dims`` as
+        :attr:`GraphKey.dynamic_dims` (None: every dimension dynamic)."""
         opts = self.options
         with self._export_contexts(module):
             return export_graph(
@@ -178,6 +193,7 @@ class Pipeline:
                 config=self.config,
                 keep_raw=keep_raw,
                 tapper=tapper,
+                dynamic_dims=dynamic_dims,
             )
 
     @contextlib.contextmanager

@@ -3,8 +3,9 @@ session, or re-exports the model, and that logs and counts why.
 
 A call is described by a :class:`GraphKey`. Its *export* fields (input structure, constants, dtypes, ranks,
 train/eval, opset, exporter) shape the ONNX graph; its *build* fields (grad mode, which parameters and inputs need
-gradients, device) shape only the gradient graph and the session. Batch size and sequence length are not in the
-key: every input dimension is exported as dynamic. Graphs and sessions are cached by key, so switching between
+gradients, device) shape only the gradient graph and the session. ``static_sizes`` holds the input sizes a graph is
+exported for, a dimension ``None`` once it is dynamic (``dynamic_shapes``: the first call's sizes are exported,
+a dimension a later call changes becomes dynamic, as torch.compile's automatic dynamic shapes do). Graphs and sessions are cached by key, so switching between
 train and eval reuses what was built before.
 """
 
@@ -32,6 +33,7 @@ EXPORT_FIELDS = (
     "opset",
     "exporter",
     "shape_class",
+    "static_sizes",
     "repairs",
     "taps",
 )
@@ -60,6 +62,16 @@ class GraphKey:
     shape_class: tuple = ()
     # The repairs (ortcore.repair) in force when the graph was exported: a repair exports the model again.
     repairs: tuple = ()
+    # Per tensor input, the sizes the graph is exported for, None for each dynamic dimension; () when every
+    # dimension is dynamic (dynamic_shapes = "always").
+    static_sizes: tuple = ()
+
+    @property
+    def dynamic_dims(self) -> dict[int, list[int]] | None:
+        """Per tensor input (by position), its dynamic dimensions; None when every dimension is dynamic."""
+        if not self.static_sizes:
+            return None
+        return {i: [d for d, size in enumerate(sizes) if size is None] for i, sizes in enumerate(self.static_sizes)}
 
     @property
     def export_key(self) -> tuple:
@@ -130,6 +142,15 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
             if latest
             else "input sizes back within the first graph's ranges"
         )
+    if old.static_sizes != new.static_sizes and old.static_sizes and new.static_sizes:
+        names = [name for name, *_ in new.inputs]
+        changed = [
+            f"{names[i] if i < len(names) else i} dimension {d}"
+            for i, (a, b) in enumerate(zip(old.static_sizes, new.static_sizes))
+            for d, (x, y) in enumerate(zip(a, b))
+            if x != y
+        ]
+        reasons.append("input sizes changed: " + (f"now dynamic in {', '.join(changed)}" if changed else "sizes"))
     if old.taps != new.taps:
         reasons.append("activation subscribers " + ("started recording" if new.taps else "stopped recording"))
     for field in ("opset", "exporter", "device"):

@@ -14,6 +14,13 @@ ORT's own default (a default-constructed ``TrainingGraphTransformerConfiguration
 - plugin disabled (``[plugins] disable``) or not installed: off, ORT's default; the label sparsity of
   ``sparse_optimizer`` is then off too, as it needs the compute optimizer.
 
+ORT 1.19.2's ``UpStreamReshape`` moves a ``Reshape`` that reads a graph output above the op producing it without
+keeping the output's shape: with static sizes, a causal LM's ``logits`` (``[B, S, V]``, also reshaped to
+``[B*S, V]`` for the loss) became a ``[B*S, V]`` graph output, and the backward failed adding the user's ``[B, S, V]``
+gradient to it. The plugin's graph pass ``shield_graph_outputs`` gives each graph output that the graph also reads an
+``Identity`` of its own, so the transformers see a consumer to keep the shape for; ORT drops the ``Identity`` when the
+session is created (no copy at run time).
+
 When the gradient build or the first run of a graph fails inside one of these transformers (ORT 1.19.2's
 ``UpStreamGather`` throws on some symbolic dimensions: ``upstream_gather_actors.cc``, ``CreateNewShapeWithUpdatedDim``),
 the plugin offers the repair that switches it off for that model (``ortcore_repairs``, the smallest repair there is).
@@ -29,8 +36,9 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import onnx
 
-from ortcore.api import Config, Failure, Repair, hookimpl, option, parse_bool
+from ortcore.api import Config, Failure, GraphPass, PassContext, Repair, hookimpl, option, parse_bool
 
 NAME = "compute_optimizer"
 
@@ -57,6 +65,32 @@ def ortcore_graph_transformer_config(config: Config, transformer_config: Any) ->
     # Set in both directions: the configuration the core passes is default-constructed, and a later ORT could change
     # its default; an explicit value keeps "enable = false" meaning off whatever ORT's default becomes.
     transformer_config.enable_compute_optimizer = config.plugin_options(NAME).enable
+
+
+@hookimpl
+def ortcore_graph_passes(config: Config) -> list[GraphPass]:
+    options = config.plugin_options(NAME)
+    return [GraphPass("shield_graph_outputs", run=shield_graph_outputs)] if options is not None and options.enable else []
+
+
+def shield_graph_outputs(model: onnx.ModelProto, ctx: PassContext | None = None) -> None:
+    """Each graph output that nodes of the graph also read is produced by an ``Identity`` of its own; the graph's
+    nodes read the value before it (see the module's docstring)."""
+    graph = model.graph
+    read = {name for node in graph.node for name in node.input}
+    made = {name for node in graph.node for name in node.output}
+    shielded = [o.name for o in graph.output if o.name in read and o.name in made]
+    if not shielded:
+        return
+    renamed = {name: f"{name}_before_output" for name in shielded}
+    for node in graph.node:
+        for names in (node.input, node.output):
+            for k, name in enumerate(names):
+                if name in renamed:
+                    names[k] = renamed[name]
+    graph.node.extend(
+        onnx.helper.make_node("Identity", [renamed[name]], [name], name=f"{name}_output") for name in shielded
+    )
 
 
 # Where ORT's compute-optimizer transformers live and what they throw: a failure naming one of these is theirs.

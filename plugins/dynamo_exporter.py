@@ -787,7 +787,7 @@ class DynamoExporter:
         # gradient then keeps y's gradient [B, N]). The graph records it (input_ranges), so a call of another size
         # there gets a graph of its own, with that dimension dynamic.
         dims = tuple(
-            {d: torch.export.Dim.AUTO for d in range(t.dim()) if t.shape[d] != 1} if name in dynamic_axes else None
+            {d: torch.export.Dim.AUTO for d in dynamic_axes[name] if t.shape[d] != 1} if name in dynamic_axes else None
             for name, t in zip(input_names, args)
         )
         start = time.perf_counter()

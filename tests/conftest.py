@@ -79,6 +79,13 @@ def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.
     models.set_current_test("<no test>")
 
 
+@pytest.fixture
+def all_dims_dynamic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dynamic_shapes = "always"``: every input dimension dynamic from the first export, one graph for all sizes
+    (for tests of what a dynamic graph does; the default exports the first call's sizes, see test_state_machine)."""
+    monkeypatch.setenv("ORTCORE_DYNAMIC_SHAPES", "always")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if not config.getoption("--parity-errors") or not models.MAX_ERRORS:
         return

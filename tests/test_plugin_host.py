@@ -105,7 +105,7 @@ def test_hooks_run_in_lifecycle_order_for_one_export_and_training_step():
         "post_backward:0",
     ]
     plugin.calls.clear()
-    model(torch.randn(2, 3)).sum().backward()  # same key: no export hooks, only the step
+    model(torch.randn(4, 3)).sum().backward()  # same key: no export hooks, only the step
     assert plugin.calls == ["pre_forward:1", "post_forward:1", "pre_backward:1", "post_backward:1"]
 
 

@@ -93,12 +93,80 @@ def reasons(transitions: list[tuple[str, str]], action: str) -> str:
 # -- what does not re-export ----------------------------------------------------------------------------------------
 
 
-def test_batch_size_change_reuses_graph():
+def test_batch_size_change_exports_once_more_then_reuses_graph():
+    """dynamic_shapes = "auto": the first graph has the first call's sizes; the first call that changes a dimension
+    gets a graph dynamic in it, which serves every later size."""
     m = Tracked()
+    m(torch.randn(2, 4))
+    graph, _ = m.ort.state_machine.current
+    assert [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.model.graph.input[:1]] == [[2, 4]]
+    m.new_transitions()
+    for batch in (5, 1, 7, 2):
+        m(torch.randn(batch, 4))
+    assert m.counts() == (2, 2)
+    assert m.counters.reuses == 3
+    assert "input sizes changed: now dynamic in x dimension 0" in reasons(m.new_transitions(), "export")
+    graph, _ = m.ort.state_machine.current
+    dims = graph.model.graph.input[0].type.tensor_type.shape.dim
+    assert dims[0].dim_param and not dims[0].HasField("dim_value") and dims[1].dim_value == 4
+
+
+def test_dynamic_shapes_always_exports_one_graph_for_every_size():
+    from ortcore.config import Config
+    from ortcore.host import PluginHost
+
+    m = Tracked(host=PluginHost(Config.load(env={"ORTCORE_DYNAMIC_SHAPES": "always"}, search=False)))
     for batch in (2, 5, 1, 7):
         m(torch.randn(batch, 4))
     assert m.counts() == (1, 1)
     assert m.counters.reuses == 3
+
+
+def test_a_static_graph_has_no_run_time_broadcast_gradients():
+    """With the sizes known, ORT's gradient of a broadcasting Add reduces over axes fixed at build time: no
+    BroadcastGradientArgs, and no ReduceSum for the side that is not broadcast (the bias's only)."""
+    from ortcore.config import Config
+    from ortcore.host import PluginHost
+
+    class Residual(nn.Module):  # the layer norm runs as an ATen node: ONNX's shape inference knows no size after it
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.norm(x)
+            return self.fc(h) + h
+
+    counts = {}
+    x = torch.randn(3, 5, 4)
+    for mode in ("auto", "always"):
+        model = Residual()
+        ort = ORTModule(
+            copy.deepcopy(model),
+            fallback_policy="FALLBACK_DISABLE",
+            host=PluginHost(Config.load(env={"ORTCORE_DYNAMIC_SHAPES": mode}, search=False)),
+        )
+        out = ort(x)
+        expected = model(x)
+        assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for (name, p), q in zip(ort.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, msg=f"{mode}: gradient of {name}")
+        _, session = ort.state_machine.current
+        ops = [n.op_type for n in session.model.graph.node]
+        counts[mode] = (ops.count("BroadcastGradientArgs"), ops.count("ReduceSum"))
+    assert counts["auto"][0] == 0 and counts["always"][0] > 0, counts
+    assert counts["auto"][1] < counts["always"][1], counts
+
+
+def test_bad_dynamic_shapes_value_is_refused():
+    from ortcore.config import Config
+    from ortcore.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"ORTCORE_DYNAMIC_SHAPES='sometimes' is not allowed; allowed: auto .* always"):
+        Config.load(env={"ORTCORE_DYNAMIC_SHAPES": "sometimes"}, search=False)
 
 
 def test_dropping_sessions_builds_again_without_exporting():
@@ -114,11 +182,11 @@ def test_dropping_sessions_builds_again_without_exporting():
     assert reasons(transitions, "export") == "" and reasons(transitions, "build")
 
 
-def test_sequence_length_change_reuses_graph():
+def test_sequence_length_change_reuses_graph_once_dynamic():
     m = Tracked()
-    for length in (3, 9, 1):
+    for length in (3, 9, 1, 3, 12):
         m(torch.randn(2, length, 4))
-    assert m.counts() == (1, 1)
+    assert m.counts() == (2, 2)
 
 
 def test_same_python_scalar_reuses_graph():
@@ -300,8 +368,8 @@ def test_returning_to_seen_dtype_reuses_cached_graph():
     m = Tracked()
     m(torch.randn(3, 4))
     m(torch.randn(3, 4, dtype=torch.float64))
-    m(torch.randn(5, 4))
-    m(torch.randn(2, 4, dtype=torch.float64))
+    m(torch.randn(3, 4))
+    m(torch.randn(3, 4, dtype=torch.float64))
     assert m.counts() == (2, 2)
     assert [t.action for t in m.ort.state_machine.history[-2:]] == ["reuse", "reuse"]
 

@@ -151,7 +151,8 @@ def _assert_matches_reference(results: dict) -> None:
     ranks = results["ranks"]
     for rank in ranks:
         assert rank["fallback_reason"] is None
-        assert rank["counters"]["exports"] == 1 and rank["counters"]["fallbacks"] == 0
+        # the first batch's sizes, then one graph more per dimension the load-balanced batches change (batch, length)
+        assert rank["counters"]["exports"] <= 3 and rank["counters"]["fallbacks"] == 0
         assert len(rank["batches"]) == len(rank["losses"]) == STEPS
     model, losses = _reference([rank["batches"] for rank in ranks], STEPS)
     # What DDP trained on each step is the mean of the ranks' losses.

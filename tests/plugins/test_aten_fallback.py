@@ -454,7 +454,7 @@ def test_a_failing_torch_kernel_is_raised_after_the_run_naming_the_op(caplog: py
     ort(torch.randint(0, 20, (2, 3))).sum().backward()  # builds the graph with valid ids
     errors = executor.stats().errors
     with pytest.raises(executor.ATenExecutorError, match="embedding: IndexError: index out of range"):
-        ort(torch.tensor([[25, 1, 2]]))  # 25 is past the 20 rows: torch's kernel raises inside the ORT run
+        ort(torch.tensor([[25, 1, 2], [3, 4, 5]]))  # 25 is past the 20 rows: torch's kernel raises inside the ORT run
     assert executor.stats().errors == errors + 1
     assert "the ATen executor failed running embedding" in caplog.text
     assert executor.take_pending_error() is None  # the wrapper took it; the next run starts clean

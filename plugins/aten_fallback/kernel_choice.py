@@ -35,6 +35,7 @@ import onnxruntime
 import torch
 
 from ortcore.api import Config, atomic_writer, format_table
+from ortcore_plugins.services.machine import BUSY_PCT, OthersCPU
 
 from .measurement import TORCH_TYPES, measure_case
 
@@ -44,6 +45,9 @@ CACHE_FILE = "kernel_choice.json"
 FILE_FORMAT = 1
 PYTORCH, ORT = "PyTorch", "ORT"
 MEASURED, CACHED, REQUIRED, UNMEASURED = "measured", "cached", "required", "unmeasured"
+# Measured while other processes took more than BUSY_PCT of the CPU: held for this process only, never written to the
+# file, so the next process measures the case again (a loaded machine favours whichever side suffers less from it).
+PROVISIONAL = "provisional"
 # Within this fraction of ORT's time, ORT keeps the op: a graph without an ATen node for no measurable gain.
 TIE = 0.02
 # Per export: once measuring has taken this long, the remaining new cases keep the default list (not cached).
@@ -93,8 +97,10 @@ class Case:
 @attrs.frozen
 class Decision:
     """Where a :class:`Case` runs: ``side`` is ``"PyTorch"`` or ``"ORT"``; ``source`` is ``"measured"`` (now),
-    ``"cached"`` (an earlier measurement, this process or the file), ``"required"`` (only one side computes
-    torch's result) or ``"unmeasured"`` (no measurement possible: the fixed default list decided)."""
+    ``"cached"`` (an earlier measurement, this process or the file), ``"provisional"`` (measured while other
+    processes loaded the CPU: this process only), ``"required"`` (only one side computes torch's result) or
+    ``"unmeasured"`` (no measurement possible: the fixed default list decided). ``others_pct``: the share of the
+    CPU other processes took while it was measured."""
 
     case: Case
     side: str
@@ -102,6 +108,7 @@ class Decision:
     ort_ms: float | None = None
     torch_ms: float | None = None
     note: str = ""
+    others_pct: float | None = None
 
     @property
     def routed(self) -> bool:
@@ -112,7 +119,12 @@ class Decision:
             faster = "faster" if self.routed else "not faster"
             return (
                 f"PyTorch's kernel {faster} on {self.case.describe()}: {self.torch_ms:.2f} ms vs ORT "
-                f"{self.ort_ms:.2f} ms forward+backward ({self.source})"
+                f"{self.ort_ms:.2f} ms forward+backward ({self.source}"
+                + (
+                    f": other processes took {self.others_pct:.0f}% of the CPU, measured again in the next process)"
+                    if self.source == PROVISIONAL and self.others_pct is not None
+                    else ")"
+                )
             )
         return f"{self.note} ({self.case.describe()})"
 
@@ -124,6 +136,7 @@ class Decision:
             "ort_ms": self.ort_ms,
             "torch_ms": self.torch_ms,
             "note": self.note,
+            "others_pct": self.others_pct,
         }
 
     @classmethod
@@ -140,7 +153,7 @@ class Decision:
         side = data["side"]
         if side not in (PYTORCH, ORT):
             raise ValueError(f"side {side!r}")
-        ort_ms, torch_ms = data.get("ort_ms"), data.get("torch_ms")
+        ort_ms, torch_ms, others = data.get("ort_ms"), data.get("torch_ms"), data.get("others_pct")
         return cls(
             case,
             side,
@@ -148,6 +161,7 @@ class Decision:
             None if ort_ms is None else float(ort_ms),
             None if torch_ms is None else float(torch_ms),
             str(data.get("note", "")),
+            None if others is None else float(others),
         )
 
 
@@ -280,15 +294,28 @@ class KernelChooser:
             key = self._full_key(case)
             known = self.cached(case)
             if known is not None:
-                decision = attrs.evolve(known, source=CACHED, case=case)
+                decision = attrs.evolve(known, source=known.source if known.source == PROVISIONAL else CACHED, case=case)
             else:
                 start = time.perf_counter()
+                others = OthersCPU()
                 ort_ms, torch_ms = self.timer(case)
+                others_pct = others.stop()
                 self.seconds += time.perf_counter() - start
                 self.measurements += 1
-                decision = Decision(case, choose(ort_ms, torch_ms, self.tie), MEASURED, ort_ms, torch_ms)
-                self._memory[key] = attrs.evolve(decision, source=CACHED)
-                self._store(key, decision)
+                busy = others_pct is not None and others_pct > BUSY_PCT
+                decision = Decision(
+                    case,
+                    choose(ort_ms, torch_ms, self.tie),
+                    PROVISIONAL if busy else MEASURED,
+                    ort_ms,
+                    torch_ms,
+                    others_pct=others_pct,
+                )
+                if busy:
+                    self._memory[key] = decision
+                else:
+                    self._memory[key] = attrs.evolve(decision, source=CACHED)
+                    self._store(key, decision)
             self.log(decision)
             return decision
 

@@ -37,7 +37,12 @@ from ortcore_plugins.services.example_models import (  # noqa: F401 (PRESETS and
     make_batches,
     preset,
 )
-from ortcore_plugins.services.machine import describe_machine, machine_line
+from ortcore_plugins.services.machine import (  # noqa: F401 (OthersCPU: the bench's API)
+    BUSY_PCT,
+    OthersCPU,
+    describe_machine,
+    machine_line,
+)
 
 #: "ortcore-cached" is ortcore in a second process on the same export cache (the first one, a one-step run, fills
 #: it): what a restarted job sees. Its first step is the one the export cache and ORT's cached session graph make.
@@ -403,48 +408,8 @@ def explain_isolated(model_name: str, cfg: BenchConfig, timeout_s: float = 1800.
     return (data["data"], None) if data.get("ok") else (None, data.get("error") or "failed")
 
 
-class OthersCPU:
-    """CPU share that processes other than this one and its children used between creation and :meth:`stop`.
-
-    Other work on the machine inflates step times (two cores are easily taken); this makes that visible instead of
-    leaving it to be guessed from odd numbers. Machine-wide busy time (stolen time included, as the hypervisor's
-    other tenants count too) minus our own and our finished children's CPU time, over the wall time × cores.
-    """
-
-    def __init__(self) -> None:
-        self._start = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float] | None:
-        try:
-            import resource
-
-            import psutil
-
-            t = psutil.cpu_times()
-            busy = sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
-            own = sum(
-                r.ru_utime + r.ru_stime
-                for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
-            )
-            return busy, own, time.monotonic()
-        except Exception:  # only a warning depends on it
-            return None
-
-    def stop(self) -> float | None:
-        """Others' share of the whole machine in percent (0 = we had it to ourselves), or None if unknown."""
-        end = self._sample()
-        if self._start is None or end is None or end[2] <= self._start[2]:
-            return None
-        import psutil
-
-        others = (end[0] - self._start[0]) - (end[1] - self._start[1])
-        capacity = (end[2] - self._start[2]) * (psutil.cpu_count() or 1)
-        return max(0.0, min(100.0, 100.0 * others / capacity))
-
-
 #: Above this share of the CPU taken by other processes during a run, its times are flagged as unreliable.
-BUSY_WARNING_PCT = 10.0
+BUSY_WARNING_PCT = BUSY_PCT
 
 
 def add_ratios(results: Sequence[RunResult]) -> None:

@@ -10,6 +10,9 @@ baseline. Which GEMM each side runs follows from it: PyTorch's float32 matmul go
 as ``torch.__config__.show()`` reports, with oneDNN for some ops) at the ISA torch reports
 (``torch.backends.cpu.get_cpu_capability()``); ONNX Runtime's CPU provider runs its own MLAS, whose float32 GEMM
 kernel is chosen by ISA the same way (AVX-512F, else FMA3/AVX2, else AVX, else SSE).
+
+:class:`OthersCPU` measures how much of the machine other processes took while something was timed: the bench flags
+rows above :data:`BUSY_PCT`, and the kernel choice keeps such a measurement for its process only (provisional).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +115,47 @@ def machine_line(machine: dict[str, Any]) -> str:
         f"{machine.get('cpu', '?')}, {core_text}, {machine.get('isa', '?')}; GEMMs: torch "
         f"{machine.get('torch_gemm', '?')} at {machine.get('torch_cpu_capability', '?')}, ORT {machine.get('ort_gemm', '?')}"
     )
+
+
+class OthersCPU:
+    """CPU share that processes other than this one and its children used between creation and :meth:`stop`.
+
+    Other work on the machine inflates step times (two cores are easily taken); this makes that visible instead of
+    leaving it to be guessed from odd numbers. Machine-wide busy time (stolen time included, as the hypervisor's
+    other tenants count too) minus our own and our finished children's CPU time, over the wall time × cores.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            import resource
+
+            import psutil
+
+            t = psutil.cpu_times()
+            busy = sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+            own = sum(
+                r.ru_utime + r.ru_stime
+                for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+            )
+            return busy, own, time.monotonic()
+        except Exception:  # only a warning depends on it
+            return None
+
+    def stop(self) -> float | None:
+        """Others' share of the whole machine in percent (0 = we had it to ourselves), or None if unknown."""
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return None
+        import psutil
+
+        others = (end[0] - self._start[0]) - (end[1] - self._start[1])
+        capacity = (end[2] - self._start[2]) * (psutil.cpu_count() or 1)
+        return max(0.0, min(100.0, 100.0 * others / capacity))
+
+
+#: Above this share of the CPU taken by other processes during a measurement, it is not trusted as final.
+BUSY_PCT = 10.0

@@ -115,6 +115,36 @@ def test_the_file_serves_another_chooser_without_measuring(tmp_path: Path) -> No
     assert data["format"] == kernel_choice.FILE_FORMAT and len(data["entries"]) == 1
 
 
+class _Load:
+    """Stands in for ``OthersCPU``: other processes took ``pct`` percent of the CPU while a case was measured."""
+
+    pct = 0.0
+
+    def stop(self) -> float:
+        return self.pct
+
+
+def test_a_case_measured_under_load_is_provisional_and_measured_again_by_the_next_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kernel_choice, "OthersCPU", _Load)
+    monkeypatch.setattr(_Load, "pct", 55.0)
+    path = tmp_path / "k.json"
+    timer = FakeTimer({"gelu": (10.0, 3.0)})
+    chooser = KernelChooser(path, timer=timer)
+    first, again = chooser.decide(GELU), chooser.decide(GELU)
+    assert (first.side, first.source, first.others_pct) == (PYTORCH, "provisional", 55.0)
+    assert again.source == "provisional" and len(timer.cases) == 1  # held for this process
+    assert "other processes took 55% of the CPU, measured again in the next process" in first.reason()
+    assert not path.exists()  # nothing written: the next process measures again
+    monkeypatch.setattr(_Load, "pct", 2.0)
+    later = KernelChooser(path, timer=FakeTimer({"gelu": (3.0, 10.0)}))
+    decision = later.decide(GELU)
+    assert (decision.side, decision.source, decision.others_pct) == (ORT, "measured", 2.0)
+    entry = next(iter(json.loads(path.read_text())["entries"].values()))
+    assert entry["others_pct"] == 2.0 and entry["source"] == "measured"
+
+
 @pytest.mark.parametrize(
     "content", ["{not json", '{"format": 99, "entries": {}}', '{"format": 1, "entries": {"k": 3}}']
 )

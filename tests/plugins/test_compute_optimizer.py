@@ -127,6 +127,65 @@ def test_upstream_gather_moves_slice_to_input(ortcore_host: HostFactory, tmp_pat
     assert gather_source(tmp_path, "disabled") == "Gelu"
 
 
+class LogitsAndLoss(nn.Module):
+    """A causal LM's tail: ``logits = head(h)`` is returned and also flattened for the loss (``[B*S, V]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 12)
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(h).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)), logits
+
+
+def test_a_graph_output_the_graph_also_reshapes_keeps_its_shape(ortcore_host: HostFactory) -> None:
+    """On static sizes UpStreamReshape gave ``logits`` the loss input's ``[B*S, V]`` shape: the backward failed adding
+    the user's ``[B, S, V]`` gradient. ``shield_graph_outputs`` keeps it: one graph, outputs and every gradient (of
+    the loss and of the logits) as PyTorch's."""
+    torch.manual_seed(0)
+    model = LogitsAndLoss()
+    ort, ref = ort_and_torch(
+        model, host=ortcore_host({"compute_optimizer": plugin}, env={"ORTMODULE_FALLBACK_POLICY": "FALLBACK_DISABLE"})
+    )
+    h, labels = torch.randn(3, 5, 8), torch.randint(0, 12, (3, 5))
+    (loss, logits), (loss_ref, logits_ref) = ort(h, labels), ref(h, labels)
+    assert logits.shape == (3, 5, 12)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-5)
+    weights = torch.randn(3, 5, 12)
+    (loss + (logits * weights).sum()).backward()
+    (loss_ref + (logits_ref * weights).sum()).backward()
+    for (name, p), q in zip(ort.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert ort.state_machine.counters.exports == 1  # the static graph itself, not the dynamic one after a failure
+    graph = ort.state_machine.current[0].model.graph
+    assert [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim] == [3, 5, 8]
+
+
+def test_shield_graph_outputs_gives_each_output_the_graph_reads_an_identity() -> None:
+    import onnx.helper as h
+
+    x = h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])
+    y = h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])
+    z = h.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [6])
+    model = h.make_model(
+        h.make_graph(
+            [h.make_node("Relu", ["x"], ["y"]), h.make_node("Flatten", ["y"], ["z"], axis=0)],
+            "g",
+            [x],
+            [y, z, x],  # y is read by Flatten; z is not; x is an input passed through
+        )
+    )
+    plugin.shield_graph_outputs(model)
+    nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert nodes == [
+        ("Relu", ["x"], ["y_before_output"]),
+        ("Flatten", ["y_before_output"], ["z"]),
+        ("Identity", ["y_before_output"], ["y"]),
+    ]
+    onnx.checker.check_model(model)
+
+
 def test_bert_trains_like_torch(ortcore_host: HostFactory) -> None:
     ort, ref = ort_and_torch(tiny_bert(), host=ortcore_host({"compute_optimizer": plugin}))
     check_step_and_training(ort, ref, make_batches(bert_batch, 4), hf_step, steps=3)

@@ -35,7 +35,7 @@ import onnxruntime
 import torch
 
 from ortcore.api import Config, atomic_writer, format_table
-from ortcore_plugins.services.machine import BUSY_PCT, OthersCPU
+from ortcore_plugins.services.machine import OthersCPU, loaded
 
 from .measurement import TORCH_TYPES, measure_case
 
@@ -302,7 +302,7 @@ class KernelChooser:
                 others_pct = others.stop()
                 self.seconds += time.perf_counter() - start
                 self.measurements += 1
-                busy = others_pct is not None and others_pct > BUSY_PCT
+                busy = loaded(others, others_pct)
                 decision = Decision(
                     case,
                     choose(ort_ms, torch_ms, self.tie),

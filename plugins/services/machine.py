@@ -152,9 +152,26 @@ class OthersCPU:
             return None
         import psutil
 
+        cores = psutil.cpu_count() or 1
         others = (end[0] - self._start[0]) - (end[1] - self._start[1])
-        capacity = (end[2] - self._start[2]) * (psutil.cpu_count() or 1)
+        capacity = (end[2] - self._start[2]) * cores
+        # The machine's busy time is counted in clock ticks (10 ms each, per core): a short window is read +-1 tick.
+        self.uncertain_pct = 100.0 * TICK_S * cores / capacity
         return max(0.0, min(100.0, 100.0 * others / capacity))
+
+    uncertain_pct = 0.0  # set by stop(): how far the share may be off from the counters' resolution alone
+
+
+def loaded(others: OthersCPU, pct: float | None, threshold: float | None = None) -> bool:
+    """Were other processes above ``threshold`` percent (:data:`BUSY_PCT`) of the machine while ``others`` watched,
+    beyond what the counters' resolution can explain? ``pct`` is what ``others.stop()`` returned."""
+    if pct is None:
+        return False
+    return pct > (BUSY_PCT if threshold is None else threshold) + getattr(others, "uncertain_pct", 0.0)
+
+
+#: The resolution of the machine's busy time (/proc/stat counts USER_HZ ticks).
+TICK_S = 0.01
 
 
 #: Above this share of the CPU taken by other processes during a measurement, it is not trusted as final.

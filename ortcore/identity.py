@@ -386,14 +386,24 @@ def graph_fingerprint(
 
         fp = graph_fingerprint(key, model, passes=passes, exporter=exporter, plugin_keys=hooks.export_key())
     """
-    return fingerprint(
-        {
-            "key": key.export_key,
-            "module": module_signature(module),
-            "module_digest": module_digest(module),
-            "passes": [p.name for p in passes],
-            "exporter": exporter_identity(exporter),
-            "plugins": plugin_keys,
-            "versions": versions(),
-        }
-    )
+    return fingerprint(graph_description(key, module, passes=passes, exporter=exporter, plugin_keys=plugin_keys))
+
+
+def graph_description(
+    key: GraphKey,
+    module: torch.nn.Module,
+    *,
+    passes: Sequence[GraphPass],
+    exporter: Exporter,
+    plugin_keys: dict[str, Any],
+) -> dict[str, Any]:
+    """What :func:`graph_fingerprint` hashes (the module's signature and digest computed once per call)."""
+    return {
+        "key": key.export_key,
+        "module": module_signature(module),
+        "module_digest": module_digest(module),
+        "passes": [p.name for p in passes],
+        "exporter": exporter_identity(exporter),
+        "plugins": plugin_keys,
+        "versions": versions(),
+    }

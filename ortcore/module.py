@@ -151,26 +151,13 @@ class _Runtime:
         dynamic from then on.
         Dimensions only ever become dynamic, so a model whose sizes vary gets at most one graph more per dimension."""
         sizes = tuple(tuple(t.shape) for t in tensors)
-        # Training and no_grad calls apart: an evaluation batch of another size leaves the training graph static.
-        family = (key.export_key, key.grad_enabled)
-        known = self.sizes.get(family)
-        if known is None:
-            self.sizes[family] = sizes
-            return sizes
-        merged = tuple(
-            tuple(k if k == s else None for k, s in zip(known_dims, dims)) for known_dims, dims in zip(known, sizes)
-        )
-        if merged != known:
-            names = [name for name, *_ in key.inputs]
-            changed = [
-                f"{names[i]} dimension {d} ({known[i][d]} -> {sizes[i][d]})"
-                for i, dims in enumerate(merged)
-                for d, size in enumerate(dims)
-                if size is None and known[i][d] is not None
-            ]
-            logger.info("input sizes changed: the next graph is dynamic in %s", ", ".join(changed))
-            self.sizes[family] = merged
-        return merged
+        known = self.sizes.get(key.sizes_family)
+        if known is not None:  # the export that follows logs which dimensions turned dynamic (describe_change)
+            sizes = tuple(
+                tuple(k if k == s else None for k, s in zip(known_dims, dims)) for known_dims, dims in zip(known, sizes)
+            )
+        self.sizes[key.sizes_family] = sizes
+        return sizes
 
     def all_dynamic(self, key: GraphKey, error: Exception) -> GraphKey | None:
         """``key`` with every dimension dynamic, if its graph was exported for static sizes, else None. A graph for
@@ -181,7 +168,7 @@ class _Runtime:
         if not any(size is not None for sizes in key.static_sizes for size in sizes):
             return None
         dynamic = tuple((None,) * len(sizes) for sizes in key.static_sizes)
-        self.sizes[(attrs.evolve(key, static_sizes=()).export_key, key.grad_enabled)] = dynamic
+        self.sizes[key.sizes_family] = dynamic
         logger.info(
             "the graph exported for the call's sizes failed (%s: %s); exporting it with every dimension dynamic",
             type(error).__name__,

@@ -36,7 +36,7 @@ from .errors import GraphBuildError
 from .exporter import EXPORT_LOCK
 from .files import atomic_write
 from .graph import ExportedGraph, export_graph
-from .identity import graph_fingerprint
+from .identity import fingerprint, graph_description
 from .options import LogLevel
 from .session import BuildRequest, BuiltGraph, TrainingSession, build_graph, default_providers, explain_ort_error
 from .session_plan import RunWrapper, SessionPlan, base_session_options  # noqa: F401 (re-exported: the plan's former home)
@@ -105,7 +105,7 @@ class Pipeline:
         self.hooks = hooks
         self.exporter = exporter
         self.state = state
-        self._last_identity: tuple[GraphKey, list, str, Any] | None = None
+        self._last_identity: tuple[GraphKey, list, str, dict] | None = None
 
     # -- export and pre-gradient passes ----------------------------------------------------------------------------
     def export(
@@ -138,25 +138,26 @@ class Pipeline:
         """What the export cache stores the graph of ``key`` under (:func:`ortcore.identity.graph_fingerprint`);
         with ``sizes=False``, the same for every input size (what repairs are stored under: they hold for the model,
         whatever the sizes of the call that found them)."""
-        passes, fp, plugin_keys = self._identity(module, key)
+        _, fp, description = self._identity(module, key)
         if sizes or not key.static_sizes:
             return fp
-        return graph_fingerprint(
-            attrs.evolve(key, static_sizes=()), module, passes=passes, exporter=self.exporter, plugin_keys=plugin_keys
-        )
+        return fingerprint({**description, "key": attrs.evolve(key, static_sizes=()).export_key})
 
-    def _identity(self, module: torch.nn.Module, key: GraphKey) -> tuple[list, str, Any]:
-        """The graph passes, the fingerprint of ``key``'s export and the plugins' export keys, asked of the hooks
-        once per key (the export asks again for a key the state machine decided to export once more)."""
+    def _identity(self, module: torch.nn.Module, key: GraphKey) -> tuple[list, str, dict]:
+        """The graph passes, the fingerprint of ``key``'s export and what it hashes (:func:`graph_description`),
+        asked of the hooks once per key (the export asks again for a key the state machine decided to export once
+        more)."""
         if self._last_identity is not None and self._last_identity[0] == key:
-            _, passes, fp, plugin_keys = self._last_identity
+            _, passes, fp, description = self._last_identity
             self._last_identity = None
-            return passes, fp, plugin_keys
+            return passes, fp, description
         passes = self.hooks.graph_passes()
-        plugin_keys = self.hooks.export_key()
-        fp = graph_fingerprint(key, module, passes=passes, exporter=self.exporter, plugin_keys=plugin_keys)
-        self._last_identity = (key, passes, fp, plugin_keys)
-        return passes, fp, plugin_keys
+        description = graph_description(
+            key, module, passes=passes, exporter=self.exporter, plugin_keys=self.hooks.export_key()
+        )
+        fp = fingerprint(description)
+        self._last_identity = (key, passes, fp, description)
+        return passes, fp, description
 
     def export_for_audit(
         self, module: torch.nn.Module, schema: InputSchema, tensors: list[torch.Tensor], tapper: Any, key: GraphKey

@@ -67,6 +67,12 @@ class GraphKey:
     static_sizes: tuple = ()
 
     @property
+    def sizes_family(self) -> tuple:
+        """The calls that share one history of sizes (``dynamic_shapes = "auto"``): the export fields but the sizes,
+        and grad mode (an evaluation batch of another size leaves the training graph static)."""
+        return (attrs.evolve(self, static_sizes=()).export_key, self.grad_enabled)
+
+    @property
     def dynamic_dims(self) -> dict[int, list[int]] | None:
         """Per tensor input (by position), its dynamic dimensions; None when every dimension is dynamic."""
         if not self.static_sizes:

@@ -17,12 +17,13 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (3, 1)
+API_VERSION = (3, 2)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
     # the user surface, for plugins that train a model (bench, demo, explain)
     "ORTModule": "ortcore.module",
+    "export_again": "ortcore.module",
     "ORTCORE_VERSION": "ortcore.version",
     # hooks
     "hookimpl": "ortcore.markers",
@@ -75,6 +76,7 @@ _NAMES: dict[str, str] = {
     "ExportedGraph": "ortcore.graph",
     "GRAPH_FORMAT": "ortcore.graph",
     "INPUT_RANGES_METADATA": "ortcore.graph",
+    "PROVISIONAL_METADATA": "ortcore.graph",
     "StopGradientLowering": "ortcore.graph",
     "value_dependencies": "ortcore.graph",
     "BuiltGraph": "ortcore.session",

@@ -36,6 +36,9 @@ TAP_OUTPUT_PREFIX = "ortcore.tap::"
 # from torch.export's range constraints: a model that branches on a size (``if ids.shape[1] > 8``) gives a graph
 # valid for some sizes only.
 INPUT_RANGES_METADATA = "ortcore.input_ranges"
+# A graph that holds a choice made for now only (a kernel choice not yet measured, or measured under load) carries
+# this key, its value saying why: caches do not keep it, so the next process decides again.
+PROVISIONAL_METADATA = "ortcore.provisional"
 GRAPH_FORMAT = 2  # bump when ExportedGraph.to_bytes changes (2: JSON and ONNX bytes; 1 was a pickle)
 
 

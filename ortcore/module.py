@@ -117,6 +117,8 @@ class _Runtime:
         self.tried: set[tuple] = set()
         self.unrepaired_fingerprint: str | None = None  # the first call's graph fingerprint before any repair
         self.told_empty = False  # a training call with an empty input ran in PyTorch (said once)
+        # export_again() requests acted on (the count the module's entry had; earlier ones concern older wrappers)
+        self.export_requests_seen = _export_requests.get(module, (0, ""))[0]
         # Per kind of call (a key's export fields, sizes aside, and grad mode): the sizes graphs are exported for,
         # None where a call changed a dimension (dynamic_shapes = "auto", :meth:`static_sizes`).
         self.sizes: dict[tuple, tuple] = {}
@@ -284,6 +286,20 @@ class _ORTFunction(torch.autograd.Function):
         for call in phases["post_backward"]:
             call(ctx.step)
         return (None, None, None, None, *grads)
+
+
+# export_again(): per wrapped module, (how many requests so far, the last one's reason). Each ORTModule remembers the
+# count it has acted on, so every ORTModule wrapping the module exports again once.
+_export_requests: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def export_again(module: torch.nn.Module, reason: str) -> None:
+    """Ask every ORTModule that wraps ``module`` to export it again at its next call (its graphs and sessions are
+    dropped; repairs and options stay). For a plugin whose choices, made at export, changed since: the
+    ``aten_fallback`` plugin calls it once a kernel it measured on a later step should run on the other side.
+    ``module`` is the module the plugin was given (``ortcore_runtime_inspectors``), the one ORTModule wraps."""
+    count, _ = _export_requests.get(module, (0, ""))
+    _export_requests[module] = (count + 1, reason)
 
 
 _WRAPPER_ATTRIBUTES = frozenset({"_original_module", "_ortcore", "training"})
@@ -486,6 +502,11 @@ class ORTModule(torch.nn.Module):
     # -- the step ----------------------------------------------------------------------------------------------
     def _run(self, args: tuple, kwargs: dict) -> Any:
         rt = self._ortcore
+        if _export_requests:
+            request = _export_requests.get(self._original_module)
+            if request is not None and request[0] != rt.export_requests_seen:
+                rt.export_requests_seen = request[0]
+                self._model_changed(f"a plugin asked to export again: {request[1]}")
         # One walk of the model's state per step, shared by the key and the feeds.
         params = dict(self._original_module.named_parameters())
         buffers = dict(self._original_module.named_buffers())

@@ -79,8 +79,15 @@ def make_host(
     a dict).
 
     With ``audit`` (the default) the installed ``gradient_audit`` plugin is registered too, so that every model a
-    test trains on such a host has its first step checked against PyTorch as it would by default."""
-    config = Config.from_table(table or {}, env=dict(env or {}))
+    test trains on such a host has its first step checked against PyTorch as it would by default.
+
+    Unless ``env`` says otherwise, a host with the ``aten_fallback`` plugin times no kernel
+    (``ORTCORE_KERNEL_MEASURE=off``: its kernel choice keeps the default list where no earlier measurement decided),
+    so a test's graph does not depend on how fast the machine running it is."""
+    env = dict(env or {})
+    if "aten_fallback" in (plugins or {}):
+        env.setdefault("ORTCORE_KERNEL_MEASURE", "off")
+    config = Config.from_table(table or {}, env=env)
     return PluginHost(config, autoload=False, plugins=plugins or {}, builtins=(AUDIT_PLUGIN,) if audit else ())
 
 

@@ -49,7 +49,17 @@ import onnx
 import onnxruntime
 import torch
 
-from ortcore.api import GRAPH_FORMAT, Config, ExportedGraph, OptionError, atomic_writer, hookimpl, option, parse_bool
+from ortcore.api import (
+    GRAPH_FORMAT,
+    PROVISIONAL_METADATA,
+    Config,
+    ExportedGraph,
+    OptionError,
+    atomic_writer,
+    hookimpl,
+    option,
+    parse_bool,
+)
 
 logger = logging.getLogger("ortcore.export_cache")
 
@@ -474,6 +484,10 @@ def ortcore_load_export(config: Config, module: torch.nn.Module, fingerprint: st
 def ortcore_export_done(config: Config, module: torch.nn.Module, fingerprint: str, graph: ExportedGraph) -> None:
     cache = cache_for(config)
     if cache is None or not _HEX.match(fingerprint) or not cache.trusted():
+        return
+    provisional = next((p.value for p in graph.model.metadata_props if p.key == PROVISIONAL_METADATA), None)
+    if provisional is not None:  # a choice made for now only: the next process decides (and exports) again
+        logger.info("export cache: the graph of %s is not cached: %s", type(module).__name__, provisional)
         return
     path = cache.entry_path(fingerprint, _rank())
     try:

@@ -64,8 +64,13 @@ def deepspeed_world():
             dist.destroy_process_group()
 
 
+@pytest.fixture(scope="session")
+def _test_cache_home(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
 @pytest.fixture(autouse=True)
-def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, _test_cache_home):
     """No ORTMODULE_*/ORTCORE_* variable from the caller's shell changes a test, and every test starts from seed 0."""
     for name in list(os.environ):
         if name.startswith(("ORTMODULE_", "ORTCORE_")):
@@ -73,6 +78,11 @@ def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.
     exporter = request.config.getoption("--exporter")
     if exporter:
         monkeypatch.setenv("ORTCORE_EXPORTER", exporter)
+    # Kernel choice (torch_kernels = "auto") neither reads nor writes the user's ~/.cache/ortcore, and times nothing:
+    # every test's graph is the default list's, whatever machine runs it and whatever an earlier test measured.
+    # The tests of measuring (tests/plugins/test_kernel_choice.py) turn it on with a cache file of their own.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(_test_cache_home))
+    monkeypatch.setenv("ORTCORE_KERNEL_MEASURE", "off")
     torch.manual_seed(0)
     models.set_current_test(request.node.nodeid)
     yield

@@ -37,6 +37,7 @@ from typing import Any
 
 from ortcore.api import (
     DYNAMO,
+    PROVISIONAL_METADATA,
     TORCHSCRIPT,
     Config,
     GraphPass,
@@ -67,6 +68,7 @@ from .options import (
     AtenFallbackOptions,
     fallback_ops,
     is_auto,
+    measure_mode,
     parse_fallback_ops,
     routed_ops,
 )
@@ -142,30 +144,40 @@ def ortcore_program_passes(config: Config) -> list[GraphPass]:
     ``torch_kernels`` (embedding and GELU need only translations). ``linear`` and ``auto`` are TorchScript-only: on
     this route those ops stay in ORT (said once, at INFO)."""
     global _told_torchscript_only
-    ops = routed_ops(config)
-    torchscript_only = sorted(ops) if is_auto(config) else sorted(set(ops) - set(DYNAMO_OPS))
-    if torchscript_only and not _told_torchscript_only:
+    ops = dynamo_routed_ops(config)
+    torchscript_only = sorted(set(routed_ops(config)) - set(DYNAMO_OPS)) if not is_auto(config) else []
+    if (torchscript_only or is_auto(config)) and not _told_torchscript_only:
         _told_torchscript_only = True
         logger.info(
-            "aten_fallback: torch_kernels %s runs on PyTorch's kernels on the TorchScript route only; on the dynamo "
-            "route %s stays in ORT (the written-out tanh GELU is still replaced)",
-            "auto" if is_auto(config) else f"({', '.join(torchscript_only)})",
-            ", ".join(torchscript_only),
+            "aten_fallback: %s on the TorchScript route only; on the dynamo route %s",
+            "torch_kernels = auto measures"
+            if is_auto(config)
+            else f"torch_kernels ({', '.join(torchscript_only)}) runs on PyTorch's kernels",
+            f"the default list runs on PyTorch's kernels ({', '.join(sorted(ops))})"
+            if is_auto(config)
+            else f"{', '.join(torchscript_only)} stays in ORT (the written-out tanh GELU is still replaced)",
         )
     listed = fallback_ops(config)
     if ops or listed:
         prepare_runtime()
     passes = [GraphPass(PROGRAM_PASS, run=program_pass(listed))] if listed else []
-    if ops & {"layer_norm", "cross_entropy"} and not is_auto(config):
+    if ops & {"layer_norm", "cross_entropy"}:
         passes.append(GraphPass(KERNELS_PASS, run=program_kernels(ops)))
     return passes
 
 
+def dynamo_routed_ops(config: Config) -> frozenset[str]:
+    """The ops the dynamo route runs on PyTorch's kernels: the ones listed that it can route (:data:`DYNAMO_OPS`);
+    with ``auto``, which measures on the TorchScript route only, the default list's."""
+    ops = frozenset(DEFAULT_OPS) if is_auto(config) else routed_ops(config)
+    return ops & frozenset(DYNAMO_OPS)
+
+
 @hookimpl
 def ortcore_export_translations(config: Config) -> dict[Any, Any]:
-    """Embedding and GELU on PyTorch's kernels (``torch_kernels``, not ``auto``), and the translations of the
-    wrapper ops the program passes made (one ATen node each)."""
-    table = {} if is_auto(config) else translations_for(routed_ops(config))
+    """Embedding and GELU on PyTorch's kernels (``torch_kernels``; with ``auto``, the default list's), and the
+    translations of the wrapper ops the program passes made (one ATen node each)."""
+    table = translations_for(dynamo_routed_ops(config))
     if fallback_ops(config):
         table.update(aten_program.translations())
     return table
@@ -207,10 +219,23 @@ def _measured_tanh_gelu(model: Any, context: Any) -> int:
 
 
 def _record_choices(model: Any, context: Any) -> int:
-    """The export's kernel decisions go into the graph's metadata (so a cached graph carries them)."""
+    """The export's kernel decisions go into the graph's metadata (so a cached graph carries them); a graph holding
+    a choice for now only (deferred, provisional) is marked so that caches do not keep it."""
     decisions = kernel_choice.take_pending()
     kernel_choice.record(model, decisions)
+    waiting = sorted({d.source for d in decisions if d.source in (kernel_choice.DEFERRED, kernel_choice.PROVISIONAL)})
+    if waiting and not any(p.key == PROVISIONAL_METADATA for p in model.metadata_props):
+        model.metadata_props.add(key=PROVISIONAL_METADATA, value=f"kernel choices not final ({', '.join(waiting)})")
     return len(decisions)
+
+
+@hookimpl
+def ortcore_runtime_inspectors(config: Config, module: Any) -> list[Any]:
+    """With ``torch_kernels = "auto"`` and ``measure = "later"``: the cases decided by the default list are timed
+    on a later step (:class:`.kernel_choice.LaterMeasurement`)."""
+    if is_auto(config) and measure_mode(config) == "later":
+        return [kernel_choice.LaterMeasurement(config, module)]
+    return []
 
 
 @hookimpl

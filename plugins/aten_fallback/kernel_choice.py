@@ -48,8 +48,16 @@ MEASURED, CACHED, REQUIRED, UNMEASURED = "measured", "cached", "required", "unme
 # Measured while other processes took more than BUSY_PCT of the CPU: held for this process only, never written to the
 # file, so the next process measures the case again (a loaded machine favours whichever side suffers less from it).
 PROVISIONAL = "provisional"
-# Within this fraction of ORT's time, ORT keeps the op: a graph without an ATen node for no measurable gain.
-TIE = 0.02
+# Not measured on this machine yet (measure = "later"): the default list decided for now, the case is timed before
+# training step MEASURE_AT_STEP. A graph holding a deferred or provisional decision is not kept by the export cache.
+DEFERRED = "deferred"
+MEASURE_AT_STEP = 2
+# Within this fraction of ORT's time, ORT keeps the op: a graph without an ATen node for no measurable gain. 10%: the
+# spread of identical timings on a loaded 2-core VM, and an ATen node's own cost inside ORT's graph that a one-op
+# measurement does not see (its callback, about 0.07 ms, and inputs arriving cold from ORT's threads: LayerNorm 0.26
+# ms in the graph against 0.10 ms run again at once). A GPT-2 addmm measured 10.1 vs 10.6 ms, a 5% "win" that cost a
+# second export.
+TIE = 0.10
 # Per export: once measuring has taken this long, the remaining new cases keep the default list (not cached).
 EXPORT_BUDGET_SECONDS = 3.0
 
@@ -121,7 +129,8 @@ class Decision:
                 f"PyTorch's kernel {faster} on {self.case.describe()}: {self.torch_ms:.2f} ms vs ORT "
                 f"{self.ort_ms:.2f} ms forward+backward ({self.source}"
                 + (
-                    f": other processes took {self.others_pct:.0f}% of the CPU, measured again in the next process)"
+                    f": other processes took {self.others_pct:.0f}% of the CPU, measured again on a later step or "
+                    "by the next process)"
                     if self.source == PROVISIONAL and self.others_pct is not None
                     else ")"
                 )
@@ -210,7 +219,9 @@ def cache_path(config: Config | None = None) -> Path:
         directory = getattr(options, "dir", "") or ""
     directory = directory or env.get("ORTMODULE_CACHE_DIR", "").strip()
     if not directory:
-        base = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+        # XDG_CACHE_HOME is the user's, not an ortcore setting: a host configured from another mapping still honours it
+        xdg = env.get("XDG_CACHE_HOME", "").strip() or os.environ.get("XDG_CACHE_HOME", "").strip()
+        base = xdg or os.path.join(os.path.expanduser("~"), ".cache")
         directory = os.path.join(base, "ortcore")
     return Path(os.path.abspath(os.path.expanduser(directory))) / CACHE_FILE
 
@@ -288,11 +299,14 @@ class KernelChooser:
             self._load()
             return self._memory.get(self._full_key(case))
 
-    def decide(self, case: Case) -> Decision:
-        """The side ``case`` runs on, measuring it if no decision is known; logged once per case at INFO."""
+    def decide(self, case: Case, *, again_if_provisional: bool = False) -> Decision:
+        """The side ``case`` runs on, measuring it if no decision is known (or, with ``again_if_provisional``, if the
+        known one was measured under load); logged once per case at INFO."""
         with self._lock:
             key = self._full_key(case)
             known = self.cached(case)
+            if known is not None and again_if_provisional and known.source == PROVISIONAL:
+                known = None
             if known is not None:
                 decision = attrs.evolve(known, source=known.source if known.source == PROVISIONAL else CACHED, case=case)
             else:
@@ -618,16 +632,34 @@ def decide_call(config: Config, op: str, g: Any, args: tuple) -> Decision | None
     return decide_case(config, found)
 
 
-def decide_case(config: Config, case: Case) -> Decision:
-    """The decision for ``case``: measured or cached where measuring is possible, else the default list's."""
+def default_side(case: Case) -> str:
+    """Where the fixed default list runs ``case``'s op."""
     from .options import DEFAULT_OPS
 
-    fallback = PYTORCH if case.op in DEFAULT_OPS else ORT
+    return PYTORCH if case.op in DEFAULT_OPS else ORT
+
+
+def decide_case(config: Config, case: Case) -> Decision:
+    """The decision for ``case``: measured or cached where measuring is possible, else the default list's; with
+    ``measure = "later"`` a case not measured yet takes the default list's side for now (``deferred``)."""
+    from .options import measure_mode
+
+    fallback = default_side(case)
     if not case.shapes:
         return Decision(case, fallback, UNMEASURED, note="sizes unknown at export: the default list decided")
     if case.device != "cpu" or case.dtype not in TORCH_TYPES:
         return Decision(case, fallback, UNMEASURED, note="measured on CPU floats only: the default list decided")
     chooser = chooser_for(config)
+    mode = measure_mode(config)
+    if mode != "export" and chooser.cached(case) is None:
+        if mode == "off":
+            return Decision(case, fallback, UNMEASURED, note="not measured on this machine (measure = off)")
+        return Decision(
+            case,
+            fallback,
+            DEFERRED,
+            note=f"not measured on this machine yet: the default list decides until training step {MEASURE_AT_STEP}",
+        )
     if chooser.cached(case) is None and _export_seconds[0] > EXPORT_BUDGET_SECONDS:
         return Decision(
             case, fallback, UNMEASURED, note="the export's measuring budget is spent: the default list decided"
@@ -665,3 +697,95 @@ def tanh_gelu_route(config: Config, model: onnx.ModelProto, sizes: list[Any]) ->
         return decision.routed
 
     return route
+
+
+# -- measure = "later": the cases a graph started on the default list for, timed on a later step --------------------
+
+#: At most this long per step goes to measuring (cases beyond it wait for the next step).
+STEP_BUDGET_SECONDS = 3.0
+#: A case measured under load is timed again on a later step, at most this many times; then the default stays.
+MAX_ATTEMPTS = 4
+
+
+def waiting_cases(model: Any) -> list[Decision]:
+    """The decisions of a graph taken for now only: ``deferred`` (not measured yet) and ``provisional``."""
+    if model is None:
+        return []
+    return [d for d in kernel_choices(model) if d.source in (DEFERRED, PROVISIONAL)]
+
+
+def measure_waiting(config: Config, waiting: Sequence[Decision], budget_s: float = STEP_BUDGET_SECONDS) -> list[Decision]:
+    """Time the waiting cases (a provisional one again), within ``budget_s``; returns the new decisions, one per case
+    measured (fewer than ``waiting`` when the budget ran out)."""
+    chooser = chooser_for(config)
+    start = time.perf_counter()
+    done = []
+    for old in waiting:
+        if time.perf_counter() - start > budget_s:
+            break
+        try:
+            done.append(chooser.decide(old.case, again_if_provisional=True))
+        except Exception as e:  # a failed measurement keeps the graph as it is: the default list decided
+            logger.warning(
+                "kernel choice: measuring %s failed (%s: %s); the default list decides",
+                old.case.describe(),
+                type(e).__name__,
+                e,
+            )
+            done.append(Decision(old.case, old.side, UNMEASURED, note=f"measurement failed ({type(e).__name__})"))
+    return done
+
+
+class LaterMeasurement:
+    """A runtime inspector (``measure = "later"``): before training step :data:`MEASURE_AT_STEP` of each session, the
+    cases its graph decided by the default list are timed (within :data:`STEP_BUDGET_SECONDS` a step); if a
+    measurement puts a case on the other side, the module is exported again (``ortcore.api.export_again``) and the
+    next call runs the graph of the measured choice. A measurement taken under load is provisional: it does not
+    change the graph and is taken again on a later step (steps 2, 4, 8, ...; :data:`MAX_ATTEMPTS` in all)."""
+
+    def __init__(self, config: Config, module: torch.nn.Module):
+        import weakref
+
+        self.config = config
+        self.module = weakref.ref(module)
+        # per session: (the training step to measure at, attempts so far); a finished session maps to None
+        self.plan: weakref.WeakKeyDictionary[Any, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+
+    def pre_forward(self, step: int, inputs: Any) -> None:
+        session = inputs.session
+        if session is None or step < MEASURE_AT_STEP or not getattr(session.request, "build_gradient", False):
+            return
+        plan = self.plan.get(session, (MEASURE_AT_STEP, 0))
+        if plan is None or step < plan[0]:
+            return
+        waiting = waiting_cases(getattr(session, "model", None))
+        if not waiting:
+            self.plan[session] = None
+            return
+        measured = measure_waiting(self.config, waiting)
+        by_case = {d.case: d for d in measured}
+        switched = [d for d in measured if d.source != PROVISIONAL and d.side != _side_in_graph(waiting, d.case)]
+        unfinished = [d for d in waiting if d.case not in by_case or by_case[d.case].source == PROVISIONAL]
+        attempts = plan[1] + 1
+        if unfinished and attempts < MAX_ATTEMPTS:
+            # the rest next step (budget spent), or a provisional one at twice the step (the load may pass)
+            again = step + 1 if any(d.case not in by_case for d in unfinished) else 2 * step
+            self.plan[session] = (again, attempts)
+        else:
+            self.plan[session] = None
+        module = self.module()
+        if switched and module is not None:
+            from ortcore.api import export_again
+
+            reason = "kernel choice measured on this machine: " + "; ".join(
+                f"{d.case.describe()} on {d.side} ({d.torch_ms:.2f} ms PyTorch, {d.ort_ms:.2f} ms ORT)"
+                if d.torch_ms is not None and d.ort_ms is not None
+                else f"{d.case.describe()} on {d.side}"
+                for d in switched
+            )
+            logger.info("%s: exporting again", reason)
+            export_again(module, reason)
+
+
+def _side_in_graph(decisions: Sequence[Decision], case: Case) -> str:
+    return next(d.side for d in decisions if d.case == case)

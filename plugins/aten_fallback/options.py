@@ -14,12 +14,18 @@ from ortcore_plugins.services.torch_kernels import ROUTABLE_OPS
 NAME = "aten_fallback"
 ENV = "ORTCORE_TORCH_KERNELS"
 FALLBACK_ENV = "ORTCORE_ATEN_FALLBACK_OPS"
+MEASURE_ENV = "ORTCORE_KERNEL_MEASURE"
 
 # Ops routed by default, of the ones this plugin can route (ROUTABLE_OPS, the torch_kernels service's).
 DEFAULT_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy")
 
 AUTO = "auto"
 ALL = "all"
+# When torch_kernels = "auto" measures a case no earlier measurement on this machine decided: "later" (the graph starts
+# on the default list and the case is timed before training step MEASURE_AT_STEP; the model is exported again if a
+# measurement changes the choice), "export" (timed during the export, which waits for it), "off" (never timed: the
+# default list decides what no earlier measurement did).
+MEASURE_MODES = ("later", "export", "off")
 _ALLOWED = f"{', '.join(ROUTABLE_OPS)}, or one of 'auto', 'all', 'none'"
 
 
@@ -49,6 +55,16 @@ def parse_ops(value: object, source: str) -> tuple[str, ...]:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise OptionError(f"{source}={value!r}: unknown op {item!r}; allowed: {_ALLOWED}.{hint}")
     return tuple(dict.fromkeys(items))  # ordered, without duplicates
+
+
+def parse_measure(value: object, source: str) -> str:
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in MEASURE_MODES:
+        raise OptionError(
+            f"{source}={value!r} is not allowed; allowed: later (start on the default list, measure on a later step), "
+            "export (measure while exporting) or off (never measure)"
+        )
+    return text
 
 
 def parse_fallback_ops(value: object, source: str) -> tuple[str, ...]:
@@ -82,7 +98,7 @@ class AtenFallbackOptions:
     """Options of the ``aten_fallback`` plugin (``[plugins.aten_fallback]`` in ortcore.toml)."""
 
     torch_kernels: tuple[str, ...] = option(
-        DEFAULT_OPS,
+        (AUTO,),
         parse_ops,
         "ops run with PyTorch's kernels inside the ORT graph: a list of "
         f"{', '.join(ROUTABLE_OPS)}; or 'auto' (each op where it measured faster on the model's shapes), 'all', "
@@ -96,6 +112,14 @@ class AtenFallbackOptions:
         "names, and/or 'auto' for every op the exporter reports unsupported",
         env=FALLBACK_ENV,
     )
+    measure: str = option(
+        "later",
+        parse_measure,
+        "with torch_kernels = 'auto', when a case no earlier measurement decided is timed: later (the first steps run "
+        "on the default list, the case is timed before training step 2, the model exported again if that changes "
+        "the choice), export (the export waits for it) or off (the default list decides)",
+        env=MEASURE_ENV,
+    )
 
 
 def is_auto(config: Config) -> bool:
@@ -103,7 +127,13 @@ def is_auto(config: Config) -> bool:
     if config.env.get(ENV) is not None and config.env[ENV].strip() == "":
         return False
     options = config.plugin_options(NAME)
-    return (options.torch_kernels if options is not None else DEFAULT_OPS) == (AUTO,)
+    return options is not None and options.torch_kernels == (AUTO,)
+
+
+def measure_mode(config: Config) -> str:
+    """``measure``: when ``auto`` times a case no earlier measurement decided (``later``, ``export``, ``off``)."""
+    options = config.plugin_options(NAME)
+    return options.measure if options is not None else "off"
 
 
 def routed_ops(config: Config) -> frozenset[str]:

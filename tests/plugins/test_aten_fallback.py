@@ -45,7 +45,8 @@ from ortcore.host import PluginHost
 def make_host(ops: list[str] | str | None = None, env: dict[str, str] | None = None) -> PluginHost:
     """A host with only this plugin; ``ops`` None keeps the default routing. The environment is only ``env``."""
     table = {"plugins": {"aten_fallback": {"torch_kernels": ops}}} if ops is not None else {}
-    return PluginHost(Config.from_table(table, env=env or {}), autoload=False, plugins={"aten_fallback": plugin})
+    env = {"ORTCORE_KERNEL_MEASURE": "off", **(env or {})}  # the default list, whatever this machine measures
+    return PluginHost(Config.from_table(table, env=env), autoload=False, plugins={"aten_fallback": plugin})
 
 
 def wrap_saving(model: nn.Module, tmp_path: Path, prefix: str, ops: list[str] | None = None, **kwargs: Any):
@@ -383,10 +384,21 @@ def test_only_the_chosen_ops_are_routed(tmp_path: Path) -> None:
     assert set(aten_ops(tmp_path / "some_training.onnx")) == expected
 
 
+def test_the_default_is_kernel_choice_by_measurement() -> None:
+    config = make_host().config
+    assert plugin.is_auto(config) and plugin.routed_ops(config) == set(plugin.ROUTABLE_OPS)
+    assert make_host(env={}).config.plugin_options("aten_fallback").measure == "off"  # as make_host sets it
+    assert plugin.AtenFallbackOptions().measure == "later"
+    assert host_key(make_host())["aten_fallback.torch_kernels"] == "auto"
+
+
+def host_key(host: PluginHost) -> dict:
+    return host.hooks.export_key()
+
+
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({}, set(plugin.DEFAULT_OPS)),
         ({"ORTCORE_TORCH_KERNELS": ""}, set()),
         ({"ORTCORE_TORCH_KERNELS": "none"}, set()),
         ({"ORTCORE_TORCH_KERNELS": " gelu, linear "}, {"gelu", "linear"}),

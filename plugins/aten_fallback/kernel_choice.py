@@ -741,7 +741,11 @@ class LaterMeasurement:
     cases its graph decided by the default list are timed (within :data:`STEP_BUDGET_SECONDS` a step); if a
     measurement puts a case on the other side, the module is exported again (``ortcore.api.export_again``) and the
     next call runs the graph of the measured choice. A measurement taken under load is provisional: it does not
-    change the graph and is taken again on a later step (steps 2, 4, 8, ...; :data:`MAX_ATTEMPTS` in all)."""
+    change the graph and is taken again on a later step (steps 2, 4, 8, ...; :data:`MAX_ATTEMPTS` in all).
+
+    A module is exported again for its kernel choice once per process: a model whose input sizes change gets graphs
+    exported at other sizes, whose calls are other cases (measured too, for the next process, but not worth an
+    export each)."""
 
     def __init__(self, config: Config, module: torch.nn.Module):
         import weakref
@@ -750,6 +754,7 @@ class LaterMeasurement:
         self.module = weakref.ref(module)
         # per session: (the training step to measure at, attempts so far); a finished session maps to None
         self.plan: weakref.WeakKeyDictionary[Any, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+        self.exported_again = False
 
     def pre_forward(self, step: int, inputs: Any) -> None:
         session = inputs.session
@@ -774,8 +779,16 @@ class LaterMeasurement:
         else:
             self.plan[session] = None
         module = self.module()
-        if switched and module is not None:
+        if switched and self.exported_again:
+            logger.info(
+                "kernel choice: %d call(s) measured faster on the other side; the graph stays (the module was exported "
+                "again for its kernel choice once already), the next process starts on them",
+                len(switched),
+            )
+        elif switched and module is not None:
             from ortcore.api import export_again
+
+            self.exported_again = True
 
             reason = "kernel choice measured on this machine: " + "; ".join(
                 f"{d.case.describe()} on {d.side} ({d.torch_ms:.2f} ms PyTorch, {d.ort_ms:.2f} ms ORT)"

@@ -456,6 +456,24 @@ def test_a_graph_with_choices_not_measured_yet_is_not_export_cached(tmp_path: Pa
     assert ("embedding", ORT) in {(d.case.op, d.side) for d in plugin.kernel_choices(second)}
 
 
+def test_a_model_whose_sizes_change_is_exported_again_for_its_kernel_choice_once(tmp_path: Path, fake_chooser) -> None:
+    """Graphs exported at other sizes hold other cases: measured (for the next process), not an export each."""
+    host = make_host(tmp_path, env={"ORTCORE_KERNEL_MEASURE": "later"})
+    _, timer = fake_chooser(DISAGREES, host)
+    ort, ref = ort_and_torch(MixedModel(), host=host)
+    gen = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randint(0, 30, (4, seq), generator=gen), torch.randint(0, 5, (4, seq), generator=gen))
+        for seq in (12, 12, 12, 12, 10, 10, 9, 11)
+    ]
+    _train(ort, ref, batches)
+    again = [t for t in ort.state_machine.history if "asked to export again" in t.reason]
+    assert len(again) == 1, [t.reason for t in ort.state_machine.history]
+    # the static graph, the one of the measured choice, the graph dynamic in the sequence (serving 10, 9 and 11)
+    assert ort.state_machine.counters.exports == 3
+    assert len(timer.cases) > CASES  # the dynamic graph's cases (at sequence 10) were measured too
+
+
 @pytest.mark.parametrize("mode", ["export", "later", "off"])
 def test_measure_modes_are_accepted(tmp_path: Path, mode: str) -> None:
     assert make_host(tmp_path, env={"ORTCORE_KERNEL_MEASURE": mode}).config.plugin_options("aten_fallback").measure == mode

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -64,13 +66,30 @@ def deepspeed_world():
             dist.destroy_process_group()
 
 
-@pytest.fixture(scope="session")
-def _test_cache_home(tmp_path_factory: pytest.TempPathFactory):
-    return tmp_path_factory.mktemp("xdg-cache")
+_saved_cache_home: list[str | None] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Kernel choice (aten_fallback's torch_kernels = "auto") keeps its decisions in $XDG_CACHE_HOME/ortcore: for the
+    # whole session, including fixtures of module scope and the processes tests start, a directory of the session's
+    # own, never the user's ~/.cache.
+    _saved_cache_home.append(os.environ.get("XDG_CACHE_HOME"))
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ortcore-tests-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not _saved_cache_home:
+        return
+    shutil.rmtree(os.environ.get("XDG_CACHE_HOME", ""), ignore_errors=True)
+    saved = _saved_cache_home.pop()
+    if saved is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
 
 
 @pytest.fixture(autouse=True)
-def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, _test_cache_home):
+def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
     """No ORTMODULE_*/ORTCORE_* variable from the caller's shell changes a test, and every test starts from seed 0."""
     for name in list(os.environ):
         if name.startswith(("ORTMODULE_", "ORTCORE_")):
@@ -78,10 +97,9 @@ def _clean_ortcore_environment(monkeypatch: pytest.MonkeyPatch, request: pytest.
     exporter = request.config.getoption("--exporter")
     if exporter:
         monkeypatch.setenv("ORTCORE_EXPORTER", exporter)
-    # Kernel choice (torch_kernels = "auto") neither reads nor writes the user's ~/.cache/ortcore, and times nothing:
-    # every test's graph is the default list's, whatever machine runs it and whatever an earlier test measured.
-    # The tests of measuring (tests/plugins/test_kernel_choice.py) turn it on with a cache file of their own.
-    monkeypatch.setenv("XDG_CACHE_HOME", str(_test_cache_home))
+    # Kernel choice (torch_kernels = "auto") times nothing: every test's graph is the default list's, whatever machine
+    # runs it (its file is the session's, pytest_configure). The tests of measuring (tests/plugins/
+    # test_kernel_choice.py) turn it on with a file of their own.
     monkeypatch.setenv("ORTCORE_KERNEL_MEASURE", "off")
     torch.manual_seed(0)
     models.set_current_test(request.node.nodeid)

@@ -705,6 +705,10 @@ def tanh_gelu_route(config: Config, model: onnx.ModelProto, sizes: list[Any]) ->
 STEP_BUDGET_SECONDS = 3.0
 #: A case measured under load is timed again on a later step, at most this many times; then the default stays.
 MAX_ATTEMPTS = 4
+#: A measured choice replaces the running graph only if it saves at least this much a step (forward + backward, each
+#: case once): an export, build and audit cost about 1-2 s, repaid after about a thousand steps. Smaller gains are on
+#: file for the next process, which starts on them at no extra cost.
+MIN_SWITCH_GAIN_MS = 1.0
 
 
 def waiting_cases(model: Any) -> list[Decision]:
@@ -769,7 +773,7 @@ class LaterMeasurement:
             return
         measured = measure_waiting(self.config, waiting)
         by_case = {d.case: d for d in measured}
-        switched = [d for d in measured if d.source != PROVISIONAL and d.side != _side_in_graph(waiting, d.case)]
+        switched = worth_switching(measured, {d.case: d.side for d in waiting})
         unfinished = [d for d in waiting if d.case not in by_case or by_case[d.case].source == PROVISIONAL]
         attempts = plan[1] + 1
         if unfinished and attempts < MAX_ATTEMPTS:
@@ -779,6 +783,12 @@ class LaterMeasurement:
         else:
             self.plan[session] = None
         module = self.module()
+        if not switched and any(d.side != _side_in_graph(waiting, d.case) for d in measured if d.source != PROVISIONAL):
+            logger.info(
+                "kernel choice: calls measured faster on the other side save less than %.1f ms a step together; the "
+                "graph stays, the next process starts on the measured choice",
+                MIN_SWITCH_GAIN_MS,
+            )
         if switched and self.exported_again:
             logger.info(
                 "kernel choice: %d call(s) measured faster on the other side; the graph stays (the module was exported "
@@ -798,6 +808,22 @@ class LaterMeasurement:
             )
             logger.info("%s: exporting again", reason)
             export_again(module, reason)
+
+
+def worth_switching(measured: Sequence[Decision], in_graph: dict[Case, str], tie: float = TIE) -> list[Decision]:
+    """The measured decisions worth an export: final (not provisional) ones whose side beats the side the graph runs
+    by more than ``tie``, provided they save at least :data:`MIN_SWITCH_GAIN_MS` a step together (each case counted
+    once, however many layers call it)."""
+    better, gain = [], 0.0
+    for d in measured:
+        side = in_graph.get(d.case)
+        if d.source == PROVISIONAL or side is None or d.side == side or d.ort_ms is None or d.torch_ms is None:
+            continue
+        now, other = (d.torch_ms, d.ort_ms) if side == PYTORCH else (d.ort_ms, d.torch_ms)
+        if other < now * (1.0 - tie):
+            better.append(d)
+            gain += now - other
+    return better if gain >= MIN_SWITCH_GAIN_MS else []
 
 
 def _side_in_graph(decisions: Sequence[Decision], case: Case) -> str:

@@ -456,6 +456,25 @@ def test_a_graph_with_choices_not_measured_yet_is_not_export_cached(tmp_path: Pa
     assert ("embedding", ORT) in {(d.case.op, d.side) for d in plugin.kernel_choices(second)}
 
 
+def _measured(op: str, ort_ms: float, torch_ms: float, source: str = "measured") -> Decision:
+    return Decision(Case(op, ((8, 16),)), choose(ort_ms, torch_ms), source, ort_ms, torch_ms)
+
+
+@pytest.mark.parametrize(
+    ("measured", "switch"),
+    [
+        ([_measured("gelu", 1.0, 3.0)], True),  # 2 ms saved: worth an export
+        ([_measured("gelu", 1.0, 1.5)], False),  # 0.5 ms a step: on file for the next process only
+        ([_measured("gelu", 1.0, 1.6), _measured("layer_norm", 1.0, 1.6)], True),  # 1.2 ms together
+        ([_measured("embedding", 1.0, 1.05)], False),  # a tie keeps the graph's side, even where the tie-break is ORT
+        ([_measured("gelu", 1.0, 3.0, "provisional")], False),  # measured under load: never switches
+    ],
+)
+def test_a_measured_choice_replaces_the_graph_only_where_it_is_worth_an_export(measured: list, switch: bool) -> None:
+    in_graph = {d.case: PYTORCH for d in measured}  # the default list ran all of them on PyTorch
+    assert bool(kernel_choice.worth_switching(measured, in_graph)) is switch
+
+
 def test_a_model_whose_sizes_change_is_exported_again_for_its_kernel_choice_once(tmp_path: Path, fake_chooser) -> None:
     """Graphs exported at other sizes hold other cases: measured (for the next process), not an export each."""
     host = make_host(tmp_path, env={"ORTCORE_KERNEL_MEASURE": "later"})

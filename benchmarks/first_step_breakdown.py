@@ -14,6 +14,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+# (module[:class], function, label): the stages timed, each by wrapping the function that does it.
+STAGES = (
+    ("ortcore.pipeline", "graph_description", "fingerprint (module digest included)"),
+    ("torch.onnx", "export", "torch.onnx.export"),
+    ("ortcore.pipeline", "export_graph", "export (torch.onnx.export + graph passes)"),
+    ("ortcore.pipeline", "build_graph", "ORT gradient build"),
+    ("ortcore.pipeline:Pipeline", "_run_gradient_graph_passes", "gradient-graph passes"),
+    ("ortcore.pipeline:Pipeline", "_plan", "session plan"),
+    ("ortcore.pipeline:Pipeline", "_create", "session creation"),
+)
+
+
+def stage_owner(path: str) -> Any:
+    """``module`` or ``module:Class`` as the object whose attribute is wrapped."""
+    import importlib
+
+    module, _, cls = path.partition(":")
+    owner = importlib.import_module(module)
+    return getattr(owner, cls) if cls else owner
+
 
 def _timed(owner: Any, attribute: str, label: str, into: dict[str, float]) -> None:
     function: Callable[..., Any] = getattr(owner, attribute)
@@ -46,19 +66,14 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
     start = time.perf_counter()
-    import torch.onnx
+    import torch.onnx  # noqa: F401
 
-    import ortcore.pipeline as pipeline
+    import ortcore.pipeline  # noqa: F401
 
     imported = time.perf_counter() - start
     stages: dict[str, float] = {}
-    _timed(pipeline, "graph_fingerprint", "fingerprint (module digest included)", stages)
-    _timed(torch.onnx, "export", "torch.onnx.export", stages)
-    _timed(pipeline, "export_graph", "export (torch.onnx.export + graph passes)", stages)
-    _timed(pipeline, "build_graph", "ORT gradient build", stages)
-    _timed(pipeline.Pipeline, "_run_gradient_graph_passes", "gradient-graph passes", stages)
-    _timed(pipeline.Pipeline, "_plan", "session plan", stages)
-    _timed(pipeline.Pipeline, "_create", "session creation", stages)
+    for owner, attribute, label in STAGES:
+        _timed(stage_owner(owner), attribute, label, stages)
 
     from ortcore import ORTModule
 

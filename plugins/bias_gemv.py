@@ -129,6 +129,7 @@ def reductions_as_gemv(model: onnx.ModelProto, *, min_rows: int = 64) -> list[st
     added: dict[str, onnx.TensorProto] = {}
     rewritten: list[str] = []
     nodes: list[onnx.NodeProto] = []
+    dropped_axes: set[str] = set()
 
     def constant(name: str, make: Any) -> str:
         if name not in added:
@@ -157,11 +158,28 @@ def reductions_as_gemv(model: onnx.ModelProto, *, min_rows: int = 64) -> list[st
         else:
             nodes.extend(replacement)
             rewritten.append(node.output[0])
+            if len(node.input) > 1 and node.input[1] in initializers:
+                dropped_axes.add(node.input[1])
     if rewritten:
         del graph.node[:]
         graph.node.extend(nodes)
         graph.initializer.extend(added.values())
+        _drop_unread_axes(graph, dropped_axes)
     return rewritten
+
+
+def _drop_unread_axes(graph: onnx.GraphProto, names: set[str]) -> None:
+    """The rewritten nodes' axes initializers that nothing reads any more (ORT would warn about each)."""
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    unread = names - read
+    if unread:
+        kept = [t for t in graph.initializer if t.name not in unread]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        kept_inputs = [i for i in graph.input if i.name not in unread]
+        if len(kept_inputs) != len(graph.input):
+            del graph.input[:]
+            graph.input.extend(kept_inputs)
 
 
 def _gemv_nodes(

@@ -99,6 +99,13 @@ def test_recompute_bench_level_1_trains_as_pytorch_does(recompute_bench: ModuleT
 # -- before_after ---------------------------------------------------------------------------------------------------
 
 
+def test_first_step_breakdown_times_functions_that_exist() -> None:
+    """Each stage it wraps is still where it looks (a rename in the pipeline must not break the script)."""
+    bench = load_bench("first_step_breakdown")
+    for owner, attribute, label in bench.STAGES:
+        assert callable(getattr(bench.stage_owner(owner), attribute, None)), f"{owner}.{attribute} ({label})"
+
+
 def test_before_after_refuses_an_env_that_is_not_name_value(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("before_after")
     with pytest.raises(SystemExit):

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -601,18 +602,30 @@ def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor |
 CONTRIB = Path(__file__).parents[1] / "contrib"
 
 
-def install_contrib(folder: str, module: str) -> None:
-    """pip install ``contrib/<folder>`` into this interpreter unless ``module`` is importable already (no deps)."""
-    if importlib.util.find_spec(module) is None:
-        command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", str(CONTRIB / folder)]
-        if importlib.util.find_spec("setuptools") is not None:
-            command.insert(-1, "--no-build-isolation")
-        subprocess.run(command, check=True, timeout=300)
+def install_contrib(folder: str, target: Path) -> dict[str, str]:
+    """pip install ``contrib/<folder>`` (no dependencies) into the directory ``target``, never into this interpreter's
+    environment: the tests leave the user's venv as they found it. Returns the environment for processes that
+    should see it (``target`` first on ``PYTHONPATH``: entry points are read from every directory on ``sys.path``)."""
+    # Built from a copy: a build writes build/ and *.egg-info/ next to the sources, and the checkout stays as it is.
+    source = target / f"{folder}-source"
+    shutil.copytree(CONTRIB / folder, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target / "site")]
+    if importlib.util.find_spec("setuptools") is not None:
+        command.append("--no-build-isolation")
+    subprocess.run([*command, str(source)], check=True, timeout=300, capture_output=True)
+    return with_path(target / "site")
 
 
-def run_in(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def with_path(directory: Path) -> dict[str, str]:
+    """This process's environment with ``directory`` first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_in(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run a command in ``cwd``, capturing its text output (a fresh process: it loads plugins from entry points)."""
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
 def free_port() -> int:

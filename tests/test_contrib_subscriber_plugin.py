@@ -46,19 +46,21 @@ def _row(listing: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def installed_activation_norms():
-    install_contrib("ortcore-activation-norms", "ortcore_activation_norms")
+def installed_activation_norms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a process that sees contrib's activation_norms (installed into a directory of its own)."""
+    return install_contrib("ortcore-activation-norms", tmp_path_factory.mktemp("site"))
 
 
 def test_contrib_subscriber_plugin_is_listed_imports_records_and_switches_off(installed_activation_norms, tmp_path):
-    listing = run_in([sys.executable, "-m", "ortcore", "plugins"], tmp_path)
+    env = installed_activation_norms
+    listing = run_in([sys.executable, "-m", "ortcore", "plugins"], tmp_path, env)
     assert listing.returncode == 0, listing.stderr
     row = _row(listing.stdout)
     assert "ortcore-activation-norms" in row and "yes" in row
 
     (tmp_path / "train.py").write_text(SCRIPT)
     (tmp_path / "ortcore.toml").write_text(ENABLED)
-    recording = run_in([sys.executable, "train.py"], tmp_path)
+    recording = run_in([sys.executable, "train.py"], tmp_path, env)
     assert recording.returncode == 0, recording.stderr
     assert "NormSubscriber from ortcore_activation_norms.subscriber" in recording.stdout
     assert "ran in ORT: True" in recording.stdout
@@ -72,7 +74,7 @@ def test_contrib_subscriber_plugin_is_listed_imports_records_and_switches_off(in
 
     (tmp_path / "norms.csv").unlink()
     (tmp_path / "ortcore.toml").write_text('[plugins]\ndisable = ["activation_norms"]\n\n' + ENABLED)
-    disabled = run_in([sys.executable, "train.py"], tmp_path)
+    disabled = run_in([sys.executable, "train.py"], tmp_path, env)
     assert disabled.returncode == 0, disabled.stderr
     assert "ran in ORT: True" in disabled.stdout and not (tmp_path / "norms.csv").exists()
     assert "no NormSubscriber; subscriber classes:" in disabled.stdout  # the plugin was never imported

@@ -347,6 +347,28 @@ def test_trainer_evaluate_reports_the_eval_loss_of_the_plain_model(tmp_path):
     assert_losses_match(metrics["eval_loss"], metrics_ref["eval_loss"], "eval_loss")
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_ort_trainer_saves_a_model_from_pretrained_loads(tmp_path, name):
+    """``Trainer`` writes only the state dict of a model that is not a ``PreTrainedModel`` (no config.json; tied
+    weights refused); ``ORTTrainer`` saves the wrapped model with ``save_pretrained``, checkpoints included."""
+    from ortcore_plugins.hf_trainer import ORTTrainer
+
+    build, kind = TRAINER_MODELS[name]
+    ort = ort_and_torch(build())[0]
+    base = _trainer(ort, kind, tmp_path / "run", save_strategy="steps", save_steps=2)
+    trainer = ORTTrainer(model=ort, args=base.args, train_dataset=base.train_dataset)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    assert trainer.model is ort  # the wrapper is back after saving
+    for folder in (tmp_path / "final", tmp_path / "run" / "checkpoint-4"):
+        assert (folder / "config.json").exists(), sorted(p.name for p in folder.iterdir())
+        loaded = type(ort.module).from_pretrained(folder)
+        for (key, value), (key_ref, value_ref) in zip(loaded.state_dict().items(), ort.module.state_dict().items()):
+            assert key == key_ref
+            torch.testing.assert_close(value, value_ref, rtol=0, atol=0, msg=f"{folder.name}: {key}")
+    assert_ran_in_ort(ort)
+
+
 # -- long runs (slow) --------------------------------------------------------------------------------------------
 
 

@@ -622,6 +622,7 @@ def export_graph(
     context = PassContext(module=module, training=training, config=config)
     for graph_pass in graph_passes:
         graph_pass.run(model, context)
+    drop_unread_initializers(model)
     graph = ExportedGraph(
         model=model,
         input_names=[i.name for i in model.graph.input],
@@ -638,6 +639,34 @@ def export_graph(
     if unknown:
         raise UnsupportedModelError(f"exported graph has inputs that are neither arguments nor state: {unknown}")
     return graph
+
+
+def _read_names(graph: onnx.GraphProto, into: set[str]) -> set[str]:
+    """Every value name a node of ``graph`` or of its subgraphs (If/Loop/Scan bodies) reads."""
+    for node in graph.node:
+        into.update(node.input)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _read_names(attribute.g, into)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    _read_names(sub, into)
+    return into
+
+
+def drop_unread_initializers(model: onnx.ModelProto) -> int:
+    """Remove the initializers no node reads and no graph output names: graph passes leave some behind (the dynamo
+    route's constants, once a pass replaced their reader), and ONNX Runtime warns about each when it loads the graph.
+    Returns how many were removed."""
+    graph = model.graph
+    # An initializer that is also a graph input (older IR versions) stays: the input would otherwise need a feed.
+    read = _read_names(graph, set()) | {o.name for o in graph.output} | {i.name for i in graph.input}
+    kept = [t for t in graph.initializer if t.name in read]
+    removed = len(graph.initializer) - len(kept)
+    if removed:
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return removed
 
 
 def input_ranges(model: onnx.ModelProto) -> dict[str, list[tuple[int, int, int | None]]]:

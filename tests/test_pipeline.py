@@ -13,6 +13,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -331,6 +332,51 @@ def test_every_build_plugin_leaves_its_mark_in_the_graph_ort_runs(order, tmp_pat
     assert ops["ShrunkenGather"] >= 1
     # aten_fallback: the embedding runs on PyTorch's kernel inside the graph.
     assert any(
-        a.name == "operator" and a.s == b"embedding" for n in executed.graph.node if n.op_type == "ATen" for a in n.attribute
+        a.name == "operator" and a.s == b"embedding"
+        for n in executed.graph.node
+        if n.op_type == "ATen"
+        for a in n.attribute
     )
     assert session.run_wrappers == ("aten_executor",)
+
+
+def test_initializers_a_graph_pass_left_unread_are_dropped_before_ort_sees_them():
+    """ONNX Runtime warns about each unread initializer when it loads a graph (the dynamo route printed five a
+    build); one read only inside a subgraph, one also a graph input, and graph outputs stay."""
+    import onnx.helper as h
+    from onnx import TensorProto, numpy_helper
+
+    from ortcore.graph import drop_unread_initializers
+
+    def const(name: str) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.zeros(2, np.float32), name)
+
+    body = h.make_graph(
+        [h.make_node("Add", ["x", "in_body"], ["z"])],
+        "body",
+        [],
+        [h.make_tensor_value_info("z", TensorProto.FLOAT, [2])],
+    )
+    graph = h.make_graph(
+        [
+            h.make_node("Add", ["x", "read"], ["y"]),
+            h.make_node("If", ["cond"], ["w"], then_branch=body, else_branch=body),
+        ],
+        "g",
+        [h.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("x", "also_input")]
+        + [h.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [h.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("y", "w", "as_output")],
+        [const(n) for n in ("read", "in_body", "also_input", "as_output", "unread_1", "unread_2")],
+    )
+    model = h.make_model(graph)
+    assert drop_unread_initializers(model) == 2
+    assert sorted(t.name for t in model.graph.initializer) == ["also_input", "as_output", "in_body", "read"]
+
+
+def test_the_dynamo_route_builds_without_ort_warnings(capfd):
+    from models import gpt2_batch, make_batches, tiny_gpt2
+
+    model = ORTModule(tiny_gpt2(), exporter="dynamo")
+    batch = make_batches(gpt2_batch, 1)[0]
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    assert "Removing initializer" not in capfd.readouterr().err

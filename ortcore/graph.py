@@ -96,6 +96,7 @@ class ExportedGraph:
     raw_model: onnx.ModelProto | None = None  # the exporter's graph before processing, kept only to be saved
     export_seconds: float = 0.0
     taps: list[TapPoint] = attrs.Factory(list)  # in execution order; outputs after the batch-norm ones
+    from_cache: bool = False  # an export cache served it (ortcore_load_export): no export ran
 
     @functools.cached_property
     def input_ranges(self) -> dict[str, list[tuple[int, int, int | None]]]:

@@ -121,6 +121,7 @@ class Pipeline:
         passes, fp, _ = self._identity(module, key)
         cached = self.hooks.load_export(module, fp)
         if cached is not None:
+            cached.from_cache = True
             return cached
         with tapping(recorder) if key.taps else contextlib.nullcontext() as tapper:
             graph = self._export_graph(

@@ -176,7 +176,8 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
 class Counters:
     """How often each transition happened; tests assert on these."""
 
-    exports: int = 0
+    exports: int = 0  # graphs exported or served by an export cache (cache_loads of them)
+    cache_loads: int = 0  # graphs an export cache served instead of an export
     builds: int = 0
     reuses: int = 0
     fallbacks: int = 0
@@ -262,6 +263,7 @@ class ExportStateMachine:
     def _export(self, key: GraphKey, export: Callable[[], Any]) -> Any:
         graph = export()
         self.counters.exports += 1
+        self.counters.cache_loads += bool(getattr(graph, "from_cache", False))
         model = getattr(graph, "model", None)
         if model is not None:
             self.counters.routed_ops += len(routed_reasons(model))

@@ -479,10 +479,19 @@ def test_dynamo_rows_sit_beside_torchscript_rows_and_their_loss_curves_are_compa
 
 def test_a_row_that_ran_on_another_exporter_than_its_mode_says_so() -> None:
     report = _two_exporters_report()
-    row = next(r for r in report.results if r.mode == "ortcore-dynamo-cached")
+    row = next(r for r in report.results if r.mode == "ortcore-dynamo")
     assert bench._notes(row, None) == "exports 1, builds 1, fallbacks 0"
     row.details["exporter"] = "torchscript"
     assert bench._notes(row, None) == "exports 1, builds 1, fallbacks 0, ran on exporter 'torchscript'"
+
+
+def test_a_cached_row_says_whether_the_export_cache_served_its_graph() -> None:
+    """A cache hit is not a fresh export: the cached modes' notes say which the row measured."""
+    row = next(r for r in _two_exporters_report().results if r.mode == "ortcore-dynamo-cached")
+    row.details["cache_loads"] = 1
+    assert bench._notes(row, None) == "graphs from the export cache 1 (no export), builds 1, fallbacks 0"
+    row.details["cache_loads"] = 0
+    assert bench._notes(row, None) == "exports 1 (the export cache missed), builds 1, fallbacks 0"
 
 
 def test_plot_draws_the_dynamo_modes_in_colours_of_their_own(tmp_path: Path) -> None:

@@ -206,6 +206,7 @@ def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
             c = wrapped.state_machine.counters
             return {
                 "exports": c.exports,
+                "cache_loads": c.cache_loads,
                 "builds": c.builds,
                 "reuses": c.reuses,
                 "fallbacks": c.fallbacks,
@@ -747,7 +748,13 @@ def _notes(r: RunResult, footnote: int | None) -> str:
 def _mode_notes(r: RunResult) -> str:
     d = r.details
     if r.mode in ORTCORE_EXPORTERS:
-        notes = f"exports {d.get('exports')}, builds {d.get('builds')}, fallbacks {d.get('fallbacks')}"
+        loads, exports = d.get("cache_loads") or 0, d.get("exports")
+        if loads:  # a graph the export cache served is not an export: say which the row measured
+            fresh = (exports or 0) - loads
+            graphs = f"graphs from the export cache {loads}" + (f", exports {fresh}" if fresh else " (no export)")
+        else:
+            graphs = f"exports {exports}" + (" (the export cache missed)" if r.mode.endswith(_CACHED_SUFFIX) else "")
+        notes = f"{graphs}, builds {d.get('builds')}, fallbacks {d.get('fallbacks')}"
         ran = d.get("exporter")
         # The exporter a plugin (ortcore_exporter) chose instead of the mode's would make the row another mode's.
         return notes if ran in (None, ORTCORE_EXPORTERS[r.mode]) else f"{notes}, ran on exporter {ran!r}"

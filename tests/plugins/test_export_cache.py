@@ -118,6 +118,7 @@ def test_fresh_ortmodule_in_the_same_process_loads_instead_of_exporting(tmp_path
     second, spy = run(mlp(seed=1), host, (X,))  # other weights: entries hold no weights, only the graph
     assert spy.calls == 0, "a hit must not call the exporter"
     assert second.state_machine.counters.exports == 1  # the state machine still records its export transition
+    assert (first.state_machine.counters.cache_loads, second.state_machine.counters.cache_loads) == (0, 1)
     assert f"export cache hit {fingerprint[:12]}" in cache_log.text
     assert len(entries(tmp_path)) == 1
 

@@ -88,6 +88,16 @@ def shield_graph_outputs(model: onnx.ModelProto, ctx: PassContext | None = None)
             for k, name in enumerate(names):
                 if name in renamed:
                     names[k] = renamed[name]
+    # The renamed value keeps the output's type: ORT cannot infer one for some producers (an ATen node).
+    for value in [*graph.value_info]:
+        if value.name in renamed:
+            value.name = renamed[value.name]
+    typed = {v.name for v in graph.value_info}
+    for output in graph.output:
+        if output.name in renamed and renamed[output.name] not in typed:
+            copy = graph.value_info.add()
+            copy.CopyFrom(output)
+            copy.name = renamed[output.name]
     graph.node.extend(
         onnx.helper.make_node("Identity", [renamed[name]], [name], name=f"{name}_output") for name in shielded
     )

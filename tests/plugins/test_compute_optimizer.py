@@ -202,3 +202,37 @@ def test_a_failure_inside_the_compute_optimizer_is_repaired_by_switching_it_off(
     assert switched.config.plugin_options("compute_optimizer").enable is False
     assert host.hooks.repairs(Failure("build", "GradientBuilder not registered for op Softplus")) == []
     assert host.hooks.repairs(Failure("export", "upstream_gather_actors.cc")) == []  # not its stage
+
+
+class NormReturned(nn.Module):
+    """A LayerNorm's output returned and also read: with LayerNorm on PyTorch's kernel it is an ATen node's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)  # the norm's input needs a gradient: then it runs on PyTorch's kernel
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(self.inp(x))
+        return h, self.head(h)
+
+
+def test_a_shielded_output_of_an_aten_node_keeps_its_type(ortcore_host: HostFactory) -> None:
+    """ORT cannot infer an ATen node's output type: the renamed value keeps the graph output's (the build failed
+    with "type inference failed" before)."""
+    import ortcore_plugins.aten_fallback as aten
+
+    torch.manual_seed(0)
+    host = ortcore_host(
+        {"compute_optimizer": plugin, "aten_fallback": aten}, env={"ORTMODULE_FALLBACK_POLICY": "FALLBACK_DISABLE"}
+    )
+    ort, ref = ort_and_torch(NormReturned(), host=host)
+    x = torch.randn(4, 5, 8)
+    (h, y), (h_ref, y_ref) = ort(x), ref(x)
+    torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-5)
+    (h.square().sum() + y.sum()).backward()
+    (h_ref.square().sum() + y_ref.sum()).backward()
+    for (name, p), q in zip(ort.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert any(n.op_type == "ATen" for n in ort.state_machine.current[0].model.graph.node)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["ORTTrainer"]
+__all__ = ["ORTTrainer"]  # noqa: F822 (built on first access, module __getattr__)
 
 
 @functools.cache

@@ -97,6 +97,32 @@ def compiled_graphs() -> list[CompiledGraph]:
         return list(_compiled)
 
 
+def graph_break_reasons() -> dict[str, int]:
+    """Why dynamo broke the capture, with how often, as torch counted it this process (``torch._dynamo.reset()``
+    clears it)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # private API: a report without reasons rather than none
+        return {}
+    return dict(counters["graph_break"])
+
+
+def report() -> str:
+    """What ``backend="ortcore"`` did in this process: each graph it compiled (ops, where it ran, exports), where
+    each op kind of it runs (ORT's kernel or PyTorch's, and why: the ORTModule's ``explain()``), and dynamo's graph
+    breaks with torch's reasons."""
+    graphs = compiled_graphs()
+    lines = [f"torch.compile(backend='ortcore'): {len(graphs)} graph(s) compiled"]
+    for graph in graphs:
+        lines.append(graph.describe())
+        if graph.ortmodule.state_machine.current is not None:
+            lines.extend("    " + line for line in str(graph.ortmodule.explain()).splitlines())
+    reasons = graph_break_reasons()
+    lines.append(f"graph breaks: {sum(reasons.values())}")
+    lines.extend(f"  {count} x {reason}" for reason, count in reasons.items())
+    return "\n".join(lines)
+
+
 def reset() -> None:
     """Forget the compiled graphs (``torch._dynamo.reset()`` calls this through the backend's ``reset``)."""
     with _lock:

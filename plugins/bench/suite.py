@@ -47,7 +47,16 @@ from ortcore_plugins.services.machine import (  # noqa: F401 (OthersCPU: the ben
 #: "ortcore-cached" is ortcore in a second process on the same export cache (the first one, a one-step run, fills
 #: it): what a restarted job sees. Its first step is the one the export cache and ORT's cached session graph make.
 #: The "ortcore-dynamo" pair is the same on the dynamo exporter (torch.export + onnxscript).
-MODES: tuple[str, ...] = ("eager", "compile", "ortcore", "ortcore-cached", "ortcore-dynamo", "ortcore-dynamo-cached")
+#: "compile-ortcore" is torch.compile with ortcore's backend (backend="ortcore": each captured graph in ORT).
+MODES: tuple[str, ...] = (
+    "eager",
+    "compile",
+    "compile-ortcore",
+    "ortcore",
+    "ortcore-cached",
+    "ortcore-dynamo",
+    "ortcore-dynamo-cached",
+)
 
 #: The modes of ``--quick``, a smoke run: every engine once; torch.compile's cold compile and the cached modes' second
 #: processes, most of a full run's time, only when named.
@@ -179,6 +188,16 @@ class PeakRSS:
 
 
 # -- the worker --------------------------------------------------------------------------------------------------
+def _graph_breaks() -> dict[str, Any]:
+    """What torch.compile's dynamo counted: its graph breaks."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return {"graph_breaks": sum(counters["graph_break"].values())}
+    except Exception:  # private API: its absence must not lose the measurements
+        return {}
+
+
 def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
     """Return the callable to train under ``mode`` and a function reporting what the mode did."""
     if mode == "eager":
@@ -187,16 +206,23 @@ def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
         import torch
 
         compiled = torch.compile(model)  # default backend (inductor); compiles lazily, on the first call
+        return compiled, _graph_breaks
+    if mode == "compile-ortcore":
+        import torch
 
-        def compile_details() -> dict[str, Any]:
-            try:
-                from torch._dynamo.utils import counters
+        compiled = torch.compile(model, backend="ortcore")
 
-                return {"graph_breaks": sum(counters["graph_break"].values())}
-            except Exception:  # private API: its absence must not lose the measurements
-                return {}
+        def compile_ortcore_details() -> dict[str, Any]:
+            from ortcore_plugins.compile_backend import compiled_graphs
 
-        return compiled, compile_details
+            details = _graph_breaks()
+            graphs = compiled_graphs()
+            details["graphs"] = len(graphs)
+            details["exports"] = sum(g.ortmodule.state_machine.counters.exports for g in graphs)
+            details["fallbacks"] = sum(1 for g in graphs if g.ortmodule.fallback_reason)
+            return details
+
+        return compiled, compile_ortcore_details
     if mode in ORTCORE_EXPORTERS:  # the cache directory comes from the worker's environment
         from ortcore.api import ORTModule
 
@@ -758,6 +784,11 @@ def _mode_notes(r: RunResult) -> str:
         ran = d.get("exporter")
         # The exporter a plugin (ortcore_exporter) chose instead of the mode's would make the row another mode's.
         return notes if ran in (None, ORTCORE_EXPORTERS[r.mode]) else f"{notes}, ran on exporter {ran!r}"
+    if r.mode == "compile-ortcore" and "graphs" in d:
+        return (
+            f"graph breaks {d.get('graph_breaks', '?')}, ORT graphs {d['graphs']}, exports {d.get('exports')}, "
+            f"fallbacks {d.get('fallbacks')}"
+        )
     if r.mode == "compile" and "graph_breaks" in d:
         return f"graph breaks {d['graph_breaks']}"
     return ""
@@ -868,6 +899,7 @@ PLOT_DPI = 100
 _MODE_COLORS = {
     "eager": "tab:gray",
     "compile": "tab:orange",
+    "compile-ortcore": "tab:purple",
     "ortcore": "tab:blue",
     "ortcore-cached": "tab:cyan",
     "ortcore-dynamo": "tab:green",

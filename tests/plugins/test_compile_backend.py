@@ -158,3 +158,16 @@ def test_torch_finds_the_backend_without_ortcore_imported_first() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ortcore_plugins.compile_backend ortcore_backend" in done.stdout
+
+
+def test_the_report_lists_graphs_where_ops_run_and_the_breaks_with_torchs_reasons() -> None:
+    torch.manual_seed(0)
+    compiled = torch.compile(Breaks(), backend="ortcore")
+    compiled(_batches(1)[0]).backward()
+    text = plugin.report()
+    assert f"{len(plugin.compiled_graphs())} graph(s) compiled" in text
+    assert "graph 0:" in text and "runs in ONNX Runtime" in text
+    assert "Gemm" in text or "MatMul" in text  # explain()'s op table of a graph
+    breaks = plugin.graph_break_reasons()
+    assert breaks and f"graph breaks: {sum(breaks.values())}" in text
+    assert any(reason in text for reason in breaks)

@@ -171,3 +171,20 @@ def test_the_report_lists_graphs_where_ops_run_and_the_breaks_with_torchs_reason
     breaks = plugin.graph_break_reasons()
     assert breaks and f"graph breaks: {sum(breaks.values())}" in text
     assert any(reason in text for reason in breaks)
+
+
+@pytest.mark.slow  # the dynamo exporter takes seconds per captured graph
+def test_the_dynamo_exporter_serves_the_captured_graphs_too() -> None:
+    torch.manual_seed(0)
+    model = Breaks()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="ortcore", options={"exporter": "dynamo"})
+    x = _batches(1)[0]
+    loss, loss_ref = compiled(x), ref(x)
+    assert_losses_match(loss, loss_ref)
+    loss.backward()
+    loss_ref.backward()
+    assert_grads_match(model, ref)
+    for graph in plugin.compiled_graphs():
+        assert graph.ortmodule.fallback_reason is None
+        assert graph.ortmodule.state_machine.last_key.exporter == "dynamo"

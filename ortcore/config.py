@@ -224,7 +224,8 @@ class Config:
 
     core: CoreOptions = attrs.field(factory=CoreOptions)
     enable: tuple[str, ...] = ()
-    disable: tuple[str, ...] = ()
+    disable: tuple[str, ...] = ()  # [plugins] disable and ORTCORE_DISABLE_PLUGINS together
+    disable_in_file: tuple[str, ...] = ()  # [plugins] disable alone
     core_table: Mapping[str, Any] = attrs.field(factory=dict)
     plugin_tables: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     path: Path | None = None
@@ -261,7 +262,9 @@ class Config:
         plugins = table.pop("plugins", {})
         if not isinstance(plugins, dict):
             raise OptionError(f"'plugins' must be a table ([plugins]), not {type(plugins).__name__}")
-        core, core_sources = _core_options([(f"file {file}" if file else "table", table)], env)
+        source = f"file {file}" if file else "table"
+        _check_top_level_keys(table, source)
+        core, core_sources = _core_options([(source, table)], env)
         enable = _name_list(plugins.pop("enable", []), "plugins.enable")
         disable = _name_list(plugins.pop("disable", []), "plugins.disable")
         both = sorted(set(enable) & set(disable))
@@ -277,6 +280,7 @@ class Config:
             core=core,
             enable=tuple(enable),
             disable=tuple(dict.fromkeys([*disable, *env_disable])),
+            disable_in_file=tuple(disable),
             core_table=table,
             plugin_tables=plugins,
             path=file,
@@ -335,6 +339,13 @@ class Config:
     def _file_source(self) -> str:
         return f"file {self.path}" if self.path else "table"
 
+    def disabled_by(self, name: str) -> str:
+        """Where plugin ``name`` is disabled: ``[plugins] disable``, ``ORTCORE_DISABLE_PLUGINS`` or both ('' if it
+        is not)."""
+        env_disable = {n.strip() for n in self.env.get("ORTCORE_DISABLE_PLUGINS", "").split(",")}
+        lists = (("[plugins] disable", self.disable_in_file), ("ORTCORE_DISABLE_PLUGINS", env_disable))
+        return " and ".join(where for where, listed in lists if name in listed)
+
     def plugin_options(self, name: str) -> Any:
         """The validated options object of plugin ``name`` (None if it declares none)."""
         return self.plugins.get(name)
@@ -349,6 +360,21 @@ def _core_options(layers: list[tuple[str, Mapping[str, Any]]], env: Mapping[str,
     if core.save_onnx and not core.onnx_prefix.strip():
         raise OptionError("onnx_prefix='': save_onnx=True needs a non-empty onnx_prefix to name the saved files")
     return core, {f"core.{k}": v for k, v in sources.items()}
+
+
+def _check_top_level_keys(table: Mapping[str, Any], source: str) -> None:
+    """The top level of ortcore.toml holds the core's options and the ``[plugins]`` table: an unknown key is matched
+    against both (``[plugin]`` is a misspelled ``[plugins]``, not a misspelled option)."""
+    fields = [f.name for f in attrs.fields(CoreOptions)]
+    for key, value in table.items():
+        if key in fields:
+            continue
+        hint = _suggest(key, [*fields, "plugins"])
+        if not hint and isinstance(value, dict):
+            hint = f" A plugin's options go in [plugins.{key}]."
+        raise OptionError(
+            f"unknown key {key!r} (in {source}); allowed: {', '.join(fields)} and the [plugins] table.{hint}"
+        )
 
 
 def _name_list(value: object, key: str) -> list[str]:

@@ -60,6 +60,70 @@ DEFAULT_EXPORTER_PLUGIN = "torchscript_exporter"
 # builds there as on any host (the rest of gradient_fixes is what a kit leaves out to show what it fixes). A kit
 # leaves this out too by disabling gradient_fixes; a model with detach() markers is then refused, naming the plugin.
 STOP_GRADIENT_LOWERING = ("gradient_fixes", "stop_gradients")
+# The environment variables of the built-in plugins' options, by plugin. A host knows a loaded plugin's variables from
+# its options class; this table is how it knows those of a plugin that is disabled (never imported), failed to import
+# or was left out of the host, so that such a variable is reported as "read by the plugin X, which is disabled", not
+# as a misspelling of some other variable. A test checks it against the options classes of the installed plugins
+# (tests/test_plugin_host.py): a plugin that adds a variable adds it here.
+PLUGIN_ENV_VARS: dict[str, tuple[str, ...]] = {
+    "aten_fallback": ("ORTCORE_TORCH_KERNELS", "ORTCORE_ATEN_FALLBACK_OPS", "ORTCORE_KERNEL_MEASURE"),
+    "autograd_function": (
+        "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD",
+        "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT",
+        "ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS",
+        "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT",
+    ),
+    "bias_gemv": ("ORTCORE_BIAS_GEMV", "ORTCORE_BIAS_GEMV_MIN_ROWS"),
+    "compile_backend": ("ORTCORE_COMPILE_BACKEND",),
+    "compute_optimizer": ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER",),
+    "control_flow": ("ORTCORE_CONTROL_FLOW",),
+    "cuda_execution": (
+        "ORTMODULE_ENABLE_TUNING",
+        "ORTMODULE_MAX_TUNING_DURATION_MS",
+        "ORTMODULE_TUNING_RESULTS_PATH",
+        "ORTMODULE_CONV_ALGO_SEARCH",
+        "ORTMODULE_USE_TRITON",
+        "ORTMODULE_TRITON_CONFIG_FILE",
+        "ORTMODULE_TRITON_DEBUG",
+        "ORTMODULE_USE_FLASH_ATTENTION",
+    ),
+    "dynamo_exporter": ("ORTCORE_DYNAMO_VALUE_BRANCHES", "ORTCORE_DYNAMO_TORCHSCRIPT_REPAIR"),
+    "efficient_attention": ("ORTMODULE_USE_EFFICIENT_ATTENTION",),
+    "export_cache": (
+        "ORTMODULE_CACHE_DIR",
+        "ORTCORE_EXPORT_CACHE_MAX_ENTRIES",
+        "ORTCORE_EXPORT_CACHE_MAX_BYTES",
+        "ORTCORE_EXPORT_CACHE_TRUST_SHARED",
+    ),
+    "grad_management": ("ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",),
+    "memory_recompute": ("ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_MEMORY_OPT_CONFIG"),
+    "op_profiler": (
+        "ORTCORE_PROFILE_OPS",
+        "ORTCORE_PROFILE_OPS_WARMUP",
+        "ORTCORE_PROFILE_OPS_STEPS",
+        "ORTCORE_PROFILE_OPS_OUTPUT",
+    ),
+    "op_routing": ("ORTCORE_OP_ROUTING", "ORTCORE_OP_ROUTING_NEVER"),
+    "random_seed": ("ORTCORE_SEED_FROM_TORCH",),
+    "region_routing": ("ORTCORE_PYTORCH_MODULES",),
+    "runtime_inspector": ("ORTMODULE_PRINT_INPUT_DENSITY", "ORTMODULE_PRINT_MEMORY_STATS"),
+    "sparse_optimizer": (
+        "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER",
+        "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",
+        "ORTMODULE_ENABLE_SPARSE_OPTIMIZER",
+    ),
+}
+# Variables a plugin's options declare that something else reads too, whatever that plugin's state.
+# The core's exporter: =0 (or the older variable =1) traces through custom autograd Functions, plugin or not.
+CORE_READ_ENV_VARS: dict[str, str] = {
+    "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "the exporter: 0 traces through custom autograd Functions",
+    "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT": "the exporter: 1 traces through custom autograd Functions",
+}
+# Other plugins: variable -> (plugin, what it reads the variable for). When the variable's own plugin is off it is still
+# reported (what the user set it for does not happen), naming the loaded ones that read it.
+ALSO_READ_BY: dict[str, tuple[tuple[str, str], ...]] = {
+    "ORTMODULE_CACHE_DIR": (("aten_fallback", "where its kernel choices are kept"),),
+}
 
 
 @functools.cache
@@ -110,6 +174,41 @@ class _Answer:
     plugin: str
     value: Any
     wrapper: bool
+
+
+@attrs.frozen
+class UnreadVariable:
+    """An ``ORTMODULE_*``/``ORTCORE_*`` variable that is set but that nothing loaded reads, and why: the plugin that
+    reads it is off (``plugin``, ``state``), or it is no variable anything reads (then ``suggestion`` is the closest
+    known name, a typo's likely meaning, and ``suggestion_note`` the state of that variable's plugin when it is off)."""
+
+    name: str
+    plugin: str | None = None
+    state: str = ""  # "is disabled ([plugins] disable)", "failed to load", "is not loaded", "is not installed"
+    fix_plugin: str = ""  # what turns that plugin on
+    others: str = ""  # loaded plugins that read it all the same, and what for
+    suggestion: str | None = None
+    suggestion_note: str = ""
+
+    @property
+    def problem(self) -> str:
+        if self.plugin is None:
+            return f"{self.name} is set but nothing reads it"
+        effect = f"of the loaded plugins only {self.others}" if self.others else "it has no effect"
+        return f"{self.name} is read by the plugin {self.plugin!r}, which {self.state}: {effect}"
+
+    @property
+    def fix(self) -> str:
+        if self.plugin is not None:
+            return f"{self.fix_plugin}, or unset {self.name}"
+        if self.suggestion is not None:
+            return f"did you mean {self.suggestion}?{self.suggestion_note}"
+        return "unset it (see docs/options.md for the variables)"
+
+    def __str__(self) -> str:
+        if self.plugin is not None:
+            return f"{self.problem}; {self.fix}"
+        return f"{self.problem} ({self.fix})" if self.suggestion is not None else self.problem
 
 
 # The hook call being recorded in this thread or task, and the answers of its implementations (see Hooks._collect).
@@ -245,10 +344,18 @@ class PluginHost:
         if unknown:
             self.pm.unregister(plugin)
             specs = sorted(n for n in vars(hookspecs) if n.startswith("ortcore_"))
-            problems = "; ".join(f"{hook!r}{_suggest(hook, specs)}" for hook in unknown)
+            close = {hook: difflib.get_close_matches(hook, specs, n=1) for hook in unknown}
+            guesses = [(hook, found[0]) for hook, found in close.items() if found]
+            if len(guesses) == 1 and len(unknown) == 1:
+                hint = f" Did you mean {guesses[0][1]!r}?"
+            elif guesses:
+                hint = " Did you mean " + " and ".join(f"{spec!r} (for {hook!r})" for hook, spec in guesses) + "?"
+            else:
+                hint = ""
             raise PluginError(
-                f"{where or f'plugin {name!r}'} implements hooks that no spec declares: {problems} "
-                "(mark an implementation @hookimpl(optionalhook=True) if its spec may be absent)"
+                f"{where or f'plugin {name!r}'} implements hooks that no spec declares: "
+                f"{', '.join(repr(hook) for hook in unknown)} "
+                f"(mark an implementation @hookimpl(optionalhook=True) if its spec may be absent).{hint}"
             )
         record.plugin, record.status = plugin, "loaded"
         self.records[name] = record
@@ -315,15 +422,16 @@ class PluginHost:
             record = self.records.get(name)
             if record is None:
                 raise PluginError(
-                    f"plugin {name!r} is listed in [plugins] enable but not installed; installed: {known}"
-                    + _suggest(name, known)
+                    f"plugin {name!r} is listed in [plugins] enable but not installed; installed: "
+                    f"{', '.join(known) or 'none'}.{_suggest(name, known)}"
                 )
         if self.autoload:
             self._check_disabled(known)
         for name in self.config.plugin_tables:
             if name not in self.records:
                 raise OptionError(
-                    f"[plugins.{name}] names no installed plugin; installed: {known}{_suggest(name, known)}"
+                    f"[plugins.{name}] names no installed plugin; installed: {', '.join(known) or 'none'}."
+                    f"{_suggest(name, known)}"
                 )
         options: dict[str, Any] = {}
         sources: dict[str, str] = {}
@@ -347,11 +455,9 @@ class PluginHost:
             )
             sources.update({f"{where}{k}": v for k, v in found.items()})
         self.config = attrs.evolve(self.config, plugins=options, sources={**self.config.sources, **sources})
-        for var, suggestion in self.unread_env_vars(self.config.env):
-            # Never silent: a variable nothing reads is a typo or a feature that is not loaded.
-            logger.warning(
-                "%s is set but nothing reads it%s", var, f" (did you mean {suggestion}?)" if suggestion else ""
-            )
+        for unread in self.unread_env_vars(self.config.env):
+            # Never silent: a variable nothing reads is a typo or the variable of a plugin that is off.
+            logger.warning("%s", unread)
         self.pm.hook.ortcore_configure(config=self.config)
 
     def close(self) -> None:
@@ -361,6 +467,7 @@ class PluginHost:
     def known_env_vars(self) -> dict[str, str]:
         """Every environment variable ortcore or a loaded plugin reads, with the option it sets."""
         known = {f.metadata["env"]: f"core.{f.name}" for f in attrs.fields(CoreOptions) if f.metadata.get("env")}
+        known.update(CORE_READ_ENV_VARS)
         for name, record in self.records.items():
             if record.options_class is not None:
                 for f in attrs.fields(record.options_class):
@@ -376,16 +483,44 @@ class PluginHost:
         )
         return known
 
-    def unread_env_vars(self, env: Mapping[str, str]) -> list[tuple[str, str | None]]:
-        """``ORTMODULE_*``/``ORTCORE_*`` variables that are set but that nothing loaded reads, with the closest
-        known name (a typo, or the variable of a plugin that is disabled or not installed)."""
+    def unread_env_vars(self, env: Mapping[str, str]) -> list[UnreadVariable]:
+        """``ORTMODULE_*``/``ORTCORE_*`` variables that are set but that nothing loaded reads: each names the plugin
+        that would read it and why that plugin is off (disabled, failed to load, not loaded, not installed), or,
+        for a variable no plugin declares, the closest known name (a typo)."""
         known = self.known_env_vars()
+        readers = {var: plugin for plugin, variables in PLUGIN_ENV_VARS.items() for var in variables}
         unread = []
         for var in sorted(v for v in env if v.startswith(("ORTMODULE_", "ORTCORE_"))):
-            if var not in known:
-                close = difflib.get_close_matches(var, list(known), n=1)
-                unread.append((var, close[0] if close else None))
+            if var in known:
+                continue
+            if var in readers:
+                plugin = readers[var]
+                others = ", ".join(
+                    f"{p!r} reads it ({what})"
+                    for p, what in ALSO_READ_BY.get(var, ())
+                    if p in self.records and self.records[p].enabled
+                )
+                unread.append(UnreadVariable(var, plugin, *self._plugin_off(plugin), others=others))
+                continue
+            close = difflib.get_close_matches(var, [*known, *(v for v in readers if v not in known)], n=1)
+            note = ""
+            if close and close[0] not in known:
+                state, _ = self._plugin_off(readers[close[0]])
+                note = f" It is read by the plugin {readers[close[0]]!r}, which {state}"
+            unread.append(UnreadVariable(var, suggestion=close[0] if close else None, suggestion_note=note))
         return unread
+
+    def _plugin_off(self, name: str) -> tuple[str, str]:
+        """Why plugin ``name`` reads nothing in this host, and what turns it on."""
+        record = self.records.get(name)
+        if record is not None and record.status == "disabled":
+            where = self.config.disabled_by(name) or "[plugins] disable / ORTCORE_DISABLE_PLUGINS"
+            return f"is disabled ({where})", f"enable the plugin (remove {name!r} from {where})"
+        if record is not None and record.status == "failed":
+            return "failed to load", f"fix or reinstall {record.distribution!r} (its error is logged)"
+        if name in builtin_plugins():
+            return "is not loaded", f"load the plugin {name!r}"
+        return "is not installed", f"install the plugin {name!r} (it ships with ortcore: reinstall ortcore)"
 
     def hooks_of(self, name: str) -> list[str]:
         """Names of the hooks plugin ``name`` implements."""

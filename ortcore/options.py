@@ -25,6 +25,15 @@ def _suggest(value: str, allowed: list[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def _suggest_flag(name: str, allowed: list[str]) -> str:
+    """The fallback flag ``name`` is a misspelling of, if it is a close one: compared without the ``FALLBACK_`` prefix
+    every flag shares (with it, any ``FALLBACK_<word>`` looks like every flag), and with a high cutoff, since a far
+    guess can be FALLBACK_DISABLE, the one flag that turns every fallback off."""
+    stems = {flag.removeprefix("FALLBACK_"): flag for flag in allowed}
+    close = difflib.get_close_matches(name.removeprefix("FALLBACK_"), list(stems), n=1, cutoff=0.8)
+    return f" Did you mean {stems[close[0]]!r}?" if close else ""
+
+
 class LogLevel(enum.IntEnum):
     """Log levels with the seeds' meaning; WARNING (the default) keeps exporter noise out, VERBOSE shows all."""
 
@@ -93,9 +102,9 @@ class FallbackPolicy(enum.IntFlag):
     def parse(cls, value: object, source: str = "fallback_policy") -> FallbackPolicy:
         """Accept a FallbackPolicy, an int, or names joined by ``|`` (``FALLBACK_`` prefix optional)."""
         if isinstance(value, cls):
-            return value
+            return cls._alone_if_disable(value, value, source)
         if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 256:
-            return cls(value)
+            return cls._alone_if_disable(cls(value), value, source)
         if isinstance(value, str) and value.strip():
             policy = cls(0)
             allowed = list(cls.__members__)
@@ -106,11 +115,27 @@ class FallbackPolicy(enum.IntFlag):
                 if name not in cls.__members__:
                     raise OptionError(
                         f"{source}={value!r}: {part.strip()!r} is not a fallback policy; allowed: "
-                        f"{', '.join(allowed)}, joined with '|'.{_suggest(name, allowed)}"
+                        f"{', '.join(allowed)}, joined with '|' (FALLBACK_DISABLE alone).{_suggest_flag(name, allowed)}"
                     )
                 policy |= cls[name]
-            return policy
-        raise OptionError(f"{source}={value!r} is not a fallback policy; allowed: {', '.join(cls.__members__)}")
+            return cls._alone_if_disable(policy, value, source)
+        raise OptionError(
+            f"{source}={value!r} is not a fallback policy; allowed: {', '.join(cls.__members__)}, joined with '|' "
+            "(FALLBACK_DISABLE alone)"
+        )
+
+    @classmethod
+    def _alone_if_disable(cls, policy: FallbackPolicy, value: object, source: str) -> FallbackPolicy:
+        """Refuse FALLBACK_DISABLE with other flags: it turns every fallback off, so the others would be dropped
+        silently, whichever of the two the user meant."""
+        others = [flag.name for flag in cls if flag in policy and flag is not cls.FALLBACK_DISABLE]
+        if cls.FALLBACK_DISABLE in policy and others:
+            raise OptionError(
+                f"{source}={value!r}: FALLBACK_DISABLE cannot be combined with other flags ({', '.join(others)}): "
+                "FALLBACK_DISABLE turns every fallback off, so they would have no effect. Use FALLBACK_DISABLE "
+                "alone (every failure raises) or the other flags alone (those failures fall back to PyTorch)"
+            )
+        return policy
 
     def allows(self, flag: FallbackPolicy) -> bool:
         """Whether a failure of kind ``flag`` falls back (never when FALLBACK_DISABLE is set)."""

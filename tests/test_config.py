@@ -68,6 +68,30 @@ def test_bad_values_name_key_value_and_allowed(table, message):
         Config.from_table(table, env={})
 
 
+@pytest.mark.parametrize(
+    "text",
+    ['[plugin]\ndisable = ["memory_recompute"]\n', "[plugin.memory_recompute]\nlevel = 1\n", "plugin = 3\n"],
+)
+def test_a_misspelled_plugins_table_suggests_plugins(tmp_path, text):
+    """``[plugin]`` for ``[plugins]``: the top level of ortcore.toml holds the core's options and the [plugins]
+    table, and the suggestion is drawn from both."""
+    path = tmp_path / "ortcore.toml"
+    path.write_text(text)
+    with pytest.raises(OptionError) as raised:
+        Config.load(path, env={})
+    message = str(raised.value)
+    assert message.startswith(f"unknown key 'plugin' (in file {path}); allowed: opset, fallback_policy, ")
+    assert message.endswith("verify_gradients_atol and the [plugins] table. Did you mean 'plugins'?")
+
+
+def test_a_plugin_table_at_the_top_level_says_where_plugin_tables_go():
+    with pytest.raises(OptionError) as raised:
+        Config.from_table({"memory_recompute": {"level": 1}}, env={})
+    message = str(raised.value)
+    assert "unknown key 'memory_recompute' (in table); allowed: opset, " in message
+    assert message.endswith("and the [plugins] table. A plugin's options go in [plugins.memory_recompute].")
+
+
 def test_bad_env_value_names_variable():
     with pytest.raises(OptionError, match=r"ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT='sometimes' is not a boolean"):
         Config.from_table({}, env={"ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT": "sometimes"})

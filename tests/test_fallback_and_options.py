@@ -15,6 +15,7 @@ from torch import nn
 
 import ortcore
 from ortcore import DebugOptions, LogLevel, ORTModule
+from ortcore.options import FallbackPolicy
 from ortcore.testing import make_host
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -226,6 +227,74 @@ def test_bad_env_value_raises_option_error_naming_variable_value_and_allowed(
     assert value in message
     for word in allowed:
         assert word in message, f"{word!r} missing from: {message}"
+
+
+@pytest.mark.parametrize(
+    ("value", "suggestion"),
+    [
+        ("FALLBACK_BOGUS", None),
+        ("FALLBACK_ENABLE", None),
+        ("FALLBACK_NONE", None),
+        ("FALLBACK_ALL", None),
+        ("bogus", None),
+        ("FALLBACK_DISABEL", "FALLBACK_DISABLE"),
+        ("disabled", "FALLBACK_DISABLE"),
+        ("FALLBACK_UNSUPORTED_DATA", "FALLBACK_UNSUPPORTED_DATA"),
+        ("unsupported_device|unsupported_dat", "FALLBACK_UNSUPPORTED_DATA"),
+    ],
+)
+def test_a_bad_fallback_policy_is_suggested_by_spelling_only_when_close(value, suggestion):
+    """A suggestion is for a misspelling: FALLBACK_DISABLE, the one flag that turns every fallback off, is never
+    offered for a value that is not a close misspelling of it; otherwise the error lists every flag."""
+    with pytest.raises(ortcore.OptionError) as raised:
+        FallbackPolicy.parse(value, "ORTMODULE_FALLBACK_POLICY")
+    message = str(raised.value)
+    assert message.startswith(f"ORTMODULE_FALLBACK_POLICY={value!r}: ")
+    assert all(name in message for name in FallbackPolicy.__members__), message
+    if suggestion is None:
+        assert "Did you mean" not in message, message
+    else:
+        assert message.endswith(f". Did you mean {suggestion!r}?"), message
+
+
+def test_a_bogus_fallback_policy_in_the_environment_is_not_turned_into_disable(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_BOGUS")
+    with pytest.raises(ortcore.OptionError) as raised:
+        ORTModule(nn.Linear(4, 4))
+    assert "'FALLBACK_BOGUS' is not a fallback policy" in str(raised.value)
+    assert "Did you mean" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "FALLBACK_DISABLE|FALLBACK_UNSUPPORTED_DATA",
+        "unsupported_data | disable",
+        17,
+        FallbackPolicy.FALLBACK_DISABLE | FallbackPolicy.FALLBACK_UNSUPPORTED_DATA,
+    ],
+)
+def test_fallback_disable_combined_with_other_flags_is_refused(value):
+    """FALLBACK_DISABLE turns every fallback off: with other flags, one of the two intentions would be dropped."""
+    with pytest.raises(ortcore.OptionError) as raised:
+        ORTModule(nn.Linear(4, 4), fallback_policy=value)
+    message = str(raised.value)
+    assert message.startswith(f"fallback_policy={value!r}: FALLBACK_DISABLE cannot be combined with other flags")
+    assert "FALLBACK_UNSUPPORTED_DATA" in message and "alone" in message
+
+
+def test_fallback_disable_combined_in_the_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE|FALLBACK_UNSUPPORTED_DATA")
+    with pytest.raises(
+        ortcore.OptionError,
+        match=r"ORTMODULE_FALLBACK_POLICY='FALLBACK_DISABLE\|FALLBACK_UNSUPPORTED_DATA': FALLBACK_DISABLE cannot be",
+    ):
+        ORTModule(nn.Linear(4, 4))
+
+
+def test_fallback_disable_alone_is_accepted_however_written():
+    for value in ("FALLBACK_DISABLE", "disable", "FALLBACK_DISABLE|DISABLE", 1, FallbackPolicy.FALLBACK_DISABLE):
+        assert FallbackPolicy.parse(value) == FallbackPolicy.FALLBACK_DISABLE
 
 
 def test_option_error_is_a_value_error():

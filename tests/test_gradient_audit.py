@@ -479,6 +479,29 @@ def test_doctor_recommends_the_audit() -> None:
     assert any("verify_gradients" in f.what + f.fix for f in findings)
 
 
+@pytest.mark.parametrize("env", [{}, {"ORTCORE_VERIFY_GRADIENTS": "0"}])
+def test_doctor_never_says_ok_with_a_fix(env) -> None:
+    """A check that suggests a fix found something to fix: "ok" followed by "fix:" contradicts itself."""
+    host = make_host({}, env=env)
+    try:
+        findings = doctor(host, env={"GOMP_SPINCOUNT": "10000", **env})
+    finally:
+        host.close()
+    assert [f for f in findings if f.level == "ok" and f.fix] == []
+    [audit] = [f for f in findings if f.what.startswith("gradient audit")]
+    if env:
+        assert audit.level == "warning" and "verify_gradients" in audit.fix
+    else:
+        assert audit.level == "ok" and not audit.fix
+
+
+def test_a_doctor_finding_that_is_ok_cannot_carry_a_fix() -> None:
+    from ortcore_plugins.doctor.checks import Finding
+
+    with pytest.raises(ValueError, match="an 'ok' finding suggests no fix"):
+        Finding("ok", "all good", "but do this")
+
+
 # -- helpers ---------------------------------------------------------------------------------------------------------
 
 

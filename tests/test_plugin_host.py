@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 import types
 from pathlib import Path
@@ -369,7 +370,8 @@ class Misspelled:
 def test_misspelled_hook_names_plugin_hook_and_the_closest_spec():
     with pytest.raises(
         PluginError,
-        match=r"plugin 'typo' implements hooks that no spec declares: 'ortcore_graph_pases' Did you mean 'ortcore_graph_passes'\?",
+        match=r"plugin 'typo' implements hooks that no spec declares: 'ortcore_graph_pases' \(mark .*\)\. "
+        r"Did you mean 'ortcore_graph_passes'\?$",
     ):
         make_host({"typo": Misspelled()})
 
@@ -626,3 +628,157 @@ def test_export_failed_hook_supplies_the_symbolic_and_the_export_is_retried():
     with torch.no_grad(), pytest.raises(UnsupportedModelError, match="logcumsumexp"):
         refused(x)
     assert asked[-1] == "declined"
+
+
+# -- every suggestion follows a full sentence ----------------------------------------------------------------------
+
+
+class TwoMisspelled:
+    @hookimpl
+    def ortcore_graph_pases(self):
+        return []
+
+    @hookimpl
+    def ortcore_sesion_created(self, session):
+        pass
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: make_host({"typo": Misspelled()}),
+        lambda: make_host({"typo": TwoMisspelled()}),
+        lambda: make_host({"opts": OptionsPlugin()}, table={"plugins": {"opt": {}}}),
+        lambda: make_host({"opts": OptionsPlugin()}, table={"plugins": {"opts": {"verbos": True}}}),
+        lambda: PluginHost(Config.from_table({"plugins": {"enable": ["export_cach"]}}, env={})),
+        lambda: PluginHost(Config.from_table({"plugins": {"disable": ["export_cach"]}}, env={})),
+        lambda: Config.from_table({"opsett": 17}, env={}),
+        lambda: Config.from_table({"plugin": {}}, env={}),
+        lambda: Config.from_table({}, env={}).with_repaired_core({"opsett": 17}),
+    ],
+    ids=[
+        "hook",
+        "two-hooks",
+        "plugin-table",
+        "plugin-option",
+        "enable",
+        "disable",
+        "core-key",
+        "plugins-table",
+        "repair",
+    ],
+)
+def test_every_did_you_mean_follows_a_full_sentence(build):
+    """A suggestion reads "...<sentence>. Did you mean 'x'?": never glued to a quoted name or a list."""
+    with pytest.raises((OptionError, PluginError)) as raised:
+        build()
+    message = str(raised.value)
+    assert "Did you mean" in message
+    assert len(re.findall(r"Did you mean", message)) == len(re.findall(r"\. Did you mean '[^']+'", message)), message
+
+
+def test_two_misspelled_hooks_each_get_their_suggestion():
+    with pytest.raises(PluginError) as raised:
+        make_host({"typo": TwoMisspelled()})
+    assert str(raised.value).endswith(
+        ". Did you mean 'ortcore_graph_passes' (for 'ortcore_graph_pases') and 'ortcore_session_created' "
+        "(for 'ortcore_sesion_created')?"
+    )
+
+
+# -- a variable whose plugin is off --------------------------------------------------------------------------------
+
+
+def _warnings_about(caplog, variable: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(variable + " ")]
+
+
+@pytest.mark.parametrize(
+    ("table", "env", "where"),
+    [
+        ({"plugins": {"disable": ["memory_recompute"]}}, {}, "[plugins] disable"),
+        ({}, {"ORTCORE_DISABLE_PLUGINS": "memory_recompute"}, "ORTCORE_DISABLE_PLUGINS"),
+        (
+            {"plugins": {"disable": ["memory_recompute"]}},
+            {"ORTCORE_DISABLE_PLUGINS": "memory_recompute"},
+            "[plugins] disable and ORTCORE_DISABLE_PLUGINS",
+        ),
+    ],
+)
+def test_a_variable_of_a_disabled_plugin_says_the_plugin_is_disabled(table, env, where, caplog):
+    """Not "did you mean ORTMODULE_LOG_LEVEL?": the variable is right, the plugin that reads it is off (and, being
+    disabled, was never imported: the host knows its variables from PLUGIN_ENV_VARS)."""
+    from ortcore_plugins.doctor.checks import doctor
+
+    host = PluginHost(Config.from_table(table, env={**env, "ORTMODULE_MEMORY_OPT_LEVEL": "1"}))
+    problem = (
+        f"ORTMODULE_MEMORY_OPT_LEVEL is read by the plugin 'memory_recompute', which is disabled ({where}): "
+        "it has no effect"
+    )
+    fix = f"enable the plugin (remove 'memory_recompute' from {where}), or unset ORTMODULE_MEMORY_OPT_LEVEL"
+    assert _warnings_about(caplog, "ORTMODULE_MEMORY_OPT_LEVEL") == [f"{problem}; {fix}"]
+    [finding] = [f for f in doctor(host, env=host.config.env) if "ORTMODULE_MEMORY_OPT_LEVEL" in f.what]
+    assert (finding.level, finding.what, finding.fix) == ("warning", problem, fix)
+
+
+def test_a_variable_of_a_plugin_the_host_did_not_load_says_so(caplog):
+    make_host({}, env={"ORTMODULE_MEMORY_OPT_LEVEL": "1"})
+    assert _warnings_about(caplog, "ORTMODULE_MEMORY_OPT_LEVEL") == [
+        "ORTMODULE_MEMORY_OPT_LEVEL is read by the plugin 'memory_recompute', which is not loaded: it has no effect; "
+        "load the plugin 'memory_recompute', or unset ORTMODULE_MEMORY_OPT_LEVEL"
+    ]
+
+
+def test_a_variable_of_a_plugin_that_failed_to_load_says_so(monkeypatch, caplog):
+    import ortcore.host
+
+    _fake_entry_point(monkeypatch, "ghost", "no_such_module_anywhere")
+    monkeypatch.setitem(ortcore.host.PLUGIN_ENV_VARS, "ghost", ("ORTCORE_GHOST_LEVEL",))
+    PluginHost(Config.from_table({}, env={"ORTCORE_GHOST_LEVEL": "2"}))
+    [warning] = _warnings_about(caplog, "ORTCORE_GHOST_LEVEL")
+    assert warning.startswith(
+        "ORTCORE_GHOST_LEVEL is read by the plugin 'ghost', which failed to load: it has no effect; "
+    )
+
+
+def test_a_misspelled_variable_of_a_disabled_plugin_is_suggested_with_its_plugins_state(caplog):
+    PluginHost(
+        Config.from_table({"plugins": {"disable": ["memory_recompute"]}}, env={"ORTMODULE_MEMORY_OPT_LEVL": "1"})
+    )
+    assert _warnings_about(caplog, "ORTMODULE_MEMORY_OPT_LEVL") == [
+        "ORTMODULE_MEMORY_OPT_LEVL is set but nothing reads it (did you mean ORTMODULE_MEMORY_OPT_LEVEL? It is read "
+        "by the plugin 'memory_recompute', which is disabled ([plugins] disable))"
+    ]
+
+
+def test_variables_the_core_reads_without_their_plugin_are_not_reported(caplog):
+    """With autograd_function disabled, ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 still tells the core's exporter to trace
+    through custom Functions; ORTMODULE_CACHE_DIR without export_cache still places aten_fallback's kernel choices."""
+    env = {"ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": "0", "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT": "1"}
+    host = PluginHost(Config.from_table({"plugins": {"disable": ["autograd_function"]}}, env=env))
+    assert host.unread_env_vars(host.config.env) == []
+    host = PluginHost(Config.from_table({"plugins": {"disable": ["export_cache"]}}, env={"ORTMODULE_CACHE_DIR": "x"}))
+    [unread] = host.unread_env_vars(host.config.env)
+    assert unread.problem == (
+        "ORTMODULE_CACHE_DIR is read by the plugin 'export_cache', which is disabled ([plugins] disable): of the "
+        "loaded plugins only 'aten_fallback' reads it (where its kernel choices are kept)"
+    )
+
+
+def test_plugin_env_vars_lists_every_variable_of_each_built_in_plugin():
+    """PLUGIN_ENV_VARS is how a host knows the variables of a plugin it did not import: it must be each plugin's
+    options class's own list (add a new plugin's variables there)."""
+    from ortcore.host import PLUGIN_ENV_VARS
+
+    host = PluginHost(Config.from_table({}, env={}))
+    declared = {}
+    for name, record in host.records.items():
+        if record.builtin and record.options_class is not None:
+            variables = []
+            for f in attrs.fields(record.options_class):
+                env = f.metadata.get("env")
+                variables += [env] if isinstance(env, str) else list(env or ())
+            if variables:
+                declared[name] = sorted(variables)
+    installed = {name: sorted(v) for name, v in PLUGIN_ENV_VARS.items() if name in builtin_plugins()}
+    assert installed == declared

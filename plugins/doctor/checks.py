@@ -15,9 +15,16 @@ from ortcore_plugins.services.machine import describe_machine, machine_line
 
 @attrs.frozen
 class Finding:
-    level: str  # "ok", "warning", "error"
+    """One check's result. A finding with a fix to suggest found something to fix: it is a warning or an error,
+    never "ok" (``ortcore doctor`` would print "ok" and then "fix:" for the same check)."""
+
+    level: str = attrs.field(validator=attrs.validators.in_(("ok", "warning", "error")))
     what: str
     fix: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if self.level == "ok" and self.fix:
+            raise ValueError(f"an 'ok' finding suggests no fix: {self.what!r} has fix {self.fix!r}")
 
 
 def doctor(host: Any, load_error: Exception | None = None, env: Mapping[str, str] | None = None) -> list[Finding]:
@@ -90,14 +97,8 @@ def doctor(host: Any, load_error: Exception | None = None, env: Mapping[str, str
         findings.append(Finding("error", f"configuration: {load_error}", "fix the named key or variable"))
     findings.append(_gradient_audit_finding(host))
     if host is not None:
-        for var, suggestion in host.unread_env_vars(env):
-            findings.append(
-                Finding(
-                    "warning",
-                    f"{var} is set but nothing reads it",
-                    f"did you mean {suggestion}?" if suggestion else "unset it (see docs/options.md for the variables)",
-                )
-            )
+        for unread in host.unread_env_vars(env):  # a typo, or the variable of a plugin that is off
+            findings.append(Finding("warning", unread.problem, unread.fix))
         for name, record in sorted(host.records.items()):
             if record.status == "failed":
                 findings.append(
@@ -111,7 +112,8 @@ def doctor(host: Any, load_error: Exception | None = None, env: Mapping[str, str
 
 
 def _gradient_audit_finding(host: Any) -> Finding:
-    """Whether new graphs are audited against PyTorch (on by default): a note, not a problem, when switched off."""
+    """Whether new graphs are audited against PyTorch (on by default); switched off, a warning with the way back on
+    (a wrong gradient then goes unnoticed and unrepaired)."""
     if host is not None and host.config.core.verify_gradients:
         source = host.config.sources.get("core.verify_gradients", "default")
         return Finding(
@@ -119,7 +121,7 @@ def _gradient_audit_finding(host: Any) -> Finding:
         )
     source = host.config.sources.get("core.verify_gradients", "default") if host is not None else "default"
     return Finding(
-        "ok",
+        "warning",
         f"gradient audit off (verify_gradients, from {source}): new graphs are not checked against PyTorch, and a "
         "graph ORT computes wrongly is not repaired",
         "unset ORTCORE_VERIFY_GRADIENTS (or verify_gradients = true in ortcore.toml) for a model's first runs; see "

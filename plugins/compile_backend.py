@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 import torch
 
-from ortcore.api import OptionError, hookimpl, option, parse_bool
+from ortcore.api import OptionError, ORTCoreError, hookimpl, option, parse_bool
 
 NAME = "compile_backend"
 BACKEND = "ortcore"
@@ -76,6 +76,24 @@ class CompiledGraph:
     graph_module: torch.fx.GraphModule
     ortmodule: Any
     options: dict[str, Any]
+    kept: list[int] = attrs.Factory(list)  # the inputs the ORTModule takes (sizes it reads from shapes left out)
+    # Why this graph runs in PyTorch (the graph module itself) since ortcore raised on it, or None.
+    in_pytorch: str | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        """Run the graph: in ORT, or, once ortcore raised on it (an export, build or audit failure the ORTModule's
+        fallback policy let through), as dynamo's graph module in PyTorch, as torch.compile would break there."""
+        if self.in_pytorch is None:
+            try:
+                return self.ortmodule(*(args[i] for i in self.kept) if self.kept else args)
+            except ORTCoreError as e:
+                self.in_pytorch = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                logger.warning(
+                    "torch.compile(backend='ortcore'): graph %d runs in PyTorch from now on: %s",
+                    self.number,
+                    self.in_pytorch,
+                )
+        return self.graph_module(*args)
 
     @property
     def ops(self) -> int:
@@ -83,12 +101,18 @@ class CompiledGraph:
 
     def describe(self) -> str:
         counters = self.ortmodule.state_machine.counters
-        where = "PyTorch (fallback)" if self.ortmodule.fallback_reason else "ONNX Runtime"
+        why = self.reason_in_pytorch
+        where = "PyTorch" if why else "ONNX Runtime"
         return (
             f"graph {self.number}: {self.ops} ops, runs in {where}; exports {counters.exports}, builds "
             f"{counters.builds}, ops on PyTorch's kernels {counters.routed_ops}"
-            + (f"; fell back: {self.ortmodule.fallback_reason}" if self.ortmodule.fallback_reason else "")
+            + (f"; in PyTorch: {why}" if why else "")
         )
+
+    @property
+    def reason_in_pytorch(self) -> str | None:
+        """Why the graph runs in PyTorch (ortcore raised on it, or its ORTModule fell back), or None."""
+        return self.in_pytorch or self.ortmodule.fallback_reason
 
 
 def compiled_graphs() -> list[CompiledGraph]:
@@ -157,25 +181,14 @@ def ortcore_backend(
         )
     kwargs = _ortmodule_kwargs(options)
     sources = size_sources(gm)
-    if sources:
-        # Sizes dynamo made symbolic arrive as ints; an ORTModule would export again for each value. Read from the
-        # tensors' shapes instead, they are a dimension of the ORT graph.
-        wrapped = ORTModule(SizesFromShapes(gm, sources), **kwargs)
-        kept = [i for i in range(len(sources)) if sources[i] is None]
-
-        def run(*args: Any) -> Any:
-            return wrapped(*(args[i] for i in kept))
-
-        run.ortmodule = wrapped  # type: ignore[attr-defined]
-        compiled: Callable[..., Any] = run
-    else:
-        wrapped = ORTModule(gm, **kwargs)
-        compiled = wrapped
+    # Sizes dynamo made symbolic arrive as ints; an ORTModule would export again for each value. They are read from
+    # the tensors' shapes instead, a dimension of the ORT graph.
+    wrapped = ORTModule(SizesFromShapes(gm, sources) if sources else gm, **kwargs)
     with _lock:
-        graph = CompiledGraph(len(_compiled), gm, wrapped, kwargs)
+        graph = CompiledGraph(len(_compiled), gm, wrapped, kwargs, kept=[i for i, s in enumerate(sources) if s is None])
         _compiled.append(graph)
     logger.info("torch.compile(backend='ortcore'): %s", graph.describe())
-    return compiled
+    return graph
 
 
 def size_sources(gm: torch.fx.GraphModule) -> list[tuple[int, int] | None]:

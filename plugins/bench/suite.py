@@ -219,7 +219,7 @@ def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
             graphs = compiled_graphs()
             details["graphs"] = len(graphs)
             details["exports"] = sum(g.ortmodule.state_machine.counters.exports for g in graphs)
-            details["fallbacks"] = sum(1 for g in graphs if g.ortmodule.fallback_reason)
+            details["fallbacks"] = sum(1 for g in graphs if g.reason_in_pytorch)
             return details
 
         return compiled, compile_ortcore_details

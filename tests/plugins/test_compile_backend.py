@@ -74,7 +74,7 @@ def test_a_model_with_graph_breaks_trains_with_eagers_gradients_in_ort(capsys) -
     graphs = plugin.compiled_graphs()
     assert len(graphs) >= 2  # the breaks split the model
     for graph in graphs:
-        assert graph.ortmodule.fallback_reason is None, graph.describe()
+        assert graph.reason_in_pytorch is None, graph.describe()
         assert graph.ortmodule.state_machine.counters.exports == 1
 
 
@@ -186,5 +186,29 @@ def test_the_dynamo_exporter_serves_the_captured_graphs_too() -> None:
     loss_ref.backward()
     assert_grads_match(model, ref)
     for graph in plugin.compiled_graphs():
-        assert graph.ortmodule.fallback_reason is None
+        assert graph.reason_in_pytorch is None
         assert graph.ortmodule.state_machine.last_key.exporter == "dynamo"
+
+
+def test_a_graph_ortcore_raises_on_runs_in_pytorch_as_dynamos_graph_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile trains every model: a captured graph ortcore cannot serve (here: every build fails) runs as the
+    graph module in PyTorch, with eager's gradients, and the report says why."""
+    from ortcore.errors import GraphBuildError
+    from ortcore.pipeline import Pipeline
+
+    def failing_build(self, graph, key):
+        raise GraphBuildError("no build today")
+
+    monkeypatch.setattr(Pipeline, "build", failing_build)
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    compiled = torch.compile(model, backend="ortcore")
+    compiled(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert_grads_match(model, ref)
+    (graph,) = plugin.compiled_graphs()
+    assert graph.reason_in_pytorch and "no build today" in graph.reason_in_pytorch
+    assert "runs in PyTorch" in plugin.report()

@@ -47,6 +47,11 @@ def _environment() -> dict[str, str]:
     # No ortcore option from the caller's shell changes the run; one thread per rank on a shared machine.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ORTMODULE_", "ORTCORE_"))}
     env["OMP_NUM_THREADS"] = "1"
+    # Bit-for-bit resumes need the same graph in every process (docs/distributed.md): a resumed process exports its
+    # first batch's sizes (a static graph: bias gradients summed as GEMVs) where the uninterrupted run had gone
+    # dynamic, and a kernel choice measured by an earlier run would route differently; both agree up to rounding.
+    env["ORTCORE_DYNAMIC_SHAPES"] = "always"
+    env["ORTCORE_KERNEL_MEASURE"] = "off"
     return env
 
 

@@ -11,23 +11,35 @@ the other subcommands work without the optional ones.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .config import disabled_plugins
+from .tables import Column
 
 if TYPE_CHECKING:
     import pluggy
 
 
 # -- ortcore plugins / config / doctor -----------------------------------------------------------------------------
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument(
+        "--wide", action="store_true", help="the table at its full width, nothing wrapped (wide terminals, logs)"
+    )
+    layout.add_argument("--json", action="store_true", help="print every field as JSON on stdout, and nothing else")
+
+
 def _add_plugins(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plugins",
         help="list installed plugins: version, source, enabled, hooks, options",
-        description="List every plugin found through the 'ortcore.plugins' entry points, loaded or not.",
+        description="List every plugin found through the 'ortcore.plugins' entry points, loaded or not. The table "
+        "fits the terminal (COLUMNS); where it cannot without breaking a name, each plugin is a block of lines.",
     )
+    _add_layout_flags(p)
     p.set_defaults(run=_run_plugins)
 
 
@@ -40,17 +52,59 @@ def _host_or_error():
     return host
 
 
-def _print_table(title: str, columns: Sequence[str], rows: list[Sequence[str]]) -> None:
-    """A rich table; piped output gets a fixed width wide enough for the option columns."""
-    from rich.console import Console
-    from rich.table import Table
+def _print_json(data: object) -> None:
+    import json
 
-    table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(*row)
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    print(json.dumps(data, indent=2))
+
+
+def _print_table(
+    title: str, columns: Sequence[Column], rows: list[Sequence[str]], footer: Sequence[str], wide: bool
+) -> None:
+    """A rich table as wide as the terminal (:func:`~ortcore.tables.terminal_width`), prose wrapped, names never
+    broken; one block per row (:func:`~ortcore.tables.stacked`) if the names do not fit, or without rich. ``wide``:
+    the table at its natural width, whatever the terminal's."""
+    from .tables import fit_widths, stacked, terminal_width, wrap
+
+    width = None if wide else terminal_width()
+    widths = fit_widths(columns, rows, width)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:  # rich is optional: the stacked layout needs none of it
+        widths = None
+    page = width or 10**9
+    for line in wrap(title, page):
+        print(line)
+    if widths is None:
+        for line in stacked(columns, rows, page):
+            print(line)
+    else:
+        table = Table()
+        for column, w in zip(columns, widths):
+            if column.prose:  # rich wraps it between words; fit_widths left room for the longest
+                table.add_column(column.header, width=w, overflow="fold")
+            else:  # names: broken only where wrap() allows, never by rich
+                table.add_column(column.header, width=w, no_wrap=True)
+        for row in rows:
+            table.add_row(
+                *(Text(cell if c.prose else "\n".join(wrap(cell, w))) for c, w, cell in zip(columns, widths, row))
+            )
+        Console(width=sum(widths) + 3 * len(widths) + 1).print(table)
+    for note in footer:
+        for line in wrap(note, page):
+            print(line)
+
+
+PLUGIN_COLUMNS = (
+    Column("name"),
+    Column("version"),
+    Column("source"),
+    Column("enabled", prose=True),
+    Column("hooks", own_line=True),
+    Column("options", own_line=True),
+)
 
 
 def _run_plugins(args: argparse.Namespace) -> int:
@@ -59,6 +113,26 @@ def _run_plugins(args: argparse.Namespace) -> int:
     host = _host_or_error()
     if host is None:
         return 1
+    found = plugin_rows(host)
+    path = str(host.config.path) if host.config.path else None
+    if args.json:
+        _print_json(
+            {
+                "configuration": path,
+                "plugins": [
+                    {
+                        "name": r.name,
+                        "version": r.version,
+                        "source": r.source,
+                        "enabled": r.enabled,
+                        "hooks": list(r.hooks),
+                        "options": dict(o.split("=", 1) for o in r.options),
+                    }
+                    for r in found
+                ],
+            }
+        )
+        return 0
     rows = [
         (
             r.name,
@@ -68,11 +142,9 @@ def _run_plugins(args: argparse.Namespace) -> int:
             ", ".join(h.removeprefix("ortcore_") for h in r.hooks),
             "\n".join(r.options),
         )
-        for r in plugin_rows(host)
+        for r in found
     ]
-    _print_table("ortcore plugins", ("name", "version", "source", "enabled", "hooks", "options"), rows)
-    if host.config.path:
-        print(f"configuration: {host.config.path}")
+    _print_table("ortcore plugins", PLUGIN_COLUMNS, rows, [f"configuration: {path}"] if path else [], args.wide)
     return 0
 
 
@@ -81,9 +153,20 @@ def _add_config(subparsers: argparse._SubParsersAction) -> None:
         "config",
         help="show the effective configuration and where each value came from",
         description="Every core and plugin option: its value, its source (default, file, argument, env) and its "
-        "environment variable.",
+        "environment variable. The table fits the terminal (COLUMNS); where it cannot without breaking a name, each "
+        "option is a block of lines.",
     )
+    _add_layout_flags(p)
     p.set_defaults(run=_run_config)
+
+
+CONFIG_COLUMNS = (
+    Column("key"),
+    Column("value"),
+    Column("source"),
+    Column("env"),
+    Column("meaning", prose=True, label=False),
+)
 
 
 def _run_config(args: argparse.Namespace) -> int:
@@ -92,12 +175,27 @@ def _run_config(args: argparse.Namespace) -> int:
     host = _host_or_error()
     if host is None:
         return 1
+    found = config_rows(host)
+    path = str(host.config.path) if host.config.path else None
+    if args.json:
+        _print_json(
+            {
+                "configuration": path,
+                "options": [
+                    {"key": r.key, "value": r.value, "source": r.source, "env": r.env or None, "meaning": r.doc}
+                    for r in found
+                ],
+                "plugins_disabled": list(host.config.disable),
+            }
+        )
+        return 0
     _print_table(
-        f"ortcore configuration ({host.config.path or 'no ortcore.toml found'})",
-        ("key", "value", "source", "env", "meaning"),
-        [(r.key, r.value, r.source, r.env, r.doc) for r in config_rows(host)],
+        f"ortcore configuration ({path or 'no ortcore.toml found'})",
+        CONFIG_COLUMNS,
+        [(r.key, r.value, r.source, r.env, r.doc) for r in found],
+        [f"plugins disabled: {', '.join(host.config.disable) or 'none'}"],
+        args.wide,
     )
-    print(f"plugins disabled: {', '.join(host.config.disable) or 'none'}")
     return 0
 
 
@@ -218,6 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ortcore config | head`: the reader left; no traceback, and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

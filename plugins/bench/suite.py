@@ -213,10 +213,10 @@ def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
         compiled = torch.compile(model, backend="ortcore")
 
         def compile_ortcore_details() -> dict[str, Any]:
-            from ortcore_plugins.compile_backend import compiled_graphs
-
+            # The backend's module as torch loaded it (its entry point); a plugin does not import another plugin.
+            backend = sys.modules.get("ortcore_plugins.compile_backend")
             details = _graph_breaks()
-            graphs = compiled_graphs()
+            graphs = backend.compiled_graphs() if backend is not None else []
             details["graphs"] = len(graphs)
             details["exports"] = sum(g.ortmodule.state_machine.counters.exports for g in graphs)
             details["fallbacks"] = sum(1 for g in graphs if g.reason_in_pytorch)

@@ -20,7 +20,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,16 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("compile-ortcore", "compile", "ortcore")
 STEPS = 8  # losses compared at every step; the step time is the median of steps 4-8 (recompiles settle first)
 RTOL = 1e-3
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _wrap(model: Any, mode: str) -> Any:
@@ -169,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
     names = args.models.split(",") if args.models else list(models("main"))
     results = []
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical cores", flush=True)
+    from ortcore_plugins.services.machine import describe_machine, machine_line
+
+    machine = describe_machine()
+    print(f"on {machine_line(machine)}", flush=True)
     for name in names:
         for mode in modes:
             r = run(name, mode, args.timeout)
@@ -187,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         passed = sum(1 for r in results if r["mode"] == mode and r["status"] == "pass")
         print(f"{mode}: {passed} of {len(names)} pass")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_name(), "results": results}, indent=1))
+        args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=1))
     return 0
 
 

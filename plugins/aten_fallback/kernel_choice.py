@@ -651,7 +651,8 @@ def decide_case(config: Config, case: Case) -> Decision:
         return Decision(case, fallback, UNMEASURED, note="measured on CPU floats only: the default list decided")
     chooser = chooser_for(config)
     mode = measure_mode(config)
-    if mode != "export" and chooser.cached(case) is None:
+    known = chooser.cached(case)
+    if mode != "export" and known is None:
         if mode == "off":
             return Decision(case, fallback, UNMEASURED, note="not measured on this machine (measure = off)")
         return Decision(
@@ -660,7 +661,7 @@ def decide_case(config: Config, case: Case) -> Decision:
             DEFERRED,
             note=f"not measured on this machine yet: the default list decides until training step {MEASURE_AT_STEP}",
         )
-    if chooser.cached(case) is None and _export_seconds[0] > EXPORT_BUDGET_SECONDS:
+    if known is None and _export_seconds[0] > EXPORT_BUDGET_SECONDS:
         return Decision(
             case, fallback, UNMEASURED, note="the export's measuring budget is spent: the default list decided"
         )

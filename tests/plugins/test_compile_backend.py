@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -59,17 +60,22 @@ def _batches(n: int, rows: int = 6) -> list[torch.Tensor]:
     return [torch.randn(rows, 8, generator=gen) for _ in range(n)]
 
 
-def test_a_model_with_graph_breaks_trains_with_eagers_gradients_in_ort(capsys) -> None:
+def _one_step_as_eager(**compile_kwargs: Any) -> None:
+    """``Breaks`` compiled with ``backend="ortcore"`` and eager from the same weights: the loss and every gradient."""
     torch.manual_seed(0)
     model = Breaks()
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="ortcore")
+    compiled = torch.compile(model, backend="ortcore", **compile_kwargs)
     x = _batches(1)[0]
     loss, loss_ref = compiled(x), ref(x)
     assert_losses_match(loss, loss_ref)
     loss.backward()
     loss_ref.backward()
     assert_grads_match(model, ref)
+
+
+def test_a_model_with_graph_breaks_trains_with_eagers_gradients_in_ort(capsys) -> None:
+    _one_step_as_eager()
     assert capsys.readouterr().out.count("a Python side effect") == 2
     graphs = plugin.compiled_graphs()
     assert len(graphs) >= 2  # the breaks split the model
@@ -175,16 +181,7 @@ def test_the_report_lists_graphs_where_ops_run_and_the_breaks_with_torchs_reason
 
 @pytest.mark.slow  # the dynamo exporter takes seconds per captured graph
 def test_the_dynamo_exporter_serves_the_captured_graphs_too() -> None:
-    torch.manual_seed(0)
-    model = Breaks()
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="ortcore", options={"exporter": "dynamo"})
-    x = _batches(1)[0]
-    loss, loss_ref = compiled(x), ref(x)
-    assert_losses_match(loss, loss_ref)
-    loss.backward()
-    loss_ref.backward()
-    assert_grads_match(model, ref)
+    _one_step_as_eager(options={"exporter": "dynamo"})
     for graph in plugin.compiled_graphs():
         assert graph.reason_in_pytorch is None
         assert graph.ortmodule.state_machine.last_key.exporter == "dynamo"

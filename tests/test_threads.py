@@ -24,10 +24,11 @@ LINES_AFTER = 5
 # the same batches; every loss and every gradient is compared with torch's (rtol 1e-5, atol 1e-6). After the threads
 # have finished, the main thread prints lines on stdout and stderr: the parent checks that they all arrived.
 CHILD = r"""
-import copy, json, sys, threading
+import contextlib, copy, json, sys, threading
 import torch
 from torch import nn
 from ortcore import ORTModule
+from ortcore.api import EXPORT_LOCK
 
 THREADS, STEPS, LINES_AFTER, EXPORTER = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 RTOL, ATOL = 1e-5, 1e-6
@@ -58,9 +59,14 @@ def train(k):
                     mismatches.append(f"step {step}: gradient of {name}")
                 else:
                     worst = max(worst, (p.grad - q.grad).abs().max().item())
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad()
+            # torch.export's flags are process-wide: while another thread exports on the dynamo route, torch.optim's
+            # step and zero_grad (torch._disable_dynamo functions) see torch.compiler.is_exporting() and edit
+            # torch.fx.traceback's global metadata, racing the export (KeyError: 'custom'). The documented remedy:
+            # hold EXPORT_LOCK around them.
+            with EXPORT_LOCK if EXPORTER == "dynamo" else contextlib.nullcontext():
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
         counters = ort.state_machine.counters
         results[k] = {"mismatches": mismatches, "worst": worst, "fallbacks": counters.fallbacks,
                       "exports": counters.exports}

@@ -503,10 +503,26 @@ def _float64_side(
         )
         if wide_grads is None:
             wide_grads = [None if g is None else g.double() for g in output_grads]
-        side, _, _ = _run_torch(exact, record=False, output_grads=wide_grads)
+        with _Float32AsFloat64():
+            side, _, _ = _run_torch(exact, record=False, output_grads=wide_grads)
     finally:
         torch.set_default_dtype(previous)
     return side
+
+
+class _Float32AsFloat64(torch.overrides.TorchFunctionMode):
+    """Every float32 a model asks for by name becomes float64: ``x.to(torch.float32)``, ``x.float()``,
+    ``softmax(x, dtype=torch.float32)``, ``torch.zeros(n, dtype=torch.float32)``. Models upcast half precision to
+    float32 this way (RMS norms, attention softmaxes), and a graph captured by torch.compile carries such casts on
+    its inputs; the float64 run would otherwise round to float32 there and be no better than PyTorch's own run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.float:
+            return args[0].to(torch.float64)
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 def _perturbed_side(req: AuditRequest, output_grads: list[torch.Tensor | None]) -> _Side | None:

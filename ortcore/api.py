@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (3, 2)
+API_VERSION = (3, 3)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -89,6 +89,9 @@ _NAMES: dict[str, str] = {
     "ForwardInputs": "ortcore.inspectors",
     "FirstStep": "ortcore.inspectors",
     "InputSchema": "ortcore.schema",
+    "OutputSchema": "ortcore.schema",
+    "Constant": "ortcore.schema",
+    "TensorConstant": "ortcore.schema",
     "flatten_outputs": "ortcore.schema",
     "node_module": "ortcore.repair",
     "Tapper": "ortcore.taps",

@@ -25,7 +25,7 @@ from .errors import BufferWriteError, GraphBuildError, UnsupportedDataError, Uns
 from .exporter import Exporter, ExportRequest
 from .graph_passes import GraphPass, PassContext
 from .options import LogLevel
-from .schema import Constant, InputSchema, OutputSchema, flatten_outputs
+from .schema import Constant, InputSchema, OutputSchema, TensorConstant, flatten_outputs
 
 logger = logging.getLogger("ortcore")
 
@@ -232,6 +232,43 @@ def _version(tensor: torch.Tensor) -> int | None:
         return tensor._version
     except RuntimeError:
         return None
+
+
+def _constant_outputs(
+    model: onnx.ModelProto, schema: OutputSchema, graph_inputs: set[str], tensors: list[torch.Tensor]
+) -> OutputSchema:
+    """Take the user outputs that are constants (``return out, torch.tensor(4096)``, a cache's maximum length in an
+    HF model: the exporter makes them a ``Constant`` node or an initializer) out of the graph: ORT turns both into
+    initializers, and its gradient builder refuses a graph output without a producer ("couldn't find the producer
+    node"). Their values go into the returned schema (:class:`ortcore.schema.TensorConstant`), on the device of the
+    call's tensors."""
+    import onnx.numpy_helper
+
+    values: dict[str, onnx.TensorProto] = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
+            if node.attribute[0].name == "value":
+                values[node.output[0]] = node.attribute[0].t
+    device = str(tensors[0].device) if tensors else "cpu"
+    constants: dict[int, TensorConstant] = {}
+    outputs = list(model.graph.output)[: len(schema.names)]
+    for k, output in enumerate(outputs):
+        if output.name in values and output.name not in graph_inputs:
+            value = torch.from_numpy(onnx.numpy_helper.to_array(values[output.name]).copy())
+            constants[k] = TensorConstant(value, device=device)
+    if not constants:
+        return schema
+    keep = [o for k, o in enumerate(model.graph.output) if k not in constants]
+    del model.graph.output[:]
+    model.graph.output.extend(keep)
+    # Their Constant nodes, now unread (ORT would warn of each as an unused initializer; drop_unread_initializers
+    # removes the initializers).
+    read = {name for node in model.graph.node for name in node.input} | {o.name for o in keep}
+    unread = [n for n in model.graph.node if n.op_type == "Constant" and not set(n.output) & read]
+    for node in unread:
+        model.graph.node.remove(node)
+    logger.debug("outputs %s are constants: returned without ONNX Runtime", [schema.names[k] for k in constants])
+    return schema.without_outputs(constants)
 
 
 def _rename_inputs(model: onnx.ModelProto, renames: dict[str, str]) -> None:
@@ -608,6 +645,7 @@ def export_graph(
     # Outputs get the user's names; parameters and buffers lose the wrapper's "module." prefix.
     renames = {f"module.{n}": n for n in state_names}
     graph_inputs = {i.name for i in model.graph.input}
+    output_schema = _constant_outputs(model, output_schema, graph_inputs, tensors)
     renames.update(
         {o.name: name for o, name in zip(model.graph.output, output_schema.names) if o.name not in graph_inputs}
     )

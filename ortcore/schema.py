@@ -89,6 +89,22 @@ class ObjectConstant(Constant):
         return copy.deepcopy(self.value)
 
 
+@attrs.frozen(eq=False)
+class TensorConstant(Constant):
+    """A tensor output whose value does not depend on the inputs (``return out, torch.tensor(4096)``): the exporter
+    folds it into a constant, which ORT's gradient builder refuses as a graph output, so it leaves the graph and
+    returns from here. Each call gets a copy, as PyTorch makes a new tensor per call."""
+
+    device: str = "cpu"
+
+    @property
+    def key(self) -> tuple:
+        return (self.name, "Tensor", str(self.value.dtype), tuple(self.value.shape), self.value.flatten().tolist())
+
+    def restored(self) -> Any:
+        return self.value.to(self.device, copy=True)
+
+
 def _tensor_or_module_inside(value: Any) -> str | None:
     """Where a tensor or an ``nn.Module`` is inside ``value`` (through containers, ``__dict__`` and ``__slots__``),
     as ``"attribute 'cache.keys' is a Tensor"``; None if there is none."""
@@ -324,6 +340,21 @@ class OutputSchema:
         if missing:
             raise UnsupportedDataError(f"output types {missing} are not registered with torch.utils._pytree")
 
+    def without_outputs(self, constants: dict[int, Constant]) -> OutputSchema:
+        """This schema with the tensor outputs numbered in ``constants`` (among the tensor outputs) made constants."""
+        template, names, k = [], [], 0
+        for slot in self.template:
+            if slot is None:
+                if k in constants:
+                    template.append(constants[k])
+                else:
+                    template.append(None)
+                    names.append(self.names[k])
+                k += 1
+            else:
+                template.append(slot)
+        return OutputSchema(self.spec, tuple(template), tuple(names))
+
     def restore(self, tensors: Sequence[torch.Tensor]) -> Any:
         it = iter(tensors)
         leaves = [next(it) if t is None else t.restored() for t in self.template]
@@ -340,7 +371,7 @@ class OutputSchema:
         """
         data = {
             "spec": treespec_to_json(self.spec),
-            "template": [None if t is None else _constant_to_json(t.value) for t in self.template],
+            "template": [None if t is None else _template_to_json(t) for t in self.template],
             "names": list(self.names),
         }
         if treespec_from_json(data["spec"]) != self.spec:
@@ -356,7 +387,7 @@ class OutputSchema:
         names = data.get("names")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError("an output schema's 'names' must be a list of strings")
-        template = tuple(None if t is None else Constant(_constant_from_json(t)) for t in data["template"])
+        template = tuple(None if t is None else _template_from_json(t) for t in data["template"])
         spec = treespec_from_json(data.get("spec"))
         if spec.num_leaves != len(template) or sum(t is None for t in template) != len(names):
             raise ValueError(
@@ -475,6 +506,40 @@ def treespec_from_json(data: Any) -> pytree.TreeSpec:
     if not adapt(cls):
         raise ValueError(f"the output type {data['type']!r} is not registered with torch.utils._pytree")
     return pytree.TreeSpec(cls, _context_from_json(data["context"]), [treespec_from_json(c) for c in data["children"]])
+
+
+def _template_to_json(slot: Constant) -> Any:
+    if isinstance(slot, TensorConstant):
+        value = slot.value
+        return {
+            "tensor": {
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape),
+                "values": value.flatten().tolist(),
+                "device": slot.device,
+            }
+        }
+    return _constant_to_json(slot.value)
+
+
+def _template_from_json(data: Any) -> Constant:
+    if isinstance(data, dict) and set(data) == {"tensor"} and isinstance(data["tensor"], dict):
+        spec = data["tensor"]
+        dtype = getattr(torch, str(spec.get("dtype")), None)
+        shape, values, device = spec.get("shape"), spec.get("values"), spec.get("device")
+        if (
+            isinstance(dtype, torch.dtype)
+            and isinstance(shape, list)
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(values, list)
+            and isinstance(device, str)
+        ):
+            try:
+                return TensorConstant(torch.tensor(values, dtype=dtype).reshape(shape), device=device)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"malformed output tensor constant: {e}") from e
+        raise ValueError(f"malformed output tensor constant {str(data)[:80]!r}")
+    return Constant(_constant_from_json(data))
 
 
 def _constant_to_json(value: Any) -> Any:

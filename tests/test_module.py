@@ -929,3 +929,42 @@ def test_output_object_registered_with_pytree_trains_like_torch():
     out.logits.sum().backward()
     expected.logits.sum().backward()
     assert_grads_match(model, reference)
+
+
+class ReturnsConstants(nn.Module):
+    """Outputs whose values do not depend on the inputs, as a Hugging Face cache returns its maximum length: the
+    exporters fold them into constants, which ORT's gradient builder refuses as graph outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor):
+        return self.fc(x), torch.tensor(4096).to("cpu"), x, {"ones": torch.ones(2, 3)}
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_constant_tensor_outputs_train_in_ort_and_survive_the_export_cache(exporter: str):
+    from ortcore.graph import ExportedGraph
+
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    model, reference = ort_and_torch(ReturnsConstants(), exporter=exporter)
+    for batch in (5, 7):
+        x = torch.randn(batch, 4)
+        out, expected = model(x), reference(x)
+        assert_close(out, expected)
+        assert out[1].dtype == torch.int64 and out[3]["ones"].dtype == torch.float32
+        out[3]["ones"].add_(1)  # each call gets its own tensor, as in PyTorch
+        assert_close(model(x)[3]["ones"], torch.ones(2, 3))
+        out[0].square().sum().backward()
+        expected[0].square().sum().backward()
+        assert_grads_match(model, reference)
+    assert model.fallback_reason is None
+    graph, _session = model.state_machine.current
+    assert len(graph.model.graph.output) >= 2  # the linear's output and x; the constants are not ORT's
+    again = ExportedGraph.from_bytes(graph.to_bytes(), model)
+    assert_close(
+        again.output_schema.restore([torch.zeros(1, 3), torch.zeros(1, 4)]),
+        graph.output_schema.restore([torch.zeros(1, 3), torch.zeros(1, 4)]),
+    )

@@ -40,7 +40,7 @@ import onnx
 import onnx.numpy_helper
 import torch
 
-from ortcore.api import InputSchema, Tapper, flatten_outputs, node_module, subscribers_paused, tapping
+from ortcore.api import Constant, InputSchema, Tapper, flatten_outputs, node_module, subscribers_paused, tapping
 
 from . import kinks
 
@@ -393,6 +393,13 @@ def _run_torch(
     with subscribers_paused(req.model), torch.enable_grad(), taps:
         result = torch.func.functional_call(req.model, (params, buffers), args, kwargs, tie_weights=True, strict=False)
     output_schema, outputs = flatten_outputs(result)
+    graph_schema = getattr(req.graph, "output_schema", None)
+    if graph_schema is not None and len(graph_schema.names) < len(output_schema.names):
+        # Outputs the graph returns as constants (not ORT's: ExportedGraph.output_schema holds their values).
+        kept = set(graph_schema.names)
+        dropped = {k: Constant(None) for k, name in enumerate(output_schema.names) if name not in kept}
+        outputs = [t for k, t in enumerate(outputs) if k not in dropped]
+        output_schema = output_schema.without_outputs(dropped)
     side = _Side(outputs=outputs, grads={})
     if record:
         side.tap_names = list(collector.names)

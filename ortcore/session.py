@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import pathlib
 import re
+import tempfile
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -330,6 +333,31 @@ class _GraphBuild:
             logger.debug("no gradient in the backward graph for %d tapped values: %s", len(missing), missing)
 
 
+# ORT's CPU kernels whose output is a view of their input's buffer (KernelDefBuilder().Alias(0, 0)).
+_VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "ExpandDims", "View", "PassThrough"})
+
+
+def _views_yielded(executed: onnx.ModelProto) -> tuple[int, ...]:
+    """The forward outputs of a training graph, as ORT runs it, that a view op makes (``logits.squeeze(-1)``, a
+    ``Reshape`` ORT's fusions put before an output).
+
+    Such an output is handed to torch as a view of a buffer ORT owns elsewhere and frees after the forward, while the
+    output lives on: the backward's allocations then overwrite it (a user who keeps the logits past ``backward()``
+    reads gradients). ORT 1.19's YieldOp does not keep the viewed buffer alive, so the core hands out a copy of
+    these outputs instead."""
+    producers = {name: node for node in executed.graph.node for name in node.output}
+    yielded = next((n for n in executed.graph.node if n.op_type == "YieldOp"), None)
+    if yielded is None:
+        return ()
+    return tuple(
+        i
+        for i, name in enumerate(yielded.input)
+        if (node := producers.get(name)) is not None
+        and node.op_type in _VIEW_OPS
+        and node.domain in ("", "ai.onnx", "com.microsoft")
+    )
+
+
 class TrainingSession:
     """One built graph and its ORT session: a training graph (forward + backward) or an inference graph.
 
@@ -369,18 +397,37 @@ class TrainingSession:
             set_("_grad_producers", _grad_producers(built.model, feed_names, grad_index))
         set_("run_wrappers", tuple(name for name, _ in plan.run_wrappers))
         set_("_wrappers", tuple(wrapper for _, wrapper in plan.run_wrappers))
+        options = plan.session_options()
+        # The graph ORT runs is read back once to find forward outputs that are views (see _views_yielded).
+        executed_path = None
+        if built.request.build_gradient and plan.prepared_model is None:
+            executed_path = plan.optimized_model_filepath
+            if not executed_path:
+                fd, executed_path = tempfile.mkstemp(prefix="ortcore_executed_", suffix=".onnx")
+                os.close(fd)
+                options.optimized_model_filepath = executed_path
+                options.log_severity_level = max(options.log_severity_level, LogLevel.ERROR.ort_severity)
         try:
             model_bytes = plan.prepared_model if plan.prepared_model is not None else built.model.SerializeToString()
             sess = onnxruntime.InferenceSession(
                 model_bytes,
-                plan.session_options(),
+                options,
                 providers=[name for name, _ in plan.providers],
                 provider_options=[o for _, o in plan.providers],
             )
+            if built.request.build_gradient:
+                executed = plan.prepared_model if executed_path is None else pathlib.Path(executed_path).read_bytes()
+                set_("copied_outputs", _views_yielded(onnx.ModelProto.FromString(executed)))
+            else:
+                set_("copied_outputs", ())
         except Exception as e:
             raise GraphBuildError(
                 f"ONNX Runtime could not create the {self.kind} session: {explain_ort_error(e)}"
             ) from e
+        finally:
+            if executed_path is not None and executed_path != plan.optimized_model_filepath:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(executed_path)
         set_("_sess", sess)
         device = _ort_device(built.request.device)
         if built.request.build_gradient:
@@ -472,7 +519,10 @@ class TrainingSession:
         outputs = C.OrtValueVector()
         state = C.PartialGraphExecutionState()
         self._agent.run_forward(inputs, outputs, state, None)
-        return from_ort(outputs), state
+        results = from_ort(outputs)
+        for i in self.copied_outputs:
+            results[i] = results[i].clone()
+        return results, state
 
     def _run_backward(
         self,

@@ -968,3 +968,42 @@ def test_constant_tensor_outputs_train_in_ort_and_survive_the_export_cache(expor
         again.output_schema.restore([torch.zeros(1, 3), torch.zeros(1, 4)]),
         graph.output_schema.restore([torch.zeros(1, 3), torch.zeros(1, 4)]),
     )
+
+
+class ViewOutputs(nn.Module):
+    """Outputs ONNX Runtime makes as views of another buffer (Squeeze, Reshape), beside a loss computed from them."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.how = how
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor):
+        y = self.fc(x)
+        logits = y.squeeze(-1) if self.how == "squeeze" else (y * 2).reshape(x.shape[0], x.shape[1])
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels.float())
+        return loss, logits
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("how", ["squeeze", "reshape"])
+def test_outputs_that_are_views_keep_their_values_after_backward(how: str, exporter: str):
+    """A user keeps the logits past backward() (to compute an accuracy, say): ORT frees the buffer a view output
+    points into after the forward, and the backward's allocations overwrote the logits before the core copied them."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    model, reference = ort_and_torch(ViewOutputs(how), exporter=exporter)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, labels = torch.randn(4, 12, 8, generator=generator), torch.randint(0, 2, (4, 12), generator=generator)
+        (loss, logits), (expected_loss, expected_logits) = model(x, labels), reference(x, labels)
+        loss.backward()
+        expected_loss.backward()
+        assert_close(logits, expected_logits)  # read after the backward
+        assert_close(loss, expected_loss)
+        assert_grads_match(model, reference)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert model.fallback_reason is None

@@ -176,8 +176,9 @@ def _kind_fits(argument: Any, value: Any) -> bool:
 def match_overload(op: str, args: tuple, node: Any = None) -> Any:
     """The schema of the ``aten::<op>`` overload a traced call used: the one the traced ``node`` names, else the
     first whose argument count, tensor lists and strings fit (``gru.input`` and ``gru.data`` both take nine
-    arguments; ``repeat_interleave.self_int`` and ``.self_Tensor`` are told apart only by the node)."""
-    packet = getattr(torch.ops.aten, op)
+    arguments; ``repeat_interleave.self_int`` and ``.self_Tensor`` are told apart only by the node). ``op`` may be
+    another library's ``<namespace>::<op>``."""
+    packet = op_packet(op)
 
     def fits(schema: Any) -> bool:
         return (
@@ -197,7 +198,7 @@ def match_overload(op: str, args: tuple, node: Any = None) -> Any:
 
 
 def _node_overload(node: Any) -> str | None:
-    """The overload name of a traced ``aten::`` node's schema (None if the node has none)."""
+    """The overload name of a traced node's schema (None if the node has none)."""
     if node is None:
         return None
     try:
@@ -205,7 +206,7 @@ def _node_overload(node: Any) -> str | None:
     except (AttributeError, RuntimeError):
         return None
     name = text.partition("(")[0]
-    if not name.startswith("aten::"):
+    if "::" not in name or name.startswith(("prim::", "onnx::")):
         return None
     return name.partition(".")[2] or "default"
 
@@ -414,6 +415,13 @@ def symbolics_for_failure(error: UnsupportedModelError, symbolics: dict[str, Any
     run by PyTorch (:func:`routed_on_failure`); None when the failure names no such op, or the op was routed on
     failure already (the core then raises)."""
     op = failed_op(error)
+    if op is not None and "::" in op:  # another library's op (a torch.library custom op): no symbolic anywhere
+        if not _is_torch_op(op) or getattr(symbolics.get(op), "routes_failures", False):
+            return None
+        logger.info(
+            "the TorchScript exporter has no symbolic for %s: exporting its calls as ATen nodes run by PyTorch", op
+        )
+        return {op: routed_on_failure(op, None)}
     # The exporter looks an op ending in "_" up without it (an in-place op, and __and__ as __and_).
     name = f"::{op[:-1]}" if op is not None and op.endswith("_") else f"::{op}"
     if op is not None and op.endswith("_") and not op.startswith("__"):
@@ -428,6 +436,14 @@ def symbolics_for_failure(error: UnsupportedModelError, symbolics: dict[str, Any
     )
     previous = symbolics.get(name) or _registered_symbolic(name.removeprefix("::"))
     return {name: routed_on_failure(op, previous)}
+
+
+def _is_torch_op(qualified: str) -> bool:
+    """Is ``namespace::name`` an op registered with PyTorch (so an ATen node can run it)?"""
+    try:
+        return bool(op_packet(qualified).overloads())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @contextlib.contextmanager
@@ -451,8 +467,10 @@ EXPORTER_FAILED = "the TorchScript exporter fails on this call (its symbolic ref
 
 
 def failed_op(error: BaseException) -> str | None:
-    """The ``aten::`` op whose symbolic raised ``error`` (or its cause): read from the exporter's own frame that
-    was converting the node (``_run_symbolic_function``), since the messages do not always name the op."""
+    """The ``aten::`` op whose symbolic raised ``error`` (or its cause), as its name; an op of another namespace (a
+    ``torch.library`` custom op, ``transformers::grouped_mm_fallback``) as ``namespace::name``. Read from the
+    exporter's own frame that was converting the node (``_run_symbolic_function``), since the messages do not always
+    name the op."""
     for e in (error, error.__cause__):
         tb = e.__traceback__ if e is not None else None
         kind = None
@@ -466,6 +484,8 @@ def failed_op(error: BaseException) -> str | None:
             tb = tb.tb_next
         if kind is not None and kind.startswith("aten::"):
             return kind.removeprefix("aten::")
+        if kind is not None and "::" in kind and not kind.startswith(("prim::", "onnx::")):
+            return kind
     return None
 
 

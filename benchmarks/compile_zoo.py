@@ -9,7 +9,9 @@ every parameter's gradient after the first step within 1e-3 of the model's large
 when that holds but no captured graph ran in ORT) (the zoo harness' float64 reference
 and perturbed spreads are stricter: ``pytest -m slow tests/zoo``); ``mismatch`` otherwise; ``error`` with the
 exception. Modes: ``compile-ortcore`` (torch.compile, backend="ortcore": each captured graph an ORTModule),
-``compile`` (torch.compile, inductor), ``ortcore`` (ORTModule around the whole model, fallback disabled). Also the
+``compile-ortcore-aot`` (the same with ``design="aot_autograd"``: AOTAutograd's forward and backward graphs each an
+ORT inference graph), ``compile`` (torch.compile, inductor), ``ortcore`` (ORTModule around the whole model, fallback
+disabled). Every row also times eager beside the mode. Also the
 graphs dynamo captured, its graph breaks, how many graphs fell back to PyTorch (compile-ortcore), the first step and
 the median of steps 4-8 against eager's. The machine is named in the output.
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("compile-ortcore", "compile", "ortcore")
+MODES = ("compile-ortcore", "compile-ortcore-aot", "compile", "ortcore")
 STEPS = 8  # losses compared at every step; the step time is the median of steps 4-8 (recompiles settle first)
 RTOL = 1e-3
 
@@ -38,6 +40,8 @@ def _wrap(model: Any, mode: str) -> Any:
 
     if mode == "compile-ortcore":
         return torch.compile(model, backend="ortcore")
+    if mode == "compile-ortcore-aot":
+        return torch.compile(model, backend="ortcore", options={"design": "aot_autograd"})
     if mode == "compile":
         return torch.compile(model)
     from ortcore import ORTModule
@@ -99,7 +103,7 @@ def worker(name: str, mode: str) -> dict[str, Any]:
         result["graph_breaks"] = sum(counters["graph_break"].values())
     except Exception:
         pass
-    if mode == "compile-ortcore":
+    if mode.startswith("compile-ortcore"):
         from ortcore_plugins.compile_backend import compiled_graphs
 
         graphs = compiled_graphs()

@@ -144,7 +144,7 @@ def test_options_reach_the_ortmodules_and_a_bad_one_names_what_is_allowed() -> N
     assert graph.options == {"verify_gradients": False}
     assert graph.ortmodule.state_machine.counters.audits == 0
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="unknown option 'verify'; allowed: exporter, fallback_policy"):
+    with pytest.raises(Exception, match="unknown option 'verify'; allowed: design, exporter, fallback_policy"):
         torch.compile(nn.Linear(4, 2), backend="ortcore", options={"verify": False})(torch.randn(2, 4))
 
 
@@ -209,3 +209,70 @@ def test_a_graph_ortcore_raises_on_runs_in_pytorch_as_dynamos_graph_module(monke
     (graph,) = plugin.compiled_graphs()
     assert graph.reason_in_pytorch and "no build today" in graph.reason_in_pytorch
     assert "runs in PyTorch" in plugin.report()
+
+
+# -- design = "aot_autograd": PyTorch's derivative formulas, forward and backward each an ORT inference graph ---------
+
+
+def test_the_aot_autograd_design_trains_a_model_with_breaks_with_eagers_loss_curve() -> None:
+    torch.manual_seed(0)
+    model = Breaks()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="ortcore", options={"design": "aot_autograd"})
+    x = _batches(1)[0]
+    loss, loss_ref = compiled(x), ref(x)
+    assert_losses_match(loss, loss_ref)
+    loss.backward()
+    loss_ref.backward()
+    assert_grads_match(model, ref)
+    graphs = plugin.compiled_graphs()
+    # A forward and a backward graph per captured graph that needs gradients; an inference graph for the one that
+    # computes only the branch's condition.
+    assert {g.kind for g in graphs} == {"forward", "backward", "inference"}
+    for graph in graphs:
+        assert graph.reason_in_pytorch is None, graph.describe()
+        _, session = graph.ortmodule.state_machine.current
+        assert not session.request.build_gradient  # ORT's gradient builder is not used: an inference graph each
+    assert "(backward, AOTAutograd)" in plugin.report()
+    curve = _train(compiled, _batches(4))
+    curve_ref = _train(ref, _batches(4))
+    for step, (a, b) in enumerate(zip(curve, curve_ref)):
+        assert a == pytest.approx(b, rel=1e-5), f"step {step}: {a} vs {b}"
+
+
+def test_the_design_comes_from_the_config_too_and_a_bad_one_names_the_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTCORE_COMPILE_DESIGN", "aot_autograd")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    torch.compile(model, backend="ortcore")(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert_grads_match(model, ref)
+    assert {g.kind for g in plugin.compiled_graphs()} == {"forward", "backward"}
+    torch._dynamo.reset()
+    with pytest.raises(
+        Exception, match="'joint' is not a compile_backend design; allowed: ort_gradients, aot_autograd"
+    ):
+        torch.compile(nn.Linear(4, 2), backend="ortcore", options={"design": "joint"})(torch.randn(2, 4))
+
+
+def test_numbers_a_graph_returns_are_recomputed_per_call_not_traced_constants() -> None:
+    """With dynamic sizes, AOTAutograd's forward graph returns the symbolic sizes its backward needs; an export would
+    trace each as the number it was on the first call. They are recomputed from each call's shapes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="ortcore", dynamic=True, options={"design": "aot_autograd"})
+    for rows in (5, 9, 3):
+        x = torch.randn(rows, 8)
+        out, out_ref = compiled(x), ref(x)
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+        out.square().sum().backward()
+        out_ref.square().sum().backward()
+        assert_grads_match(model, ref)
+        for m in (model, ref):
+            m.zero_grad()
+    graphs = plugin.compiled_graphs()
+    assert any(g.scalars.exprs for g in graphs), [g.describe() for g in graphs]
+    assert all(g.reason_in_pytorch is None for g in graphs), [g.describe() for g in graphs]

@@ -74,7 +74,7 @@ PLUGIN_ENV_VARS: dict[str, tuple[str, ...]] = {
         "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT",
     ),
     "bias_gemv": ("ORTCORE_BIAS_GEMV", "ORTCORE_BIAS_GEMV_MIN_ROWS"),
-    "compile_backend": ("ORTCORE_COMPILE_BACKEND",),
+    "compile_backend": ("ORTCORE_COMPILE_BACKEND", "ORTCORE_COMPILE_DESIGN"),
     "compute_optimizer": ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER",),
     "control_flow": ("ORTCORE_CONTROL_FLOW",),
     "cuda_execution": (

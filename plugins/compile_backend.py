@@ -6,21 +6,23 @@ graphs, breaking the capture where it must (a ``.item()``, a ``print``, a branch
 data-dependent shape) and running that Python in eager between graphs; each captured graph comes here, and runs as
 an :class:`ortcore.api.ORTModule` of the graph module.
 
-**Design: ORT's gradient builder per captured graph.** The graph module is exported (the configured exporter,
-TorchScript by default), ORT builds its training graph and the forward and backward run in ORT's training engine, as
-for any ORTModule: op routing, the ATen fallback, the gradient fixes, static-sizes-first, the export cache and the
-gradient audit of the first step all apply per graph. Parameters reach the graph as inputs (dynamo lifts them), so
-their gradients flow back through autograd to ``param.grad`` as eager's do; optimizers and ``state_dict`` see the
-model's own parameters. Under ``torch.no_grad()`` dynamo compiles a graph of its own, which runs ORT's inference
-graph. (The other design, AOTAutograd's joint graph with forward and backward each exported to ORT, would use
-PyTorch's derivative formulas instead of ORT's gradient builder; it is not built: see docs/plugins/compile_backend.md.)
+**Two designs** (``design``). ``ort_gradients``, the default: ORT's gradient builder per captured graph. The graph
+module is exported (the configured exporter, TorchScript by default), ORT builds its training graph and the forward
+and backward run in ORT's training engine, as for any ORTModule: op routing, the ATen fallback, the gradient fixes,
+static-sizes-first, the export cache and the gradient audit of the first step all apply per graph. ``aot_autograd``:
+AOTAutograd splits each captured graph into ATen-level forward and backward graphs with PyTorch's derivative
+formulas, and each runs as an ORT inference graph (no ORT gradient builder). Parameters reach the graphs as inputs
+(dynamo lifts them), so their gradients flow back through autograd to ``param.grad`` as eager's do; optimizers and
+``state_dict`` see the model's own parameters. Under ``torch.no_grad()`` dynamo compiles a graph of its own, which
+runs ORT's inference graph. Numbers a graph returns are recomputed per call from its tensors' shapes
+(:class:`ScalarOutputs`), not traced.
 
 **Guards and recompiles are torch's**: a call that fails a guard is compiled again by dynamo and comes here as a new
 graph module, with a new ORTModule; sizes dynamo marks dynamic arrive as integer inputs and are a dimension of the
 ORT graph.
 
-Options: ``torch.compile(..., options={...})`` takes the ORTModule arguments ``exporter``, ``fallback_policy``,
-``verify_gradients``, ``opset`` for the graphs of that call; ``ortcore.toml`` and the ORTMODULE_*/ORTCORE_*
+Options: ``torch.compile(..., options={...})`` takes ``design`` and the ORTModule arguments ``exporter``,
+``fallback_policy``, ``verify_gradients``, ``opset`` for the graphs of that call; ``ortcore.toml`` and the ORTMODULE_*/ORTCORE_*
 variables apply to these ORTModules as to any (``exporter = "dynamo"``, ``ORTCORE_VERIFY_GRADIENTS=0``, ...).
 ``[plugins.compile_backend] enable = false`` (or ``ORTCORE_DISABLE_PLUGINS=compile_backend``) makes
 ``backend="ortcore"`` an error naming the switch.

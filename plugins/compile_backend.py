@@ -123,6 +123,15 @@ class CompiledGraph:
                     # FunctionalTensor on its own"): that call runs in a thread of its own, with fresh dispatch state.
                     with concurrent.futures.ThreadPoolExecutor(1) as pool:
                         outputs = pool.submit(self._inference, inputs).result()
+                    mismatch = self._first_call_differs(args, outputs)
+                    if mismatch is not None:
+                        self.in_pytorch = mismatch
+                        logger.warning(
+                            "torch.compile(backend='ortcore'): graph %d runs in PyTorch from now on: %s",
+                            self.number,
+                            mismatch,
+                        )
+                        return self.graph_module(*args)
                 else:
                     outputs = self._inference(inputs)
                 return self.scalars.fill(args, outputs)
@@ -134,6 +143,38 @@ class CompiledGraph:
                     self.in_pytorch,
                 )
         return self.graph_module(*args)
+
+    def _first_call_differs(self, args: tuple, outputs: Any) -> str | None:
+        """The check of an AOTAutograd graph's first call, the design's counterpart of the gradient audit (switched
+        by ``verify_gradients`` and its tolerances): every output of ORT's run against the graph module run by PyTorch
+        on the same inputs. A translation that computes something else than torch (the dynamo exporter's
+        ``nll_loss_forward`` total weight, say) would otherwise pass wrong numbers between the forward and backward
+        graphs. Returns what differs, or None."""
+        core = self.ortmodule.ortcore_config.core
+        if not core.verify_gradients:
+            return None
+        with torch.no_grad():
+            expected = self.graph_module(*args)
+        expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+        actual = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        for k, (a, b) in enumerate(zip(actual, expected)):
+            if not isinstance(b, torch.Tensor) or not isinstance(a, torch.Tensor):
+                continue
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return f"output {k} of its first call: {a.dtype}{tuple(a.shape)} in ONNX Runtime, {b.dtype}{tuple(b.shape)} in PyTorch"
+            if not b.numel():
+                continue
+            if b.is_floating_point():
+                worst = float((a.double() - b.double()).abs().max())
+                allowed = core.verify_gradients_atol + core.verify_gradients_rtol * float(b.abs().max())
+                if not worst <= allowed:  # NaN is a difference too
+                    return (
+                        f"output {k} of its first call differs from PyTorch's: max abs difference {worst:.3g}, allowed "
+                        f"{allowed:.3g} (verify_gradients_rtol/atol)"
+                    )
+            elif not torch.equal(a, b):
+                return f"output {k} of its first call differs from PyTorch's ({int((a != b).sum())} values)"
+        return None
 
     def _inference(self, inputs: tuple) -> Any:
         with torch.no_grad():  # AOTAutograd differentiates around these graphs itself

@@ -276,3 +276,35 @@ def test_numbers_a_graph_returns_are_recomputed_per_call_not_traced_constants() 
     graphs = plugin.compiled_graphs()
     assert any(g.scalars.exprs for g in graphs), [g.describe() for g in graphs]
     assert all(g.reason_in_pytorch is None for g in graphs), [g.describe() for g in graphs]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_aot_graph_whose_first_call_differs_from_pytorch_runs_in_pytorch(
+    monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """The aot_autograd design's counterpart of the gradient audit: each graph's first call is compared with the graph
+    module run by PyTorch (here ORT's outputs are made wrong on purpose; the dynamo exporter's nll_loss_forward gave a
+    wrong total weight this way, and every gradient came out 4x). verify_gradients=False skips the check."""
+    inference = plugin.CompiledGraph._inference
+
+    def wrong(self, inputs):
+        outputs = inference(self, inputs)
+        return type(outputs)(o * 2 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in outputs)
+
+    monkeypatch.setattr(plugin.CompiledGraph, "_inference", wrong)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    options = {"design": "aot_autograd", "verify_gradients": verify}
+    out = torch.compile(model, backend="ortcore", options=options)(x)
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    graphs = plugin.compiled_graphs()
+    if verify:
+        torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)
+        assert_grads_match(model, ref)
+        assert all("of its first call differs from PyTorch's" in (g.reason_in_pytorch or "") for g in graphs)
+    else:
+        assert all(g.reason_in_pytorch is None for g in graphs)
+        torch.testing.assert_close(out, 2 * ref(x), rtol=1e-5, atol=1e-6)  # unchecked: ORT's (wrong) numbers

@@ -400,8 +400,9 @@ class TrainingSession:
         options = plan.session_options()
         # The graph ORT runs is read back once to find forward outputs that are views (see _views_yielded).
         executed_path = None
+        kept_path = options.optimized_model_filepath or None  # the plan's, or a plugin's session-option setter's
         if built.request.build_gradient and plan.prepared_model is None:
-            executed_path = plan.optimized_model_filepath
+            executed_path = kept_path
             if not executed_path:
                 fd, executed_path = tempfile.mkstemp(prefix="ortcore_executed_", suffix=".onnx")
                 os.close(fd)
@@ -425,7 +426,7 @@ class TrainingSession:
                 f"ONNX Runtime could not create the {self.kind} session: {explain_ort_error(e)}"
             ) from e
         finally:
-            if executed_path is not None and executed_path != plan.optimized_model_filepath:
+            if executed_path is not None and executed_path != kept_path:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(executed_path)
         set_("_sess", sess)

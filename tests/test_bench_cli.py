@@ -328,7 +328,7 @@ def test_quick_is_a_smoke_run_of_the_quick_modes_and_says_what_it_left_out(
     out = tmp_path / "r.json"
     assert cli.main(["bench", "--quick", "--json", str(out)]) == 0
     said = " ".join(capsys.readouterr().err.split())
-    assert "a smoke run: modes eager, ortcore, ortcore-dynamo; compile, compile-ortcore, ortcore-cached" in said
+    assert "a smoke run: modes eager, ortcore, ortcore-dynamo; compile, compile-ortcore, compile-ortcore-aot, ortcore-cached" in said
     data = json.loads(out.read_text())
     assert [(r["model"], r["mode"]) for r in data["results"]] == [
         (model, mode) for model in bench.MODELS for mode in bench.QUICK_MODES

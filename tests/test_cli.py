@@ -199,7 +199,10 @@ def test_write_json_is_atomic(tmp_path) -> None:
     ("argv", "expected"),
     [
         (["bench", "--models", "bert,llama"], "unknown model 'llama'; allowed: bert, gpt2"),
-        (["bench", "--modes", "eager,jax"], "unknown mode 'jax'; allowed: eager, compile, compile-ortcore, ortcore"),
+        (
+            ["bench", "--modes", "eager,jax"],
+            "unknown mode 'jax'; allowed: eager, compile, compile-ortcore, compile-ortcore-aot, ortcore",
+        ),
         (["bench", "--models", ","], "comma-separated list of models from: bert, gpt2"),
         (["bench", "--steps", "3", "--warmup", "3"], "--warmup (3) must be less than --steps (3)"),
         (["bench", "--batch", "0"], "expected a positive integer, got 0"),

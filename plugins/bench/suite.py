@@ -47,11 +47,14 @@ from ortcore_plugins.services.machine import (  # noqa: F401 (OthersCPU: the ben
 #: "ortcore-cached" is ortcore in a second process on the same export cache (the first one, a one-step run, fills
 #: it): what a restarted job sees. Its first step is the one the export cache and ORT's cached session graph make.
 #: The "ortcore-dynamo" pair is the same on the dynamo exporter (torch.export + onnxscript).
-#: "compile-ortcore" is torch.compile with ortcore's backend (backend="ortcore": each captured graph in ORT).
+#: "compile-ortcore" is torch.compile with ortcore's backend (backend="ortcore": each captured graph in ORT);
+#: "compile-ortcore-aot" the same with design="aot_autograd" (PyTorch's derivatives, forward and backward graphs each
+#: an ORT inference graph).
 MODES: tuple[str, ...] = (
     "eager",
     "compile",
     "compile-ortcore",
+    "compile-ortcore-aot",
     "ortcore",
     "ortcore-cached",
     "ortcore-dynamo",
@@ -207,10 +210,11 @@ def _wrap(model: Any, mode: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
 
         compiled = torch.compile(model)  # default backend (inductor); compiles lazily, on the first call
         return compiled, _graph_breaks
-    if mode == "compile-ortcore":
+    if mode in ("compile-ortcore", "compile-ortcore-aot"):
         import torch
 
-        compiled = torch.compile(model, backend="ortcore")
+        options = {"design": "aot_autograd"} if mode == "compile-ortcore-aot" else {}
+        compiled = torch.compile(model, backend="ortcore", options=options)
 
         def compile_ortcore_details() -> dict[str, Any]:
             # The backend's module as torch loaded it (its entry point); a plugin does not import another plugin.
@@ -784,7 +788,7 @@ def _mode_notes(r: RunResult) -> str:
         ran = d.get("exporter")
         # The exporter a plugin (ortcore_exporter) chose instead of the mode's would make the row another mode's.
         return notes if ran in (None, ORTCORE_EXPORTERS[r.mode]) else f"{notes}, ran on exporter {ran!r}"
-    if r.mode == "compile-ortcore" and "graphs" in d:
+    if r.mode.startswith("compile-ortcore") and "graphs" in d:
         return (
             f"graph breaks {d.get('graph_breaks', '?')}, ORT graphs {d['graphs']}, exports {d.get('exports')}, "
             f"fallbacks {d.get('fallbacks')}"
@@ -900,6 +904,7 @@ _MODE_COLORS = {
     "eager": "tab:gray",
     "compile": "tab:orange",
     "compile-ortcore": "tab:purple",
+    "compile-ortcore-aot": "tab:pink",
     "ortcore": "tab:blue",
     "ortcore-cached": "tab:cyan",
     "ortcore-dynamo": "tab:green",

@@ -414,10 +414,34 @@ def _translate_adaptive_max_pool(self: Any, output_size: Any) -> Any:
     return adaptive_max_pool(OnnxScriptBuilder(), self, [int(v) for v in output_size], int(dtype))
 
 
+def _translate_nll_loss_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> Any:
+    """The translation of ``aten.nll_loss_forward``: the loss as onnxscript's, and its second output, the total weight
+    (the count of targets not ignored, or their weights' sum), computed. onnxscript returns the loss's element count
+    there ("FIXME: Fake a total_weight"), which ``nll_loss_backward`` divides by: graphs that pass it on (AOTAutograd's
+    forward graph to its backward) got gradients 4x too large on a batch of 4."""
+    from onnxscript.function_libs.torch_lib.ops.nn import aten_nll_loss
+    from onnxscript.onnx_opset import opset18 as op
+
+    output = aten_nll_loss(self, target, weight, reduction, ignore_index)
+    targets = op.Reshape(target, op.Constant(value_ints=[-1]))
+    kept = op.Not(op.Equal(targets, op.Constant(value_int=int(ignore_index))))
+    if weight is None:
+        counted = op.CastLike(kept, self)
+    else:
+        safe = op.Where(kept, targets, op.Constant(value_int=0))
+        counted = op.Mul(op.Gather(weight, safe), op.CastLike(kept, weight))
+    total = op.ReduceSum(counted, keepdims=0)
+    if int(reduction) == 0:  # "none": torch leaves the total weight at zero
+        total = op.Mul(total, op.CastLike(op.Constant(value_float=0.0), total))
+    return output, total
+
+
 def pooling_translations() -> dict[Any, Callable[..., Any]]:
-    """The dynamo route's own translations of pooling ops whose ORT gradients need static shapes."""
+    """The dynamo route's own translations: pooling ops whose ORT gradients need static shapes, and
+    ``nll_loss_forward``'s total weight."""
     aten = torch.ops.aten
     return {
+        aten.nll_loss_forward.default: _translate_nll_loss_forward,
         aten.avg_pool1d.default: _translate_avg_pool(1),
         aten.avg_pool2d.default: _translate_avg_pool(2),
         aten.avg_pool3d.default: _translate_avg_pool(3),
@@ -720,6 +744,7 @@ class DynamoExporter:
             "inline_autograd_functions": self.inline_autograd_functions,
             "value_branches": self.value_branches,
             "pooling": POOLING_VERSION,
+            "nll_loss_total_weight": 1,  # the route's own nll_loss_forward (a graph before it had onnxscript's)
             "size_conditions": SIZE_CONDITIONS_VERSION,
             **versions,
         }

@@ -603,3 +603,32 @@ def test_a_third_party_translation_is_used_with_every_built_in_plugin():
     graph = next(iter(model.state_machine._graphs.values())).model.graph
     operators = [a.s.decode() for n in graph.node if n.op_type == "ATen" for a in n.attribute if a.name == "operator"]
     assert not [o for o in operators if "halved" in o], f"the plugin's op was routed to PyTorch instead: {operators}"
+
+
+class NllLossForward(nn.Module):
+    """``aten.nll_loss_forward`` itself, both outputs (as AOTAutograd's forward graphs call it and pass the total
+    weight to the backward's ``nll_loss_backward``)."""
+
+    def __init__(self, reduction: int, ignore_index: int, weighted: bool):
+        super().__init__()
+        self.reduction, self.ignore_index = reduction, ignore_index
+        self.register_buffer("weight", torch.tensor([0.5, 2.0, 1.5]) if weighted else None)
+
+    def forward(self, log_probs: torch.Tensor, target: torch.Tensor):
+        return torch.ops.aten.nll_loss_forward.default(log_probs, target, self.weight, self.reduction, self.ignore_index)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("reduction", [0, 1, 2], ids=["none", "mean", "sum"])
+def test_nll_loss_forward_gives_torchs_total_weight(reduction: int, weighted: bool):
+    """onnxscript's translation returns the loss's element count as the total weight; the route's own gives torch's
+    (targets not ignored, or their weights' sum)."""
+    pytest.importorskip("onnxscript")
+    model = NllLossForward(reduction, ignore_index=1, weighted=weighted)
+    log_probs = torch.log_softmax(torch.randn(6, 3, generator=torch.Generator().manual_seed(0)), dim=1)
+    target = torch.tensor([0, 1, 2, 2, 1, 0])  # two ignored
+    wrapped = ORTModule(model, exporter="dynamo", fallback_policy="FALLBACK_DISABLE")
+    with torch.no_grad():
+        (loss, total), (expected_loss, expected_total) = wrapped(log_probs, target), model(log_probs, target)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=1e-6)

@@ -646,3 +646,56 @@ class FFTFilter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         f = torch.fft.rfft(x, dim=-1) * torch.view_as_complex(self.w)
         return torch.fft.irfft(f, n=x.shape[-1], dim=-1)
+
+
+# -- a library's custom op -------------------------------------------------------------------------------------------
+
+
+def library_experts(namespace: str) -> type[nn.Module]:
+    """A module class using ``<namespace>::grouped_mm``, a ``torch.library`` custom op defined here (once per
+    namespace), as Mixtral's transformers::grouped_mm_fallback: each expert's rows (sorted by expert, counted by
+    ``offs``) times that expert's weight, with its own autograd formula. No exporter knows it. Each test file uses a
+    namespace of its own: what a process learns about an op (its routing reason) stays with that file's tests."""
+
+    @torch.library.custom_op(f"{namespace}::grouped_mm", mutates_args=())
+    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        output = input.new_zeros(input.shape[0], weight.shape[2])
+        start = 0
+        for i, end in enumerate(offs.tolist()):
+            output[start:end] = input[start:end] @ weight[i]
+            start = end
+        return output
+
+    @grouped_mm.register_fake
+    def _fake(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return input.new_empty(input.shape[0], weight.shape[2])
+
+    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.offs = inputs[2]
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        input, weight = ctx.saved_tensors
+        grad_input, grad_weight = torch.zeros_like(input), torch.zeros_like(weight)
+        start = 0
+        for i, end in enumerate(ctx.offs.tolist()):
+            grad_input[start:end] = grad[start:end] @ weight[i].T
+            grad_weight[i] = input[start:end].T @ grad[start:end]
+            start = end
+        return grad_input, grad_weight, None
+
+    grouped_mm.register_autograd(backward, setup_context=setup)
+
+    class Experts(nn.Module):
+        """A Linear, then three experts' weights over fixed groups of rows (the custom op)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 8)
+            self.experts = nn.Parameter(torch.randn(3, 8, 5) * 0.3)
+            self.register_buffer("offs", torch.tensor([2, 2, 6]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return grouped_mm(self.lin(x), self.experts, self.offs)
+
+    return Experts

@@ -60,8 +60,9 @@ def _batches(n: int, rows: int = 6) -> list[torch.Tensor]:
     return [torch.randn(rows, 8, generator=gen) for _ in range(n)]
 
 
-def _one_step_as_eager(**compile_kwargs: Any) -> None:
-    """``Breaks`` compiled with ``backend="ortcore"`` and eager from the same weights: the loss and every gradient."""
+def _one_step_as_eager(**compile_kwargs: Any) -> tuple[Any, nn.Module]:
+    """``Breaks`` compiled with ``backend="ortcore"`` and eager from the same weights: the loss and every gradient.
+    Returns the compiled model and the eager one."""
     torch.manual_seed(0)
     model = Breaks()
     ref = copy.deepcopy(model)
@@ -72,6 +73,7 @@ def _one_step_as_eager(**compile_kwargs: Any) -> None:
     loss.backward()
     loss_ref.backward()
     assert_grads_match(model, ref)
+    return compiled, ref
 
 
 def test_a_model_with_graph_breaks_trains_with_eagers_gradients_in_ort(capsys) -> None:
@@ -215,16 +217,7 @@ def test_a_graph_ortcore_raises_on_runs_in_pytorch_as_dynamos_graph_module(monke
 
 
 def test_the_aot_autograd_design_trains_a_model_with_breaks_with_eagers_loss_curve() -> None:
-    torch.manual_seed(0)
-    model = Breaks()
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="ortcore", options={"design": "aot_autograd"})
-    x = _batches(1)[0]
-    loss, loss_ref = compiled(x), ref(x)
-    assert_losses_match(loss, loss_ref)
-    loss.backward()
-    loss_ref.backward()
-    assert_grads_match(model, ref)
+    compiled, ref = _one_step_as_eager(options={"design": "aot_autograd"})
     graphs = plugin.compiled_graphs()
     # A forward and a backward graph per captured graph that needs gradients; an inference graph for the one that
     # computes only the branch's condition.

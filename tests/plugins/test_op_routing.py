@@ -772,56 +772,10 @@ def test_zero_gradient_ops_on_values_nothing_trains_stay_in_ort():
     assert not {"sign", "floor"} & set(routed), routed
 
 
-# A library's custom op (as Mixtral's transformers::grouped_mm_fallback): each expert's rows (sorted by expert,
-# counted by ``offs``) times that expert's weight, with its own autograd formula. The TorchScript exporter knows no
-# symbolic for its namespace.
-@torch.library.custom_op("routing_torchscript_test::grouped_mm", mutates_args=())
-def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    output = input.new_zeros(input.shape[0], weight.shape[2])
-    start = 0
-    for i, end in enumerate(offs.tolist()):
-        output[start:end] = input[start:end] @ weight[i]
-        start = end
-    return output
-
-
-@grouped_mm.register_fake
-def _grouped_mm_fake(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return input.new_empty(input.shape[0], weight.shape[2])
-
-
-def _grouped_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.save_for_backward(inputs[0], inputs[1])
-    ctx.offs = inputs[2]
-
-
-def _grouped_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-    input, weight = ctx.saved_tensors
-    grad_input, grad_weight = torch.zeros_like(input), torch.zeros_like(weight)
-    start = 0
-    for i, end in enumerate(ctx.offs.tolist()):
-        grad_input[start:end] = grad[start:end] @ weight[i].T
-        grad_weight[i] = input[start:end].T @ grad[start:end]
-        start = end
-    return grad_input, grad_weight, None
-
-
-grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
-
-
-class Experts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 8)
-        self.experts = nn.Parameter(torch.randn(3, 8, 5) * 0.3)
-        self.register_buffer("offs", torch.tensor([2, 2, 6]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return grouped_mm(self.lin(x), self.experts, self.offs)
-
-
 def test_a_custom_op_of_another_namespace_runs_on_its_own_kernel_with_its_own_gradient():
+    from models import library_experts
+
     torch.manual_seed(0)
-    model = Experts()
+    model = library_experts("routing_torchscript_test")()
     wrapped = _compare(model, copy.deepcopy(model), torch.randn(6, 16), steps=3, exporter="torchscript")
     assert "grouped_mm" in wrapped.explain().routed()  # explain names an op by its name, without the namespace

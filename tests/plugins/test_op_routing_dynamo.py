@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from models import library_experts
 from torch import nn
 
 import ortcore_plugins.aten_fallback as aten_fallback
@@ -60,54 +61,7 @@ def wrap(model: nn.Module, host: PluginHost | None = None) -> ORTModule:
 # -- models ------------------------------------------------------------------------------------------------------------
 
 
-# A custom op without an onnxscript translation, as Mixtral's transformers::grouped_mm_fallback: each expert's
-# rows (sorted by expert, counted by ``offs``) times that expert's weight; its own autograd formula.
-@torch.library.custom_op("zoo_dynamo_test::grouped_mm", mutates_args=())
-def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    output = input.new_zeros(input.shape[0], weight.shape[2])
-    start = 0
-    for i, end in enumerate(offs.tolist()):
-        output[start:end] = input[start:end] @ weight[i]
-        start = end
-    return output
-
-
-@grouped_mm.register_fake
-def _grouped_mm_fake(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return input.new_empty(input.shape[0], weight.shape[2])
-
-
-def _grouped_mm_setup(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.save_for_backward(inputs[0], inputs[1])
-    ctx.offs = inputs[2]
-
-
-def _grouped_mm_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-    input, weight = ctx.saved_tensors
-    grad_input, grad_weight = torch.zeros_like(input), torch.zeros_like(weight)
-    start = 0
-    for i, end in enumerate(ctx.offs.tolist()):
-        grad_input[start:end] = grad[start:end] @ weight[i].T
-        grad_weight[i] = input[start:end].T @ grad[start:end]
-        start = end
-    return grad_input, grad_weight, None
-
-
-grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
-
-
-class Experts(nn.Module):
-    """A Linear, then three experts' weights over fixed groups of rows (a custom op the exporter cannot translate)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 8)
-        self.experts = nn.Parameter(torch.randn(3, 8, 5) * 0.3)
-        self.register_buffer("offs", torch.tensor([2, 2, 6]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return grouped_mm(self.lin(x), self.experts, self.offs)
-
+Experts = library_experts("zoo_dynamo_test")
 
 # name -> (model factory, input factory, the op explain() names)
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], str]] = {
@@ -296,7 +250,9 @@ def test_sizes_computed_in_the_graph_follow_the_input_without_reexport():
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             _close(p.grad, q.grad, f"gradient of {name} at {shape}")
             p.grad, q.grad = None, None
-    assert wrapped.state_machine.counters.exports == 2  # the first call's sizes, then one graph dynamic in the dimension a call changed
+    assert (
+        wrapped.state_machine.counters.exports == 2
+    )  # the first call's sizes, then one graph dynamic in the dimension a call changed
     assert "upsample_bilinear2d" in _aten_ops(wrapped)
 
 
@@ -464,7 +420,9 @@ def test_torch_kernels_run_on_torch_on_the_dynamo_route():
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             _close(p.grad, q.grad, f"gradient of {name} at {shape}")
             p.grad, q.grad = None, None
-    assert wrapped.state_machine.counters.exports == 2  # the first call's sizes, then one graph dynamic in the dimension a call changed
+    assert (
+        wrapped.state_machine.counters.exports == 2
+    )  # the first call's sizes, then one graph dynamic in the dimension a call changed
     assert {"embedding", "gelu", "layer_norm", "cross_entropy"} <= _aten_ops(wrapped)
     assert wrapped.explain().routed()["layer_norm"] == plugin.FASTER_IN_TORCH
 

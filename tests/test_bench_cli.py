@@ -531,3 +531,14 @@ def test_quick_runs_every_model_and_quick_mode_and_its_json_redraws_the_same_tab
     assert redrawn.returncode == 0, redrawn.stderr
     table = run.stdout[: run.stdout.index("results written to")]
     assert redrawn.stdout == table
+
+
+def test_a_compile_backend_row_with_some_graphs_in_pytorch_still_counts_and_says_how_many() -> None:
+    """torch.compile's backend trains every model by running the graphs ORT cannot serve in PyTorch: such a row keeps
+    its numbers (the notes count those graphs); it fell back only when every graph ran in PyTorch."""
+    row = bench.RunResult(model="bert", mode="compile-ortcore-aot")
+    row.details.update(graph_breaks=0, graphs=4, exports=4, fallbacks=2)
+    assert not row.fell_back
+    assert bench._notes(row, None) == "graph breaks 0, ORT graphs 4, exports 4, in PyTorch 2"
+    row.details["fallbacks"] = 4
+    assert row.fell_back

@@ -79,7 +79,8 @@ def shield_graph_outputs(model: onnx.ModelProto, ctx: PassContext | None = None)
     graph = model.graph
     read = {name for node in graph.node for name in node.input}
     made = {name for node in graph.node for name in node.output}
-    shielded = [o.name for o in graph.output if o.name in read and o.name in made]
+    # dict.fromkeys: a value the model returns twice (``return y, ..., y``) is one graph output name, shielded once.
+    shielded = list(dict.fromkeys(o.name for o in graph.output if o.name in read and o.name in made))
     if not shielded:
         return
     renamed = {name: f"{name}_before_output" for name in shielded}

@@ -1007,3 +1007,30 @@ def test_outputs_that_are_views_keep_their_values_after_backward(how: str, expor
             optimizer.step()
             optimizer.zero_grad()
     assert model.fallback_reason is None
+
+
+class RepeatsOutputs(nn.Module):
+    """One value returned twice, also read by later ops, beside its detached copy, a view of it and the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor):
+        y = self.fc(x)
+        return y, y.detach(), y.transpose(0, 1), x, y, (y * 2).sum()
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_value_returned_twice_and_read_again_trains_like_torch(exporter: str):
+    """Each graph output the graph also reads gets an Identity of its own (compute_optimizer): a value returned twice
+    got two Identity nodes of one name and ORT refused the graph ("two nodes with same node name")."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    model, reference = ort_and_torch(RepeatsOutputs(), exporter=exporter)
+    x = torch.randn(3, 4)
+    out, expected = model(x), reference(x)
+    assert_close(out, expected)
+    (out[0].square().sum() + out[4].sum() + out[5]).backward()
+    (expected[0].square().sum() + expected[4].sum() + expected[5]).backward()
+    assert_grads_match(model, reference)

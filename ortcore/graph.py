@@ -263,7 +263,7 @@ def _constant_outputs(
     model.graph.output.extend(keep)
     # Their Constant nodes, now unread (ORT would warn of each as an unused initializer; drop_unread_initializers
     # removes the initializers).
-    read = {name for node in model.graph.node for name in node.input} | {o.name for o in keep}
+    read = _read_names(model.graph, set()) | {o.name for o in keep}  # subgraphs (If/Loop bodies) read them too
     unread = [n for n in model.graph.node if n.op_type == "Constant" and not set(n.output) & read]
     for node in unread:
         model.graph.node.remove(node)

@@ -27,6 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 from .errors import GraphBuildError, PluginError, UnsupportedModelError
 from .graph import StopGradientLowering, through_identities, value_dependencies
 from .options import LogLevel
+from .session_plan import write_executed_graph
 
 logger = logging.getLogger("ortcore")
 
@@ -397,18 +398,18 @@ class TrainingSession:
             set_("_grad_producers", _grad_producers(built.model, feed_names, grad_index))
         set_("run_wrappers", tuple(name for name, _ in plan.run_wrappers))
         set_("_wrappers", tuple(wrapper for _, wrapper in plan.run_wrappers))
-        options = plan.session_options()
-        # The graph ORT runs is read back once to find forward outputs that are views (see _views_yielded).
-        executed_path = None
-        kept_path = options.optimized_model_filepath or None  # the plan's, or a plugin's session-option setter's
-        if built.request.build_gradient and plan.prepared_model is None:
-            executed_path = kept_path
-            if not executed_path:
-                fd, executed_path = tempfile.mkstemp(prefix="ortcore_executed_", suffix=".onnx")
-                os.close(fd)
-                options.optimized_model_filepath = executed_path
-                options.log_severity_level = max(options.log_severity_level, LogLevel.ERROR.ort_severity)
+        # The graph ORT runs is read back once to find forward outputs that are views (see _views_yielded): from
+        # where the plan (or a plugin's session-option setter) has ORT write it, else from a temporary file.
+        executed_path = kept_path = None
         try:
+            options = plan.session_options()
+            kept_path = options.optimized_model_filepath or None
+            if built.request.build_gradient and plan.prepared_model is None:
+                executed_path = kept_path
+                if not executed_path:
+                    fd, executed_path = tempfile.mkstemp(prefix="ortcore_executed_", suffix=".onnx")
+                    os.close(fd)
+                    write_executed_graph(options, executed_path)
             model_bytes = plan.prepared_model if plan.prepared_model is not None else built.model.SerializeToString()
             sess = onnxruntime.InferenceSession(
                 model_bytes,

@@ -110,11 +110,7 @@ class SessionPlan:
         if order is not None:
             so.execution_order = order
         if self.optimized_model_filepath:
-            so.optimized_model_filepath = self.optimized_model_filepath
-            if so.log_severity_level == LogLevel.WARNING.ort_severity:
-                # ORT warns on every such write that an ORT_ENABLE_ALL graph suits this machine only; the copies
-                # ortcore writes (debug files, a cache keyed by machine) are meant for it. Errors still show.
-                so.log_severity_level = LogLevel.ERROR.ort_severity
+            write_executed_graph(so, self.optimized_model_filepath)
         if self.prepared_model is not None:
             so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
         if self.profile_file_prefix:
@@ -129,6 +125,15 @@ class SessionPlan:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self.temporary_files.clear()
+
+
+def write_executed_graph(so: onnxruntime.SessionOptions, path: str) -> None:
+    """Have ORT write the graph it runs to ``path`` when it creates the session."""
+    so.optimized_model_filepath = path
+    if so.log_severity_level == LogLevel.WARNING.ort_severity:
+        # ORT warns on every such write that an ORT_ENABLE_ALL graph suits this machine only; the copies ortcore
+        # writes (debug files, a cache keyed by machine, the core's own read-back) are meant for it. Errors still show.
+        so.log_severity_level = LogLevel.ERROR.ort_severity
 
 
 def base_session_options(log_level: LogLevel) -> onnxruntime.SessionOptions:

@@ -111,7 +111,7 @@ class CompiledGraph:
         """Run the graph: in ORT, or, once ortcore raised on it (an export, build or audit failure the ORTModule's
         fallback policy let through), as dynamo's graph module in PyTorch, as torch.compile would break there."""
         if self.in_pytorch is None and self.scalars is None:
-            self.in_pytorch = "it returns a number that depends on a size no tensor input or output of it carries"
+            self._to_pytorch("it returns a number that depends on a size no tensor input or output of it carries")
         if self.in_pytorch is None:
             try:
                 inputs = tuple(args[i] for i in self.kept) if self.kept else args
@@ -125,24 +125,21 @@ class CompiledGraph:
                         outputs = pool.submit(self._inference, inputs).result()
                     mismatch = self._first_call_differs(args, outputs)
                     if mismatch is not None:
-                        self.in_pytorch = mismatch
-                        logger.warning(
-                            "torch.compile(backend='ortcore'): graph %d runs in PyTorch from now on: %s",
-                            self.number,
-                            mismatch,
-                        )
+                        self._to_pytorch(mismatch)
                         return self.graph_module(*args)
                 else:
                     outputs = self._inference(inputs)
                 return self.scalars.fill(args, outputs)
             except ORTCoreError as e:
-                self.in_pytorch = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                logger.warning(
-                    "torch.compile(backend='ortcore'): graph %d runs in PyTorch from now on: %s",
-                    self.number,
-                    self.in_pytorch,
-                )
+                self._to_pytorch(f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         return self.graph_module(*args)
+
+    def _to_pytorch(self, reason: str) -> None:
+        """From now on the graph runs as dynamo's graph module in PyTorch, for ``reason`` (logged at WARNING)."""
+        self.in_pytorch = reason
+        logger.warning(
+            "torch.compile(backend='ortcore'): graph %d runs in PyTorch from now on: %s", self.number, reason
+        )
 
     def _first_call_differs(self, args: tuple, outputs: Any) -> str | None:
         """The check of an AOTAutograd graph's first call, the design's counterpart of the gradient audit (switched

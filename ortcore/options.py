@@ -10,10 +10,14 @@ import difflib
 import enum
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import attrs
 
 from .errors import OptionError, OptionTypeError
+
+if TYPE_CHECKING:
+    import onnxruntime
 
 # The ONNX opset ortcore exports with unless told otherwise (upstream's ``ONNX_OPSET_VERSION``; ORT 1.19's training
 # kernels are complete up to it).
@@ -224,3 +228,13 @@ class DebugOptions:
     def save_directory(self) -> str:
         """Where the graphs go: ``ORTMODULE_SAVE_ONNX_PATH``, else ``save_path``, else the working directory."""
         return os.environ.get("ORTMODULE_SAVE_ONNX_PATH") or self.save_path or os.getcwd()
+
+
+def write_executed_graph(so: onnxruntime.SessionOptions, path: str) -> None:
+    """Have ORT write the graph it runs to ``path`` when it creates the session (``so``: an
+    ``onnxruntime.SessionOptions``; the session plan and the core's own read-back of the executed graph share it)."""
+    so.optimized_model_filepath = path
+    if so.log_severity_level == LogLevel.WARNING.ort_severity:
+        # ORT warns on every such write that an ORT_ENABLE_ALL graph suits this machine only; the copies ortcore
+        # writes (debug files, a cache keyed by machine, the core's own read-back) are meant for it. Errors still show.
+        so.log_severity_level = LogLevel.ERROR.ort_severity

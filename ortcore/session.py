@@ -26,8 +26,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .errors import GraphBuildError, PluginError, UnsupportedModelError
 from .graph import StopGradientLowering, through_identities, value_dependencies
-from .options import LogLevel
-from .session_plan import write_executed_graph
+from .options import LogLevel, write_executed_graph
 
 logger = logging.getLogger("ortcore")
 

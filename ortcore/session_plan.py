@@ -15,7 +15,7 @@ import onnxruntime
 import torch
 
 from .errors import GraphBuildError
-from .options import LogLevel
+from .options import LogLevel, write_executed_graph
 
 if TYPE_CHECKING:
     from .session import TrainingSession
@@ -125,15 +125,6 @@ class SessionPlan:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self.temporary_files.clear()
-
-
-def write_executed_graph(so: onnxruntime.SessionOptions, path: str) -> None:
-    """Have ORT write the graph it runs to ``path`` when it creates the session."""
-    so.optimized_model_filepath = path
-    if so.log_severity_level == LogLevel.WARNING.ort_severity:
-        # ORT warns on every such write that an ORT_ENABLE_ALL graph suits this machine only; the copies ortcore
-        # writes (debug files, a cache keyed by machine, the core's own read-back) are meant for it. Errors still show.
-        so.log_severity_level = LogLevel.ERROR.ort_severity
 
 
 def base_session_options(log_level: LogLevel) -> onnxruntime.SessionOptions:

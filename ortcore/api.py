@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (3, 3)
+API_VERSION = (3, 4)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -110,6 +110,9 @@ _NAMES: dict[str, str] = {
     "CORE_REPAIR": "ortcore.repair",
     "SubscriberBase": "ortcore.taps",
     "versions": "ortcore.identity",
+    # mixed precision (torch.autocast)
+    "autocast_state": "ortcore.amp",
+    "graph_autocast": "ortcore.amp",
     # graph metadata and node kinds
     "ROUTED_METADATA_PREFIX": "ortcore.explain",
     "KEPT_METADATA_PREFIX": "ortcore.explain",

@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from . import hf as _hf  # noqa: F401  (registers the Hugging Face cache adapter)
+from .amp import autocast_state, running_graph
 from .config import Config, CoreOptions
 from .errors import (
     FirstRunError,
@@ -246,8 +247,18 @@ class _ORTFunction(torch.autograd.Function):
     """Runs one training step's forward in ORT and, when autograd asks, the matching backward."""
 
     @staticmethod
-    def forward(ctx, session: TrainingSession, runtime: _Runtime, recording: Any, anchor: Any, *feeds: torch.Tensor):
-        outputs, state = session.run_forward(feeds)
+    def forward(
+        ctx,
+        session: TrainingSession,
+        runtime: _Runtime,
+        recording: Any,
+        anchor: Any,
+        autocast: tuple,
+        *feeds: torch.Tensor,
+    ):
+        with running_graph(autocast):  # the graph holds autocast's casts (ortcore.amp)
+            outputs, state = session.run_forward(feeds)
+        ctx.autocast = autocast
         ctx.session = session
         ctx.runtime = runtime
         ctx.recording = recording  # (recorder, its step state, the graph's taps) when activations are recorded
@@ -273,11 +284,13 @@ class _ORTFunction(torch.autograd.Function):
         if state is None:
             # ORT's state serves one backward; for another (retain_graph=True) the forward is recomputed.
             logger.info("second backward through one forward (retain_graph=True): recomputing the forward in ORT")
-            _, state = session.run_forward(ctx.feeds)
+            with running_graph(ctx.autocast):
+                _, state = session.run_forward(ctx.feeds)
         tap_grads: list[tuple[int, torch.Tensor]] | None = [] if ctx.recording is not None else None
-        grads = session.run_backward(
-            grad_outputs, ctx.meta, state, tap_gradients=tap_grads, feed_shapes=[f.shape for f in ctx.feeds]
-        )
+        with running_graph(ctx.autocast):
+            grads = session.run_backward(
+                grad_outputs, ctx.meta, state, tap_gradients=tap_grads, feed_shapes=[f.shape for f in ctx.feeds]
+            )
         del state
         if tap_grads:
             recorder, step_state, taps = ctx.recording
@@ -285,7 +298,7 @@ class _ORTFunction(torch.autograd.Function):
                 recorder.deliver_backward(step_state, taps[k].name, grad)
         for call in phases["post_backward"]:
             call(ctx.step)
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
 # export_again(): per wrapped module, (how many requests so far, the last one's reason). Each ORTModule remembers the
@@ -542,7 +555,7 @@ class ORTModule(torch.nn.Module):
                 rt.state.record_ort_run(key)
                 step_state = recorder.start_step("ortcore") if recorder is not None else None
                 recording = (recorder, step_state) if step_state is not None else None
-                return self._execute(graph, session, tensors, params, buffers, (args, kwargs), recording)
+                return self._execute(graph, session, tensors, params, buffers, (args, kwargs), recording, key.autocast)
         # Out of the except blocks: an exception the model raises in PyTorch reaches the user as PyTorch raised it,
         # not chained to ortcore's. The model's own forward runs, and its hooks record the step.
         return self._fall_back(error, failed, args, kwargs)
@@ -641,6 +654,7 @@ class ORTModule(torch.nn.Module):
         buffers: dict,
         call: tuple,
         step_recording: Any = None,
+        autocast: tuple = (),
     ) -> Any:
         by_name = dict(zip(graph.user_input_names, tensors))
         by_name.update(params)
@@ -664,9 +678,10 @@ class ORTModule(torch.nn.Module):
                 feeds = [f.detach() if i in session.grads_handed_over else f for i, f in enumerate(feeds)]
                 if not any(f.requires_grad for f in feeds):
                     anchor = torch.zeros((), requires_grad=True)
-            outputs = _ORTFunction.apply(session, rt, recording, anchor, *feeds)
+            outputs = _ORTFunction.apply(session, rt, recording, anchor, autocast, *feeds)
         else:
-            outputs = session.run_inference(feeds)
+            with running_graph(autocast):
+                outputs = session.run_inference(feeds)
         n = graph.n_user_outputs
         for inspect_call in rt.phases["post_forward"]:
             inspect_call(rt.step, outputs[:n])  # the model's outputs; not the core's extra ones
@@ -763,6 +778,7 @@ class ORTModule(torch.nn.Module):
             device=str(self._device(tensors, params)),
             taps=taps,
             repairs=rt.repairs_key,
+            autocast=autocast_state(),
         )
         if rt.options.dynamic_shapes == "always":
             return key

@@ -32,6 +32,7 @@ import onnx
 import torch
 from onnxruntime.capi import _pybind_state as C
 
+from . import amp
 from .errors import GraphBuildError
 from .exporter import EXPORT_LOCK
 from .files import atomic_write
@@ -125,7 +126,14 @@ class Pipeline:
             return cached
         with tapping(recorder) if key.taps else contextlib.nullcontext() as tapper:
             graph = self._export_graph(
-                module, schema, tensors, passes, tapper, keep_raw=opts.save_onnx, dynamic_dims=key.dynamic_dims
+                module,
+                schema,
+                tensors,
+                passes,
+                tapper,
+                keep_raw=opts.save_onnx,
+                dynamic_dims=key.dynamic_dims,
+                autocast=key.autocast,
             )
         self.hooks.export_done(module, fp, graph)
         if opts.save_onnx:
@@ -166,7 +174,13 @@ class Pipeline:
         """A graph of this call for the gradient audit: exported anew (no export cache) with ``key``'s dynamic
         dimensions, taps from ``tapper``."""
         return self._export_graph(
-            module, schema, tensors, self.hooks.graph_passes(), tapper, dynamic_dims=key.dynamic_dims
+            module,
+            schema,
+            tensors,
+            self.hooks.graph_passes(),
+            tapper,
+            dynamic_dims=key.dynamic_dims,
+            autocast=key.autocast,
         )
 
     def _export_graph(
@@ -178,11 +192,13 @@ class Pipeline:
         tapper: Any,
         keep_raw: bool = False,
         dynamic_dims: dict[int, list[int]] | None = None,
+        autocast: tuple = (),
     ) -> ExportedGraph:
-        """One export, inside the plugins' export contexts (``ortcore_export_context``); ``dynamic_dims`` as
-        :attr:`GraphKey.dynamic_dims` (None: every dimension dynamic)."""
+        """One export, inside the plugins' export contexts (``ortcore_export_context``), under the autocast state
+        ``autocast`` (:attr:`GraphKey.autocast`); ``dynamic_dims`` as :attr:`GraphKey.dynamic_dims` (None: every
+        dimension dynamic)."""
         opts = self.options
-        with self._export_contexts(module):
+        with self._export_contexts(module), amp.exporting_under(autocast):
             return export_graph(
                 module,
                 schema,

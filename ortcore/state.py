@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from . import amp
 from .errors import GraphBuildError
 from .explain import routed_reasons
 
@@ -36,6 +37,7 @@ EXPORT_FIELDS = (
     "static_sizes",
     "repairs",
     "taps",
+    "autocast",
 )
 BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
 
@@ -65,6 +67,9 @@ class GraphKey:
     # Per tensor input, the sizes the graph is exported for, None for each dynamic dimension; () when every
     # dimension is dynamic (dynamic_shapes = "always").
     static_sizes: tuple = ()
+    # torch.autocast's state at the call (ortcore.amp.autocast_state): (device type, dtype name) per device type it
+    # is on for. The graph follows autocast's cast policy, so another state is another graph.
+    autocast: tuple = ()
 
     @property
     def sizes_family(self) -> tuple:
@@ -157,6 +162,8 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
             if x != y
         ]
         reasons.append("input sizes changed: " + (f"now dynamic in {', '.join(changed)}" if changed else "sizes"))
+    if old.autocast != new.autocast:
+        reasons.append(f"autocast {amp.describe(old.autocast)}->{amp.describe(new.autocast)}")
     if old.taps != new.taps:
         reasons.append("activation subscribers " + ("started recording" if new.taps else "stopped recording"))
     for field in ("opset", "exporter", "device"):

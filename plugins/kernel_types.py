@@ -20,7 +20,7 @@ the TorchScript exporter writes on integers for ``torch.all``, read their input 
 included (not ``Cast(x, bool)``: ORT drops the first Cast of ``Cast(to int) -> Cast(to bool)``, so ``x.int().all()``
 would read 0.3 as true).
 
-Which types ORT runs is asked of ORT itself (:func:`ort_runs`): a one-node session of the node's op, attributes and
+Which types ORT runs is asked of ORT itself (:func:`~ortcore_plugins.services.ort_kernels.ort_runs`): a one-node session of the node's op, attributes and
 input types, created once per process and signature (about a millisecond), so a newer ORT with the kernel keeps the
 graph as exported. Bool and integer values carry no gradient: the gradient graph is ORT's as before.
 
@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import onnx
 from onnx import TensorProto
 
-from ortcore.api import Config, GraphPass, PassContext, ValueNames, hookimpl, probe_session, splice
+from ortcore.api import Config, GraphPass, PassContext, ValueNames, hookimpl, splice
+from ortcore_plugins.services.ort_kernels import ort_runs, type_name, value_types
 
 logger = logging.getLogger("ortcore.kernel_types")
 
@@ -114,93 +114,12 @@ AS_BOOL = frozenset({"NonZero", "Not"})
 # Cast(to int) -> Cast(to bool), so float 0.3 -> int 0 -> False would become 0.3 -> True (onnxruntime#11994).
 _EQUAL_TYPES = (TensorProto.INT32, TensorProto.INT64, TensorProto.FLOAT, TensorProto.DOUBLE)
 
-_TYPE_NAMES = {v: k.lower() for k, v in TensorProto.DataType.items()}
-
-
-def type_name(elem_type: int) -> str:
-    return _TYPE_NAMES.get(elem_type, str(elem_type))
-
-
 def _comparable(elem_type: int) -> int | None:
     """The type to compare a value of ``elem_type`` with zero in: itself, or its narrowest lossless wider type among
     the ones ORT's Equal takes; None if there is none."""
     if elem_type in _EQUAL_TYPES:
         return elem_type
     return next((t for t in WIDER.get(elem_type, ()) if t in _EQUAL_TYPES), None)
-
-
-# -- what ORT runs --------------------------------------------------------------------------------------------------
-
-_ort_runs_lock = threading.Lock()
-_ort_runs: dict[tuple, bool | None] = {}
-
-
-def _probe_model(
-    node: onnx.NodeProto, input_types: Sequence[int | None], opset: int, ir_version: int
-) -> onnx.ModelProto:
-    inputs, names = [], []
-    for k, (name, elem_type) in enumerate(zip(node.input, input_types, strict=True)):
-        if not name:
-            names.append("")
-            continue
-        names.append(f"i{k}")
-        inputs.append(onnx.helper.make_tensor_value_info(f"i{k}", elem_type, None))
-    outputs = [f"o{k}" if name else "" for k, name in enumerate(node.output)]
-    probe = onnx.helper.make_node(node.op_type, names, outputs, domain=node.domain)
-    probe.attribute.extend(node.attribute)
-    graph = onnx.helper.make_graph(
-        [probe], "probe", inputs, [onnx.ValueInfoProto(name=name) for name in outputs if name]
-    )
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
-    model.ir_version = ir_version
-    return model
-
-
-def ort_runs(node: onnx.NodeProto, input_types: Sequence[int | None], opset: int, ir_version: int = 8) -> bool | None:
-    """Whether ORT's CPU provider runs ``node`` (its op and attributes) on inputs of ``input_types``: True, False
-    (no kernel for these types, or types ONNX does not allow for the op), or None (the probe failed otherwise: the
-    node is left alone). Asked of ORT once per process and signature, with a one-node session."""
-    if any(t is None for name, t in zip(node.input, input_types, strict=True) if name):
-        return None
-    attributes = tuple(a.SerializeToString() for a in node.attribute)
-    key = (node.domain, node.op_type, opset, tuple(input_types), attributes, len(node.output))
-    with _ort_runs_lock:
-        if key in _ort_runs:
-            return _ort_runs[key]
-    try:
-        # A refused probe is an answer, not an error to print; the graph is asked about as it is.
-        probe_session(_probe_model(node, input_types, opset, ir_version), "kernel_types", optimize=False, quiet=True)
-        answer: bool | None = True
-    except Exception as e:  # ORT raises its own exception classes; the message says why
-        text = str(e)
-        refused = "Could not find an implementation" in text or "Type Error" in text
-        answer = False if refused else None
-        if answer is None:
-            logger.debug("probe of %s on %s failed: %s", node.op_type, [type_name(t) for t in input_types], text)
-    with _ort_runs_lock:
-        _ort_runs[key] = answer
-    return answer
-
-
-# -- types of a graph's values ----------------------------------------------------------------------------------------
-
-
-def value_types(model: onnx.ModelProto) -> dict[str, int]:
-    """The element type of every value ONNX shape inference (or the exporter) knows."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
-    except Exception as e:  # an op ONNX cannot infer: keep what the exporter recorded
-        logger.debug("shape inference failed (%s); using the exported value_info only", e)
-        inferred = model
-    types = {}
-    for graph in (model.graph, inferred.graph):
-        for value in (*graph.input, *graph.value_info, *graph.output):
-            elem_type = value.type.tensor_type.elem_type
-            if value.type.HasField("tensor_type") and elem_type:
-                types.setdefault(value.name, elem_type)
-        for tensor in graph.initializer:
-            types.setdefault(tensor.name, tensor.data_type)
-    return types
 
 
 # -- the pass ---------------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ortcore.api import Config, Failure, OptionError, Repair, hookimpl, option
+from ortcore.api import Config, Failure, OptionError, Repair, graph_autocast, hookimpl, option
 
 logger = logging.getLogger("ortcore.region_routing")
 
@@ -179,7 +179,8 @@ class RegionFunction(torch.autograd.Function):
                 t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
                 for t in tensors
             ]
-            outputs = call.run(tuple(leaves))
+            with graph_autocast():  # the module's code runs under the autocast state the graph was exported under
+                outputs = call.run(tuple(leaves))
             pointers = {_pointer(t) for t in tensors} - {None}
             results = []
             for out in outputs:

@@ -34,7 +34,15 @@ plugins, built-in or third-party: names without a leading underscore are support
 ``machine``
     The machine a number was measured on: :func:`~ortcore_plugins.services.machine.describe_machine` (CPU model,
     cores, ISA level, the GEMM code torch and ONNX Runtime run there) and its one-line form
-    :func:`~ortcore_plugins.services.machine.machine_line`. Used by ``bench`` and ``doctor``.
+    :func:`~ortcore_plugins.services.machine.machine_line`, and the CPU's units for low-precision matrix products
+    (:func:`~ortcore_plugins.services.machine.low_precision_units`: AMX, AVX512-BF16, AVX512-FP16). Used by ``bench``,
+    ``doctor`` and ``mixed_precision``.
+
+``ort_kernels``
+    What ONNX Runtime's provider runs, asked of ORT itself: :func:`~ortcore_plugins.services.ort_kernels.ort_runs`
+    (a one-node session per op, attributes and input types, once per process) and the element types of a graph's
+    values (:func:`~ortcore_plugins.services.ort_kernels.value_types`). Used by ``kernel_types`` (bool and small
+    integer types) and ``mixed_precision`` (bfloat16 and float16).
 
 ``routed_calls``
     A traced TorchScript call of an aten op as one ATen node running a wrapper op (inputs flattened, one that may
@@ -53,7 +61,8 @@ plugins, built-in or third-party: names without a leading underscore are support
     (:data:`~ortcore_plugins.services.torch_kernels.ROUTABLE_OPS`): the helper ops their ATen nodes' gradients call, the gradient definitions, and
     :func:`~ortcore_plugins.services.torch_kernels.prepare_runtime`, what a graph with ATen nodes needs before ORT
     builds it (those helper ops, the gradients, the executor). Used by ``aten_fallback``, which routes and measures
-    these ops, and ``op_routing``, which names the nodes they make and prepares the runtime.
+    these ops, ``op_routing``, which names the nodes they make and prepares the runtime, and ``mixed_precision``,
+    which runs low-precision matrix products on them (``matmul``, ``linear_weight_first``).
 
 ``python_op``
     Runs ``com.microsoft::PythonOp`` / ``PythonOpGrad`` nodes through PyTorch: the node's op type and domain

@@ -61,6 +61,27 @@ def isa_level(flags: set[str]) -> str:
     return "baseline"
 
 
+#: The CPU's units for low-precision matrix products, best first: (dtype, unit, the CPU flags that make it).
+LOW_PRECISION_UNITS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("bfloat16", "AMX-BF16", ("amx_tile", "amx_bf16")),
+    ("bfloat16", "AVX512-BF16", ("avx512_bf16",)),
+    ("float16", "AMX-FP16", ("amx_tile", "amx_fp16")),
+    ("float16", "AVX512-FP16", ("avx512_fp16",)),
+)
+
+
+def low_precision_units(flags: set[str] | None = None) -> dict[str, str | None]:
+    """Per low-precision dtype (``bfloat16``, ``float16``), the best unit of this CPU that multiplies it natively
+    (``AMX-BF16``, ``AVX512-BF16``, ...), or None: PyTorch's oneDNN kernels then emulate it, slower than float32."""
+    if flags is None:
+        flags = set(_cpuinfo().get("flags", "").split())
+    found: dict[str, str | None] = {"bfloat16": None, "float16": None}
+    for dtype, unit, needed in LOW_PRECISION_UNITS:
+        if found[dtype] is None and all(f in flags for f in needed):
+            found[dtype] = unit
+    return found
+
+
 def _torch_blas() -> str:
     """PyTorch's BLAS and oneDNN, as its build configuration names them."""
     try:
@@ -103,6 +124,7 @@ def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
         "torch_cpu_capability": capability,
         "torch_gemm": _torch_blas(),
         "ort_gemm": f"MLAS, {MLAS_SGEMM.get(isa, 'kernel chosen by ISA')} float32 kernel",
+        "low_precision_units": low_precision_units(flags),
     }
 
 

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.utils.dlpack
 
-from ortcore.api import PYTHON_OP_DOMAIN, UnsupportedModelError
+from ortcore.api import PYTHON_OP_DOMAIN, UnsupportedModelError, graph_autocast
 
 from .autograd_functions import function_name
 
@@ -281,7 +281,7 @@ def run_forward(func_name: str, requires_grad: list, tensor_flags: list, trainin
         with torch.set_grad_enabled(leaf.requires_grad):
             call_args.append(leaf.clone())
         leaves.append(leaf)
-    with torch.set_grad_enabled(training):
+    with torch.set_grad_enabled(training), graph_autocast():  # as the model's code ran it: under its autocast
         result = function.apply(*call_args)
     outputs = [result] if isinstance(result, torch.Tensor) else [r for r in result if isinstance(r, torch.Tensor)]
     saved: set[int] = set()

@@ -194,6 +194,40 @@ def _addmm_backward_mat2(grad: torch.Tensor, mat1: torch.Tensor, alpha: float) -
     return result if alpha == 1 else result.mul_(alpha)
 
 
+# matmul(a, b) of any ranks: autograd's gradients, reduced over broadcast batch dimensions. The ``_rhs_first``
+# variants take (b, a): ORT builds an ATen node's gradient only when its first input is on the gradient path.
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, b)
+
+
+def _matmul_rhs_first(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, b)
+
+
+def _matmul_gradients(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.dim() >= 2 and b.dim() >= 2:
+        return (grad.matmul(b.mT).sum_to_size(a.shape), a.mT.matmul(grad).sum_to_size(b.shape))
+    with torch.enable_grad():  # a vector operand: autograd's own rules for the squeezed dimension
+        a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+        return torch.autograd.grad(torch.matmul(a_, b_), (a_, b_), grad)
+
+
+def _matmul_backward_a(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dim() >= 2 and b.dim() >= 2:
+        return grad.matmul(b.mT).sum_to_size(a.shape)
+    return _matmul_gradients(grad, a, b)[0]
+
+
+def _matmul_backward_b(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dim() >= 2 and b.dim() >= 2:
+        return a.mT.matmul(grad).sum_to_size(b.shape)
+    return _matmul_gradients(grad, a, b)[1]
+
+
+def _linear_weight_first(weight: torch.Tensor, input: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(input, weight, bias)
+
+
 _LAYER_NORM_BACKWARD_ARGS = (
     "(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, Tensor rstd, Tensor? weight, "
     "Tensor? bias) -> Tensor"
@@ -222,6 +256,11 @@ HELPER_OPS: dict[str, tuple[str, Callable[..., Any]]] = {
     "linear_backward_input": ("(Tensor grad, Tensor input, Tensor weight) -> Tensor", _linear_backward_input),
     "linear_backward_weight": ("(Tensor grad, Tensor input, Tensor weight) -> Tensor", _linear_backward_weight),
     "linear_backward_bias": ("(Tensor grad) -> Tensor", _linear_backward_bias),
+    "matmul": ("(Tensor a, Tensor b) -> Tensor", _matmul),
+    "matmul_rhs_first": ("(Tensor b, Tensor a) -> Tensor", _matmul_rhs_first),
+    "matmul_backward_a": ("(Tensor grad, Tensor a, Tensor b) -> Tensor", _matmul_backward_a),
+    "matmul_backward_b": ("(Tensor grad, Tensor a, Tensor b) -> Tensor", _matmul_backward_b),
+    "linear_weight_first": ("(Tensor weight, Tensor input, Tensor? bias) -> Tensor", _linear_weight_first),
     "addmm_backward_self": ("(Tensor grad, Tensor self, Scalar beta) -> Tensor", _addmm_backward_self),
     "addmm_backward_mat1": ("(Tensor grad, Tensor mat2, Scalar alpha) -> Tensor", _addmm_backward_mat1),
     "addmm_backward_mat2": ("(Tensor grad, Tensor mat1, Scalar alpha) -> Tensor", _addmm_backward_mat2),
@@ -281,6 +320,21 @@ GRADIENTS: dict[str, list[NodeSpec]] = {
         gradient_node(helper_op("addmm_backward_self"), ["GO(0)", "I(0)", "I(3)"], "GI(0)"),
         gradient_node(helper_op("addmm_backward_mat1"), ["GO(0)", "I(2)", "I(4)"], "GI(1)"),
         gradient_node(helper_op("addmm_backward_mat2"), ["GO(0)", "I(1)", "I(4)"], "GI(2)"),
+    ],
+    # ortcore_aten::matmul(a, b), ortcore_aten::matmul_rhs_first(b, a)
+    helper_op("matmul"): [
+        gradient_node(helper_op("matmul_backward_a"), ["GO(0)", "I(0)", "I(1)"], "GI(0)"),
+        gradient_node(helper_op("matmul_backward_b"), ["GO(0)", "I(0)", "I(1)"], "GI(1)"),
+    ],
+    helper_op("matmul_rhs_first"): [
+        gradient_node(helper_op("matmul_backward_a"), ["GO(0)", "I(1)", "I(0)"], "GI(1)"),
+        gradient_node(helper_op("matmul_backward_b"), ["GO(0)", "I(1)", "I(0)"], "GI(0)"),
+    ],
+    # ortcore_aten::linear_weight_first(weight, input, bias)
+    helper_op("linear_weight_first"): [
+        gradient_node(helper_op("linear_backward_input"), ["GO(0)", "I(1)", "I(0)"], "GI(1)"),
+        gradient_node(helper_op("linear_backward_weight"), ["GO(0)", "I(1)", "I(0)"], "GI(0)"),
+        gradient_node(helper_op("linear_backward_bias"), ["GO(0)"], "GI(2)"),
     ],
     helper_op("linear_no_bias"): [
         gradient_node(helper_op("linear_backward_input"), _LINEAR_SAVED, "GI(0)"),

@@ -283,7 +283,28 @@ def _cross_entropy_loss(g, self, target, weight, reduction, ignore_index, label_
     return loss
 
 
+def _scaled_dot_product_attention(
+    g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """The exporter's attention, with an explicit ``scale`` given as a constant of the query's type: for a bfloat16
+    or float16 query the exporter casts the float scale itself, and its type analysis writes PyTorch's number of the
+    type (bfloat16: 15) as an ONNX one (15 is complex128), so the graph is invalid ("ScalarType ComplexDouble is an
+    unexpected tensor scalar type")."""
+    from torch.onnx import symbolic_helper as sh
+    from torch.onnx import symbolic_opset14
+
+    dtype = query.type().dtype() if query.type().scalarType() is not None else None
+    if scale is not None and not sh._is_none(scale) and dtype in (torch.bfloat16, torch.float16):
+        constant = sh._maybe_get_const(scale, "f")
+        if isinstance(constant, float):
+            scale = g.op("Constant", value_t=torch.tensor(constant, dtype=dtype))
+    return symbolic_opset14.scaled_dot_product_attention(
+        g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    )
+
+
 SYMBOLICS = {
+    "::scaled_dot_product_attention": _scaled_dot_product_attention,
     "::batch_norm": _batch_norm,
     "::detach": _detach,
     "::cumsum": _cumsum,

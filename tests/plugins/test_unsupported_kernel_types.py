@@ -44,6 +44,7 @@ import ortcore_plugins.aten_fallback as aten_fallback
 import ortcore_plugins.dynamo_exporter as dynamo_exporter
 import ortcore_plugins.kernel_types as kernel_types
 import ortcore_plugins.op_routing as op_routing
+from ortcore_plugins.services import ort_kernels
 from ortcore.errors import GraphBuildError
 from ortcore.repair import Failure
 from ortcore.testing import make_host
@@ -190,10 +191,10 @@ def test_without_the_plugin_ort_refuses_a_bool_eye() -> None:
 
 def test_ort_runs_asks_ort_which_types_it_serves() -> None:
     node = helper.make_node("EyeLike", ["x"], ["y"])
-    assert kernel_types.ort_runs(node, [TensorProto.BOOL], 17) is False
-    assert kernel_types.ort_runs(node, [TensorProto.INT32], 17) is True
-    assert kernel_types.ort_runs(helper.make_node("Max", ["a", "b"], ["m"]), [TensorProto.BOOL] * 2, 17) is False
-    assert kernel_types.ort_runs(node, [None], 17) is None  # an unknown type: never rewritten
+    assert ort_kernels.ort_runs(node, [TensorProto.BOOL], 17) is False
+    assert ort_kernels.ort_runs(node, [TensorProto.INT32], 17) is True
+    assert ort_kernels.ort_runs(helper.make_node("Max", ["a", "b"], ["m"]), [TensorProto.BOOL] * 2, 17) is False
+    assert ort_kernels.ort_runs(node, [None], 17) is None  # an unknown type: never rewritten
 
 
 def _one_node_graph(node: onnx.NodeProto, inputs: dict[str, int], outputs: dict[str, int]) -> onnx.ModelProto:

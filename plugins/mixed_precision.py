@@ -1,0 +1,405 @@
+"""mixed_precision: bfloat16 and float16 graphs (``torch.autocast``, a model cast to low precision) train in ORT.
+
+A graph exported under ``torch.autocast`` holds autocast's casts and computes its matrix products (and whatever else
+autocast's policy puts in low precision) in bfloat16 or float16; so does the graph of a model cast to bfloat16.
+ONNX Runtime's CPU provider has almost no kernels for those types (no bfloat16 ``MatMul``, ``Gemm``, ``Add``,
+``Softmax``, no gradient kernel of any), so the session would be refused node by node. This plugin decides where each
+such node runs, once per graph, before the session is built:
+
+* **ORT runs it as it is** when its provider has the kernel (``Cast``, ``Transpose``, ``Reshape``, ``Gather``, ...),
+  asked of ORT itself (:func:`~ortcore_plugins.services.ort_kernels.ort_runs`, a one-node session per signature);
+* **matrix products** (``MatMul``, ``Gemm`` of the linear form) run on PyTorch's kernel as ATen nodes, in the low
+  type, when this CPU has units for it (AMX, AVX512-BF16, AVX512-FP16): oneDNN's kernels there are faster than any
+  float32 GEMM, and they are the kernels eager autocast runs. Their gradients are matrix products of the same kind
+  (:mod:`ortcore_plugins.services.torch_kernels`). ``matmul = "ort"`` (or a CPU without such units) computes them on
+  ORT's float32 GEMM instead, with the casts below;
+* **every other node** ORT has no kernel for is computed in float32 and its result rounded to its own type: inputs
+  cast up, outputs cast back. That is how PyTorch computes a bfloat16 or float16 op on the CPU (in float, rounded
+  once), so the values are the same, and the gradient graph ORT builds for such a node is float32 with a rounding
+  ``Cast`` where the forward had one.
+
+The same placement runs again over the gradient graph (``mixed_precision.gradients``): the gradient builder makes
+low-precision nodes of its own (gradient sums, ``*Grad`` kernels of nodes ORT ran in the low type). Types there are
+the exporter's, ONNX shape inference's, and, for Microsoft-domain gradient ops, the type of the forward value a
+gradient belongs to.
+
+On the CUDA provider, which has float16 and bfloat16 kernels, nothing is moved. Nodes no placement can serve are
+left as they are, and the repair loop (op routing) takes over as for any op ORT cannot run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import attrs
+import onnx
+from onnx import TensorProto, helper
+
+from ortcore.api import (
+    ATEN_DOMAIN,
+    Config,
+    GraphPass,
+    PassContext,
+    ValueNames,
+    hookimpl,
+    option,
+    parse_bool,
+    value_dependencies,
+)
+from ortcore_plugins.services import machine, torch_kernels
+from ortcore_plugins.services.aten_nodes import helper_op
+from ortcore_plugins.services.ort_kernels import MS_DOMAIN, ort_runs, type_name, value_types
+
+logger = logging.getLogger("ortcore.mixed_precision")
+
+NAME = "mixed_precision"
+PASS_NAME = "mixed_precision.place"
+GRADIENT_PASS_NAME = "mixed_precision.gradients"
+# Bumped whenever the passes' output changes, so export caches do not serve graphs made by an older pass.
+PASS_VERSION = 1
+
+LOW = {TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT16: "float16"}
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, *LOW)
+MATMUL_PLACEMENTS = ("auto", "torch", "ort")
+# Ops that only move or select elements: ORT runs them in any type it has them for, and they are never widened
+# (there is nothing to compute in float32), only probed.
+_CAST_OPS = frozenset({"Cast", "CastLike"})
+
+
+def _parse_placement(value: object, name: str) -> str:
+    text = str(value).strip().lower()
+    if text not in MATMUL_PLACEMENTS:
+        from ortcore.api import OptionError
+
+        raise OptionError(f"{name}: {value!r} is not a placement; allowed: {', '.join(MATMUL_PLACEMENTS)}")
+    return text
+
+
+@attrs.frozen
+class MixedPrecisionOptions:
+    """Options of the ``mixed_precision`` plugin."""
+
+    enable: bool = option(
+        True,
+        parse_bool,
+        "place bfloat16/float16 nodes ORT's provider has no kernel for (PyTorch's kernel, or float32 and cast back)",
+        "ORTCORE_MIXED_PRECISION",
+    )
+    matmul: str = option(
+        "auto",
+        _parse_placement,
+        "where low-precision matrix products run: torch (PyTorch's kernel as an ATen node, in the low type), "
+        "ort (ORT's float32 GEMM, cast back), auto (torch where the CPU has units for the type, else ort)",
+        "ORTCORE_AMP_MATMUL",
+    )
+
+
+@hookimpl
+def ortcore_options_class() -> type:
+    return MixedPrecisionOptions
+
+
+def matmul_placement(option_value: str, elem_type: int) -> str:
+    """``torch`` or ``ort`` for a matrix product of ``elem_type`` under the ``matmul`` option."""
+    if option_value != "auto":
+        return option_value
+    return "torch" if machine.low_precision_units().get(LOW.get(elem_type, ""), None) else "ort"
+
+
+# -- types ------------------------------------------------------------------------------------------------------------
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _output_types(node: onnx.NodeProto, input_types: list[int | None], opset: int, known: dict[str, int]) -> list:
+    """The element type of each output of ``node``: what is known, else what its schema's type parameters bind it
+    to, else (a Microsoft-domain gradient op) the type of the forward value ``X`` of an output ``X_grad``, or of its
+    first floating-point input."""
+    found: list[int | None] = [known.get(o) if o else None for o in node.output]
+    if all(t is not None for o, t in zip(node.output, found) if o):
+        return found
+    schema = None
+    if node.domain in ("", "ai.onnx"):
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, "")
+        except onnx.defs.SchemaError:
+            schema = None
+    if node.op_type in _CAST_OPS and node.op_type == "Cast":
+        return [_attribute(node, "to")]
+    if schema is not None:
+        bound: dict[str, int] = {}
+        for k, t in enumerate(input_types):
+            if t is None or not node.input[k]:
+                continue
+            formal = schema.inputs[min(k, len(schema.inputs) - 1)] if schema.inputs else None
+            if formal is not None:
+                bound.setdefault(formal.type_str, t)
+        for k, name in enumerate(node.output):
+            if not name or found[k] is not None or not schema.outputs:
+                continue
+            formal = schema.outputs[min(k, len(schema.outputs) - 1)]
+            if formal.type_str in bound:
+                found[k] = bound[formal.type_str]
+            else:
+                allowed = list(formal.types)
+                if len(allowed) == 1:  # a fixed type (Shape's int64)
+                    found[k] = _type_of(allowed[0])
+        return found
+    floats = [t for t in input_types if t in FLOAT_TYPES]
+    for k, name in enumerate(node.output):
+        if not name or found[k] is not None:
+            continue
+        if name.endswith("_grad") and name[: -len("_grad")] in known:
+            found[k] = known[name[: -len("_grad")]]
+        elif floats:
+            found[k] = floats[0]
+    return found
+
+
+_TYPE_STRINGS = {f"tensor({name})": value for name, value in (
+    ("float", TensorProto.FLOAT),
+    ("double", TensorProto.DOUBLE),
+    ("float16", TensorProto.FLOAT16),
+    ("bfloat16", TensorProto.BFLOAT16),
+    ("int64", TensorProto.INT64),
+    ("int32", TensorProto.INT32),
+    ("bool", TensorProto.BOOL),
+)}
+
+
+def _type_of(type_string: str) -> int | None:
+    return _TYPE_STRINGS.get(type_string)
+
+
+# -- the placement --------------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class Placement:
+    """What one pass decided: node counts by (op type, type, where it runs)."""
+
+    counts: Counter = attrs.Factory(Counter)
+
+    def add(self, op_type: str, elem_type: int, where: str) -> None:
+        self.counts[(op_type, type_name(elem_type), where)] += 1
+
+    def summary(self) -> str:
+        return ", ".join(f"{n} {op} ({t}) on {where}" for (op, t, where), n in sorted(self.counts.items()))
+
+
+class _Placer:
+    def __init__(self, model: onnx.ModelProto, gradient: bool, matmul: str, trainable: set[str]):
+        self.model = model
+        self.graph = model.graph
+        self.gradient = gradient
+        self.matmul = matmul
+        self.opset = _opset(model)
+        self.ir_version = model.ir_version or 8
+        self.types = value_types(model)
+        self.names = ValueNames(self.graph)
+        self.trainable = trainable
+        self.placement = Placement()
+        self.value_info: list[onnx.ValueInfoProto] = []
+        self._reach: dict[str, set[str]] | None = None
+
+    # which operand of a product carries a gradient (ORT builds an ATen node's gradient only through its first input)
+    def _on_gradient_path(self, value: str) -> bool:
+        if not self.trainable:
+            return False
+        return bool(value_dependencies(self.model, [value], self.trainable)[value])
+
+    def run(self) -> Placement:
+        replaced: dict[int, list[onnx.NodeProto]] = {}
+        for position, node in enumerate(list(self.graph.node)):
+            if node.domain not in ("", "ai.onnx", MS_DOMAIN) or node.op_type in ("Constant",):
+                continue
+            input_types = [self.types.get(i) if i else None for i in node.input]
+            output_types = _output_types(node, input_types, self.opset, self.types)
+            for name, t in zip(node.output, output_types):
+                if name and t is not None:
+                    self.types.setdefault(name, t)
+            low = [t for t in (*input_types, *output_types) if t in LOW]
+            if not low:
+                continue
+            elem_type = low[0]
+            nodes = None
+            if not self.gradient and node.domain in ("", "ai.onnx") and node.op_type in ("MatMul", "Gemm"):
+                if matmul_placement(self.matmul, elem_type) == "torch":
+                    nodes = self._on_torch(node, input_types, output_types, elem_type)
+            if nodes is None:
+                runs = ort_runs(node, input_types, self.opset, self.ir_version)
+                if runs is not False:
+                    continue
+                nodes = self._widened(node, input_types, output_types)
+                if nodes is None:
+                    logger.debug("%s (%s) has no kernel in %s or float32: left as it is", node.name, node.op_type,
+                                 type_name(elem_type))
+                    continue
+                self.placement.add(node.op_type, elem_type, "ORT in float32")
+            replaced[position] = nodes
+        if replaced:
+            nodes: list[onnx.NodeProto] = []
+            for position, node in enumerate(self.graph.node):
+                nodes.extend(replaced.get(position, [node]))
+            del self.graph.node[:]
+            self.graph.node.extend(nodes)
+            self.graph.value_info.extend(self.value_info)
+        return self.placement
+
+    def _widened(self, node: onnx.NodeProto, input_types: list, output_types: list) -> list[onnx.NodeProto] | None:
+        """``node`` computed in float32, its low-precision inputs cast up and outputs cast back; None if ORT has
+        no float32 kernel for it either."""
+        trial_types = [TensorProto.FLOAT if t in LOW else t for t in input_types]
+        if ort_runs(node, trial_types, self.opset, self.ir_version) is not True:
+            return None
+        scope = f"{node.name or node.op_type}/ortcore.mixed_precision"
+        before, after = [], []
+        for k, (name, t) in enumerate(zip(node.input, input_types)):
+            if name and t in LOW:
+                wide = self.names.fresh(f"{scope}/{name}_float")
+                before.append(helper.make_node("Cast", [name], [wide], name=wide, to=TensorProto.FLOAT))
+                node.input[k] = wide
+        for k, (name, t) in enumerate(zip(node.output, output_types)):
+            if name and t in LOW:
+                wide = self.names.fresh(f"{scope}/{name}_float")
+                node.output[k] = wide
+                after.append(helper.make_node("Cast", [wide], [name], name=f"{scope}/Cast_{k}", to=t))
+        return [*before, node, *after]
+
+    def _aten(self, operator: str, inputs: list[str], output: str, elem_type: int, scope: str) -> onnx.NodeProto:
+        self.value_info.append(helper.make_tensor_value_info(output, elem_type, None))
+        return helper.make_node(
+            "ATen", inputs, [output], name=f"{scope}/ATen_{operator.split('::')[-1]}", domain=ATEN_DOMAIN,
+            operator=operator, overload_name="",
+        )
+
+    def _on_torch(
+        self, node: onnx.NodeProto, input_types: list, output_types: list, elem_type: int
+    ) -> list[onnx.NodeProto] | None:
+        """A matrix product as an ATen node on PyTorch's kernel in its own type; None if it is not of a form
+        handled here (the caller then places it as any other node)."""
+        if any(t != elem_type for n, t in zip(node.input, input_types) if n) or output_types[0] != elem_type:
+            return None
+        scope = f"{node.name or node.op_type}/ortcore.mixed_precision"
+        out = node.output[0]
+        nodes: list[onnx.NodeProto] = []
+        if node.op_type == "MatMul":
+            a, b = node.input[0], node.input[1]
+        else:  # Gemm: A @ op(B) + C, the linear form only
+            if _attribute(node, "transA", 0) or _attribute(node, "alpha", 1.0) != 1.0:
+                return None
+            a, b = node.input[0], node.input[1]
+            c = node.input[2] if len(node.input) > 2 else ""
+            if c and _attribute(node, "beta", 1.0) != 1.0:
+                return None
+            trans_b = _attribute(node, "transB", 0)
+            if c:
+                # linear(input, weight [out, in], bias): the weight is B when transB, else B transposed
+                weight = b
+                if not trans_b:
+                    weight = self.names.fresh(f"{scope}/{b}_t")
+                    nodes.append(helper.make_node("Transpose", [b], [weight], name=weight, perm=[1, 0]))
+                if self._on_gradient_path(a) or not self._on_gradient_path(weight):
+                    nodes.append(self._aten("linear", [a, weight, c], out, elem_type, scope))
+                else:
+                    nodes.append(self._aten(helper_op("linear_weight_first"), [weight, a, c], out, elem_type, scope))
+                self.placement.add("Gemm", elem_type, "PyTorch")
+                torch_kernels.prepare_runtime()
+                return nodes
+            if trans_b:
+                transposed = self.names.fresh(f"{scope}/{b}_t")
+                nodes.append(helper.make_node("Transpose", [b], [transposed], name=transposed, perm=[1, 0]))
+                b = transposed
+        if self._on_gradient_path(a) or not self._on_gradient_path(b):
+            nodes.append(self._aten(helper_op("matmul"), [a, b], out, elem_type, scope))
+        else:
+            nodes.append(self._aten(helper_op("matmul_rhs_first"), [b, a], out, elem_type, scope))
+        self.placement.add(node.op_type, elem_type, "PyTorch")
+        torch_kernels.prepare_runtime()
+        return nodes
+
+
+def place_low_precision(
+    model: onnx.ModelProto, *, gradient: bool = False, matmul: str = "auto", trainable: set[str] | None = None
+) -> Placement:
+    """Place every bfloat16/float16 node of ``model`` (module docstring), in place; returns what was decided."""
+    types = value_types(model)
+    if not any(t in LOW for t in types.values()) and not any(
+        _attribute(n, "to") in LOW for n in model.graph.node if n.op_type == "Cast"
+    ):
+        return Placement()
+    return _Placer(model, gradient, matmul, trainable or set()).run()
+
+
+def _trainable_inputs(model: onnx.ModelProto, module: Any) -> set[str]:
+    """The graph inputs that are parameters requiring a gradient (their names are the parameters')."""
+    names = {i.name for i in model.graph.input}
+    found = set()
+    for name, p in module.named_parameters() if module is not None else ():
+        if p.requires_grad and name in names:
+            found.add(name)
+    return found
+
+
+_told: set[str] = set()
+
+
+def _log(placement: Placement, what: str) -> None:
+    if not placement.counts:
+        return
+    summary = placement.summary()
+    logger.debug("%s: %s", what, summary)
+    if summary not in _told:
+        _told.add(summary)
+        logger.info("mixed precision, %s: %s", what, summary)
+
+
+@hookimpl
+def ortcore_graph_passes(config: Config) -> list[GraphPass]:
+    options = config.plugin_options(NAME)
+    if options is None or not options.enable:
+        return []
+
+    def run(model: onnx.ModelProto, context: PassContext) -> None:
+        trainable = _trainable_inputs(model, context.module) if context.training else set()
+        _log(place_low_precision(model, matmul=options.matmul, trainable=trainable), "forward graph")
+
+    return [GraphPass(PASS_NAME, run=run, plugin=NAME)]
+
+
+@hookimpl
+def ortcore_gradient_graph_passes(config: Config) -> list[GraphPass]:
+    options = config.plugin_options(NAME)
+    if options is None or not options.enable:
+        return []
+
+    def run(model: onnx.ModelProto, graph: Any) -> None:
+        if graph.request.device.type != "cpu":  # the CUDA provider has float16 and bfloat16 kernels
+            return
+        placement = place_low_precision(model, gradient=True, matmul=options.matmul)
+        if placement.counts:
+            graph.notes[NAME] = {"gradient graph": placement.summary()}
+        _log(placement, "gradient graph")
+
+    return [GraphPass(GRADIENT_PASS_NAME, run=run, plugin=NAME)]
+
+
+@hookimpl
+def ortcore_export_key(config: Config) -> dict[str, Any]:
+    options = config.plugin_options(NAME)
+    if options is None or not options.enable:
+        return {PASS_NAME: "off"}
+    # "auto" resolves by this CPU's units: a graph exported on another machine may place its products elsewhere.
+    placements = {name: matmul_placement(options.matmul, t) for t, name in LOW.items()}
+    return {PASS_NAME: PASS_VERSION, f"{PASS_NAME}.matmul": placements}

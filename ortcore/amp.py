@@ -5,7 +5,7 @@ exporters trace those casts, so a graph exported under autocast computes autocas
 part of a call's :class:`~ortcore.state.GraphKey` (``autocast``): entering or leaving autocast, or changing its
 dtype, is another graph. Three rules keep the graph and the run apart:
 
-* the export runs under the key's autocast state (:func:`exporting_under`), whichever thread exports;
+* the export runs under the key's autocast state (:func:`autocast_as`), whichever thread exports;
 * ORT's forward and backward run with autocast off (:func:`running_graph`): the graph already holds autocast's
   casts, and PyTorch kernels ORT calls back into for one op (ATen nodes) must compute in the types the graph gives
   them, not be cast again; PyTorch code that stands for a part of the model (a routed module, a custom Function's
@@ -51,7 +51,7 @@ def low_precision_dtype(state: tuple[tuple[str, str], ...], device_type: str) ->
 
 
 @contextlib.contextmanager
-def exporting_under(state: tuple[tuple[str, str], ...]) -> Iterator[None]:
+def autocast_as(state: tuple[tuple[str, str], ...]) -> Iterator[None]:
     """Autocast exactly as ``state`` says, for every device type the core follows (on for the ones it names, off for
     the others), whatever this thread's own state is."""
     with contextlib.ExitStack() as stack:
@@ -91,4 +91,4 @@ def graph_autocast() -> contextlib.AbstractContextManager[None]:
     custom autograd Function's forward): the autocast state the graph was exported under, as the model's own code
     ran under it. Kernels that stand for one op of the graph (ATen nodes) run in the graph's types instead."""
     state = getattr(_graph, "state", ())
-    return exporting_under(state) if state else contextlib.nullcontext()
+    return autocast_as(state) if state else contextlib.nullcontext()

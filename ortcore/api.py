@@ -113,6 +113,8 @@ _NAMES: dict[str, str] = {
     # mixed precision (torch.autocast)
     "autocast_state": "ortcore.amp",
     "graph_autocast": "ortcore.amp",
+    "autocast_as": "ortcore.amp",
+    "running_graph": "ortcore.amp",
     # graph metadata and node kinds
     "ROUTED_METADATA_PREFIX": "ortcore.explain",
     "KEPT_METADATA_PREFIX": "ortcore.explain",

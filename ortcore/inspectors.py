@@ -45,6 +45,9 @@ class FirstStep:
     trainable: tuple[str, ...]  # the parameters that require grad
     export: Callable[[Any], Any]
     build: Callable[[Any], Any]
+    # torch.autocast's state the graph was exported under (ortcore.amp.autocast_state): a check runs PyTorch's side
+    # under it (``ortcore.api.autocast_as``) and ORT's runs under ``ortcore.api.running_graph``.
+    autocast: tuple = ()
 
 
 class RuntimeInspector:

@@ -727,6 +727,7 @@ class ORTModule(torch.nn.Module):
                 trainable=key.trainable,
                 export=lambda tapper: rt.pipeline.export_for_audit(self._original_module, schema, tensors, tapper, key),
                 build=lambda g: self._check_build(g, key),
+                autocast=key.autocast,
             )
             rt.state.counters.audits += 1
             try:

@@ -198,7 +198,7 @@ class Pipeline:
         ``autocast`` (:attr:`GraphKey.autocast`); ``dynamic_dims`` as :attr:`GraphKey.dynamic_dims` (None: every
         dimension dynamic)."""
         opts = self.options
-        with self._export_contexts(module), amp.exporting_under(autocast):
+        with self._export_contexts(module), amp.autocast_as(autocast):
             return export_graph(
                 module,
                 schema,

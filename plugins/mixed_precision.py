@@ -63,9 +63,22 @@ PASS_VERSION = 1
 LOW = {TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT16: "float16"}
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, *LOW)
 MATMUL_PLACEMENTS = ("auto", "torch", "ort")
-# Ops that only move or select elements: ORT runs them in any type it has them for, and they are never widened
-# (there is nothing to compute in float32), only probed.
 _CAST_OPS = frozenset({"Cast", "CastLike"})
+# Nodes that are not computations to place: the forward/backward boundary of a training graph (its values are the
+# model's outputs and their gradients, in the types the user sees), PyTorch code (PythonOp), constants.
+_NEVER_PLACED = frozenset({"YieldOp", "PythonOp", "PythonOpGrad", "Constant"})
+# Outputs of Microsoft-domain ops whose type is fixed (ONNX's Python package has no schema for them).
+_FIXED_OUTPUT_TYPES: dict[str, dict[int, int]] = {"ConcatTraining": {1: TensorProto.INT64}}
+# Ops ORT's CPU provider runs in bfloat16 and float16 by moving elements, not computing with them: these alone stay in
+# the low type (when a probe session accepts them too). Every other low-precision node is placed, even where ORT
+# accepts it: some CPU kernels are registered for every type and fail only when they run (SplitTraining: "Split
+# operator does not support BFloat16 yet"), and float16 nodes are accepted through ORT's own Cast insertion, which
+# fails at run time in training graphs (ReduceMax: "Tensor type mismatch"). tests/plugins/test_mixed_precision.py
+# runs each of these ops in both types against torch.
+NATIVE_LOW_PRECISION_OPS = frozenset(
+    {"Cast", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Gather", "Concat",
+     "Shape", "Size"}
+)
 
 
 def _parse_placement(value: object, name: str) -> str:
@@ -156,13 +169,21 @@ def _output_types(node: onnx.NodeProto, input_types: list[int | None], opset: in
                 if len(allowed) == 1:  # a fixed type (Shape's int64)
                     found[k] = _type_of(allowed[0])
         return found
+    # A Microsoft-domain op: its first output (a forward op's result, a gradient op's first gradient) and every
+    # output of a gradient op take the type of its first floating-point input; other outputs (ConcatTraining's
+    # lengths, the saved statistics of a fused kernel) stay unknown and are never cast.
+    for k, t in _FIXED_OUTPUT_TYPES.get(node.op_type, {}).items() if node.domain == MS_DOMAIN else ():
+        if k < len(found) and found[k] is None:
+            found[k] = t
     floats = [t for t in input_types if t in FLOAT_TYPES]
+    guess = node.domain == MS_DOMAIN
+    gradient_op = node.op_type.endswith("Grad") or "Grad_" in node.op_type
     for k, name in enumerate(node.output):
         if not name or found[k] is not None:
             continue
         if name.endswith("_grad") and name[: -len("_grad")] in known:
             found[k] = known[name[: -len("_grad")]]
-        elif floats:
+        elif guess and floats and (k == 0 or gradient_op):
             found[k] = floats[0]
     return found
 
@@ -222,13 +243,13 @@ class _Placer:
     def run(self) -> Placement:
         replaced: dict[int, list[onnx.NodeProto]] = {}
         for position, node in enumerate(list(self.graph.node)):
-            if node.domain not in ("", "ai.onnx", MS_DOMAIN) or node.op_type in ("Constant",):
-                continue
             input_types = [self.types.get(i) if i else None for i in node.input]
             output_types = _output_types(node, input_types, self.opset, self.types)
             for name, t in zip(node.output, output_types):
                 if name and t is not None:
                     self.types.setdefault(name, t)
+            if node.domain not in ("", "ai.onnx", MS_DOMAIN) or node.op_type in _NEVER_PLACED:
+                continue  # ATen nodes run PyTorch, in whatever type they are given
             low = [t for t in (*input_types, *output_types) if t in LOW]
             if not low:
                 continue
@@ -238,8 +259,7 @@ class _Placer:
                 if matmul_placement(self.matmul, elem_type) == "torch":
                     nodes = self._on_torch(node, input_types, output_types, elem_type)
             if nodes is None:
-                runs = ort_runs(node, input_types, self.opset, self.ir_version)
-                if runs is not False:
+                if self._runs_natively(node, input_types):
                     continue
                 nodes = self._widened(node, input_types, output_types)
                 if nodes is None:
@@ -257,11 +277,18 @@ class _Placer:
             self.graph.value_info.extend(self.value_info)
         return self.placement
 
+    def _runs_natively(self, node: onnx.NodeProto, input_types: list) -> bool:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in NATIVE_LOW_PRECISION_OPS:
+            return False
+        return ort_runs(node, input_types, self.opset, self.ir_version) is not False
+
     def _widened(self, node: onnx.NodeProto, input_types: list, output_types: list) -> list[onnx.NodeProto] | None:
         """``node`` computed in float32, its low-precision inputs cast up and outputs cast back; None if ORT has
         no float32 kernel for it either."""
         trial_types = [TensorProto.FLOAT if t in LOW else t for t in input_types]
-        if ort_runs(node, trial_types, self.opset, self.ir_version) is not True:
+        # Unknown (None): an input of unknown type, or a probe that could not be made; widened all the same (ORT's
+        # float32 kernels are the complete set), and a session that refuses it names the node for the repair loop.
+        if ort_runs(node, trial_types, self.opset, self.ir_version) is False:
             return None
         scope = f"{node.name or node.op_type}/ortcore.mixed_precision"
         before, after = [], []

@@ -47,6 +47,7 @@ def ortcore_check_first_step(config: Any, step: FirstStep) -> AuditResult:
             trainable=step.trainable,
             export=step.export,
             build=step.build,
+            autocast=getattr(step, "autocast", ()),
             rtol=config.core.verify_gradients_rtol,
             atol=config.core.verify_gradients_atol,
         )

@@ -40,7 +40,17 @@ import onnx
 import onnx.numpy_helper
 import torch
 
-from ortcore.api import Constant, InputSchema, Tapper, flatten_outputs, node_module, subscribers_paused, tapping
+from ortcore.api import (
+    Constant,
+    InputSchema,
+    Tapper,
+    autocast_as,
+    flatten_outputs,
+    node_module,
+    running_graph,
+    subscribers_paused,
+    tapping,
+)
 
 from . import kinks
 
@@ -185,6 +195,7 @@ class AuditRequest:
     build: Callable[[Any], Any]  # a TrainingSession of the step's build key for a graph (no plugin session hooks)
     rtol: float = 1e-3
     atol: float = 1e-6
+    autocast: tuple = ()  # torch.autocast's state of the step (ortcore.amp): PyTorch's side runs under it
 
 
 # -- randomness -----------------------------------------------------------------------------------------------------
@@ -390,7 +401,7 @@ def _run_torch(
     args, kwargs = req.schema.rebuild(inputs)
     collector = _VersionedTapper()
     taps = _module_taps(req.model, collector) if record else contextlib.nullcontext()
-    with subscribers_paused(req.model), torch.enable_grad(), taps:
+    with subscribers_paused(req.model), torch.enable_grad(), taps, autocast_as(req.autocast):
         result = torch.func.functional_call(req.model, (params, buffers), args, kwargs, tie_weights=True, strict=False)
     output_schema, outputs = flatten_outputs(result)
     graph_schema = getattr(req.graph, "output_schema", None)
@@ -432,11 +443,15 @@ def _feeds(req: AuditRequest, session: Any) -> list[torch.Tensor]:
 
 
 def _run_ort(req: AuditRequest, graph: Any, session: Any, output_grads: list[torch.Tensor | None]) -> _Side:
-    outputs, state = session.run_forward(_feeds(req, session))
+    with running_graph(req.autocast):
+        outputs, state = session.run_forward(_feeds(req, session))
     n = graph.n_user_outputs
     grads_in = list(output_grads[:n]) + [None] * (len(outputs) - n)
     tap_grads: list[tuple[int, torch.Tensor]] = []
-    grads = session.run_backward(grads_in, [(o.shape, o.dtype) for o in outputs], state, tap_gradients=tap_grads)
+    with running_graph(req.autocast):
+        grads = session.run_backward(
+            grads_in, [(o.shape, o.dtype) for o in outputs], state, tap_gradients=tap_grads
+        )
     del state
     side = _Side(outputs=outputs[:n], grads=dict(zip(session.feed_names, grads)))
     if graph.taps:
@@ -452,7 +467,8 @@ def _loss(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None])
     total, scale = 0.0, 0.0
     for o, g in zip(outputs, grads):
         if g is not None and o.shape == g.shape and o.numel():
-            o, g = o.detach().reshape(-1), g.reshape(-1)
+            # float64: an autocast step's outputs may be bfloat16 and the gradients given float32, or the reverse
+            o, g = o.detach().reshape(-1).double(), g.reshape(-1).double()
             total += float(torch.dot(o, g)) if o.is_floating_point() else 0.0
             scale += float(torch.dot(o.abs(), g.abs())) if o.is_floating_point() else 0.0
     return total, scale
@@ -489,6 +505,13 @@ def _compare_sides(
 F64_FACTOR = 10.0
 
 
+def _precision(req: AuditRequest) -> str:
+    """What PyTorch's own run rounds in: ``float32``, or ``bfloat16 autocast`` for an autocast step."""
+    if req.autocast:
+        return " and ".join(sorted({dtype for _device, dtype in req.autocast})) + " autocast"
+    return "float32"
+
+
 def _float64_side(
     req: AuditRequest, output_grads: list[torch.Tensor | None], wide_grads: list[torch.Tensor | None] | None = None
 ) -> _Side:
@@ -507,6 +530,7 @@ def _float64_side(
             tensors=[wide(t).requires_grad_(t.requires_grad) for t in req.tensors],
             params={n: wide(p).requires_grad_(p.requires_grad) for n, p in req.params.items()},
             buffers={n: wide(b) for n, b in req.buffers.items()},
+            autocast=(),  # the exact run: no low precision anywhere
         )
         if wide_grads is None:
             wide_grads = [None if g is None else g.double() for g in output_grads]
@@ -604,8 +628,9 @@ def _judged_against_float64(
                 if other is not None and other.shape == x.shape:
                     torch_error = max(torch_error, float((other.detach().double() - x).abs().max()))
         if math.isfinite(ort_error) and ort_error <= max(F64_FACTOR * torch_error, allowed):
+            precision = _precision(req)
             note = (
-                f"float32 rounding: ONNX Runtime is {ort_error:.3g} from a float64 run, PyTorch's float32 "
+                f"{precision} rounding: ONNX Runtime is {ort_error:.3g} from a float64 run, PyTorch's {precision} "
                 f"{torch_error:.3g}"
             )
             judged.append(attrs.evolve(d, exceeds=False, detail=note))

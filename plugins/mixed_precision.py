@@ -228,7 +228,15 @@ class _Placer:
         self.opset = _opset(model)
         self.ir_version = model.ir_version or 8
         self.types = value_types(model)
+        self.ranks = _value_ranks(model)
         self.names = ValueNames(self.graph)
+        self.producer = {o: n for n in self.graph.node for o in n.output if o}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.graph.node:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+        self.graph_outputs = {o.name for o in self.graph.output}
+        self.removed: set[int] = set()  # nodes a placement absorbed (a bias Add into a linear), by id
         self.trainable = trainable
         self.placement = Placement()
         self.value_info: list[onnx.ValueInfoProto] = []
@@ -243,6 +251,9 @@ class _Placer:
     def run(self) -> Placement:
         replaced: dict[int, list[onnx.NodeProto]] = {}
         for position, node in enumerate(list(self.graph.node)):
+            if id(node) in self.removed:
+                replaced[position] = []
+                continue
             input_types = [self.types.get(i) if i else None for i in node.input]
             output_types = _output_types(node, input_types, self.opset, self.types)
             for name, t in zip(node.output, output_types):
@@ -323,6 +334,9 @@ class _Placer:
         nodes: list[onnx.NodeProto] = []
         if node.op_type == "MatMul":
             a, b = node.input[0], node.input[1]
+            fused = self._as_linear(node, a, b, elem_type, scope)
+            if fused is not None:
+                return fused
         else:  # Gemm: A @ op(B) + C, the linear form only
             if _attribute(node, "transA", 0) or _attribute(node, "alpha", 1.0) != 1.0:
                 return None
@@ -355,6 +369,66 @@ class _Placer:
         self.placement.add(node.op_type, elem_type, "PyTorch")
         torch_kernels.prepare_runtime()
         return nodes
+
+
+    def _single_consumer(self, value: str) -> onnx.NodeProto | None:
+        users = self.consumers.get(value, [])
+        return users[0] if len(users) == 1 and value not in self.graph_outputs else None
+
+    def _as_linear(
+        self, node: onnx.NodeProto, a: str, b: str, elem_type: int, scope: str
+    ) -> list[onnx.NodeProto] | None:
+        """``MatMul(x, Transpose(W))`` (+ a 1-D bias ``Add``), the exporter's form of ``F.linear`` on a batch of
+        rows, as one ``linear(x, W, bias)``: no transposed copy of the weight, the bias added in the GEMM, and its
+        gradient one column sum, where the pieces would be three nodes and their casts."""
+        transpose = self.producer.get(b)
+        if transpose is None or transpose.op_type != "Transpose" or list(_attribute(transpose, "perm", [])) != [1, 0]:
+            return None
+        weight = transpose.input[0]
+        if self.types.get(weight) != elem_type or self.ranks.get(a, 0) < 2:
+            return None
+        out, bias, absorbed = node.output[0], "", None
+        add = self._single_consumer(out)
+        if add is not None and add.op_type == "Add" and add.domain in ("", "ai.onnx"):
+            other = add.input[1] if add.input[0] == out else add.input[0]
+            if self.types.get(other) == elem_type and self.ranks.get(other) == 1 and self.types.get(add.output[0]) in (
+                elem_type,
+                None,
+            ):
+                bias, absorbed, out = other, add, add.output[0]
+        if bias:
+            if self._on_gradient_path(a) or not self._on_gradient_path(weight):
+                aten = self._aten("linear", [a, weight, bias], out, elem_type, scope)
+            else:
+                aten = self._aten(helper_op("linear_weight_first"), [weight, a, bias], out, elem_type, scope)
+        elif self._on_gradient_path(a) or not self._on_gradient_path(weight):
+            aten = self._aten(helper_op("linear_no_bias"), [a, weight], out, elem_type, scope)
+        else:
+            return None  # the weight alone carries a gradient: matmul_rhs_first of the transposed weight serves it
+        if absorbed is not None:
+            self.removed.add(id(absorbed))
+        if self._single_consumer(b) is node:  # the transposed copy of the weight served this product only
+            self.removed.add(id(transpose))
+        self.placement.add("MatMul" + ("+Add" if bias else ""), elem_type, "PyTorch (linear)")
+        torch_kernels.prepare_runtime()
+        return [aten]
+
+
+def _value_ranks(model: onnx.ModelProto) -> dict[str, int]:
+    """The rank of every value whose shape ONNX shape inference (or the exporter) knows."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+    except Exception:  # an op ONNX cannot infer: the exporter's value_info only
+        inferred = model
+    ranks = {}
+    for graph in (model.graph, inferred.graph):
+        for value in (*graph.input, *graph.value_info, *graph.output):
+            tensor = value.type.tensor_type
+            if value.type.HasField("tensor_type") and tensor.HasField("shape"):
+                ranks.setdefault(value.name, len(tensor.shape.dim))
+        for t in graph.initializer:
+            ranks.setdefault(t.name, len(t.dims))
+    return ranks
 
 
 def place_low_precision(

@@ -639,6 +639,10 @@ def default_side(case: Case) -> str:
     return PYTORCH if case.op in DEFAULT_OPS else ORT
 
 
+# Types ORT's CPU provider has (almost) no kernels for: nothing to measure against PyTorch's kernel.
+LOW_PRECISION = frozenset({"bfloat16", "float16"})
+
+
 def decide_case(config: Config, case: Case) -> Decision:
     """The decision for ``case``: measured or cached where measuring is possible, else the default list's; with
     ``measure = "later"`` a case not measured yet takes the default list's side for now (``deferred``)."""
@@ -649,6 +653,11 @@ def decide_case(config: Config, case: Case) -> Decision:
         return Decision(case, fallback, UNMEASURED, note="sizes unknown at export: the default list decided")
     if case.device != "cpu" or case.dtype not in TORCH_TYPES:
         return Decision(case, fallback, UNMEASURED, note="measured on CPU floats only: the default list decided")
+    if case.dtype in LOW_PRECISION:
+        # ORT's CPU provider has no kernels to time in these types: the mixed_precision plugin places such nodes.
+        return Decision(
+            case, fallback, UNMEASURED, note=f"{case.dtype}: not measured (placed by the mixed_precision plugin)"
+        )
     chooser = chooser_for(config)
     mode = measure_mode(config)
     known = chooser.cached(case)

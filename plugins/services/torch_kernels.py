@@ -219,6 +219,9 @@ def _matmul_backward_a(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 
 def _matmul_backward_b(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 2 and a.dim() > 2:
+        # a [..., m, k] @ b [k, n]: one GEMM over the batch's rows, not a product per batch element summed after
+        return a.reshape(-1, a.shape[-1]).t().mm(grad.reshape(-1, grad.shape[-1]))
     if a.dim() >= 2 and b.dim() >= 2:
         return a.mT.matmul(grad).sum_to_size(b.shape)
     return _matmul_gradients(grad, a, b)[1]

@@ -286,21 +286,58 @@ def _cross_entropy_loss(g, self, target, weight, reduction, ignore_index, label_
 def _scaled_dot_product_attention(
     g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    """The exporter's attention, with an explicit ``scale`` given as a constant of the query's type: for a bfloat16
-    or float16 query the exporter casts the float scale itself, and its type analysis writes PyTorch's number of the
-    type (bfloat16: 15) as an ONNX one (15 is complex128), so the graph is invalid ("ScalarType ComplexDouble is an
-    unexpected tensor scalar type")."""
+    """Attention for bfloat16 and float16 queries in the query's type; the exporter's own for other types.
+
+    The exporter's symbolic writes its constants in float32: a boolean or causal mask becomes a float32 additive
+    mask, and adding it promotes the scores, the softmax and the attention's output to float32, so the rest of a
+    bfloat16 model computed in float32 where PyTorch computes bfloat16 (GPT-2's residual then reached a bfloat16
+    layer norm as float32). An explicit ``scale`` it casts itself, writing PyTorch's number of the type (bfloat16: 15)
+    as an ONNX one (15 is complex128: "ScalarType ComplexDouble is an unexpected tensor scalar type"). Here every
+    constant and mask is of the query's type; a fully masked row gives zeros, as the exporter's symbolic does."""
     from torch.onnx import symbolic_helper as sh
     from torch.onnx import symbolic_opset14
 
     dtype = query.type().dtype() if query.type().scalarType() is not None else None
-    if scale is not None and not sh._is_none(scale) and dtype in (torch.bfloat16, torch.float16):
-        constant = sh._maybe_get_const(scale, "f")
-        if isinstance(constant, float):
-            scale = g.op("Constant", value_t=torch.tensor(constant, dtype=dtype))
-    return symbolic_opset14.scaled_dot_product_attention(
-        g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-    )
+    if dtype not in (torch.bfloat16, torch.float16) or sh._maybe_get_const(enable_gqa, "b") is True:
+        return symbolic_opset14.scaled_dot_product_attention(
+            g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )
+    onnx_type = onnx.TensorProto.BFLOAT16 if dtype == torch.bfloat16 else onnx.TensorProto.FLOAT16
+
+    def constant(v: float) -> Any:
+        return g.op("Constant", value_t=torch.tensor([v], dtype=dtype))
+
+    if scale is None or sh._is_none(scale):
+        scale = symbolic_opset14._attention_scale(g, query)  # a Cast to the query's ONNX type: correct
+    else:
+        given = sh._maybe_get_const(scale, "f")
+        scale = constant(float(given)) if isinstance(given, float) else g.op("Cast", scale, to_i=onnx_type)
+    rank = sh._get_tensor_rank(key)
+    perm = list(range(rank))
+    perm[-1], perm[-2] = perm[-2], perm[-1]
+    root = g.op("Sqrt", scale)
+    scores = g.op("MatMul", g.op("Mul", query, root), g.op("Mul", g.op("Transpose", key, perm_i=perm), root))
+    causal = sh._maybe_get_const(is_causal, "b")
+    boolean = False
+    if causal is True:
+        attn_mask = g.op("Cast", symbolic_opset14._causal_attention_mask(g, query, key), to_i=onnx_type)
+    elif attn_mask is not None and not sh._is_none(attn_mask):
+        if attn_mask.type().scalarType() == "Bool":
+            boolean = True
+            attn_mask = g.op("Where", attn_mask, constant(0.0), constant(-float("inf")))
+        elif attn_mask.type().dtype() != dtype:
+            attn_mask = g.op("Cast", attn_mask, to_i=onnx_type)
+    else:
+        attn_mask = None
+    if attn_mask is not None:
+        scores = g.op("Add", scores, attn_mask)
+    weights = g.op("Softmax", scores, axis_i=-1)
+    if boolean:  # a row masked everywhere: zeros, not NaN
+        weights = g.op("Where", g.op("IsNaN", weights), constant(0.0), weights)
+    p = sh._maybe_get_const(dropout_p, "f")
+    if not (isinstance(p, float) and p == 0.0):
+        weights = g.op("Dropout", weights, g.op("Constant", value_t=torch.tensor(p, dtype=torch.float)))
+    return g.op("MatMul", weights, value)
 
 
 SYMBOLICS = {

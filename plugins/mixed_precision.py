@@ -77,7 +77,7 @@ _FIXED_OUTPUT_TYPES: dict[str, dict[int, int]] = {"ConcatTraining": {1: TensorPr
 # runs each of these ops in both types against torch.
 NATIVE_LOW_PRECISION_OPS = frozenset(
     {"Cast", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Gather", "Concat",
-     "Shape", "Size"}
+     "Shape"}
 )
 
 

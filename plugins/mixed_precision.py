@@ -453,6 +453,14 @@ def _trainable_inputs(model: onnx.ModelProto, module: Any) -> set[str]:
     return found
 
 
+def _device_type(module: Any) -> str:
+    """Where the module's parameters live (``cpu`` for a module without any)."""
+    try:
+        return next(module.parameters()).device.type
+    except (StopIteration, AttributeError, TypeError):
+        return "cpu"
+
+
 _told: set[str] = set()
 
 
@@ -473,6 +481,8 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
         return []
 
     def run(model: onnx.ModelProto, context: PassContext) -> None:
+        if _device_type(context.module) != "cpu":  # the CUDA provider has float16 and bfloat16 kernels
+            return
         trainable = _trainable_inputs(model, context.module) if context.training else set()
         _log(place_low_precision(model, matmul=options.matmul, trainable=trainable), "forward graph")
 

@@ -804,12 +804,27 @@ def _describe_nodes(nodes: list[onnx.NodeProto], model: torch.nn.Module) -> str:
     return ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
 
 
+#: Under autocast, ORT and PyTorch round in the low type at the same places but accumulate in other orders: the
+#: relative tolerance is at least this many units of the low type's rounding (bfloat16: 3.1e-2, float16: 3.9e-3).
+#: A wrong gradient is off by far more; a difference beyond it is judged against float64 as any other.
+AUTOCAST_ULPS = 4
+
+
+def autocast_tolerance(req: AuditRequest) -> AuditRequest:
+    """``req`` with its relative tolerance raised to :data:`AUTOCAST_ULPS` of the coarsest type autocast computes
+    in; unchanged outside autocast."""
+    if not req.autocast:
+        return req
+    eps = max(torch.finfo(getattr(torch, dtype)).eps for _device, dtype in req.autocast)
+    return attrs.evolve(req, rtol=max(req.rtol, AUTOCAST_ULPS * eps))
+
+
 def audit(req: AuditRequest) -> AuditResult:
     """Audit one training step's graph against PyTorch (see the module docstring). Never changes the user's state."""
     # Parts of the graph that run in PyTorch (regions) update the model's own buffers in place: restore them.
     buffers = {name: b.detach().clone() for name, b in req.model.named_buffers()}
     try:
-        return _audit(req)
+        return _audit(autocast_tolerance(req))
     finally:
         with torch.no_grad():
             for name, b in req.model.named_buffers():

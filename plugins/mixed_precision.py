@@ -109,6 +109,14 @@ class MixedPrecisionOptions:
     )
 
 
+    torch_casts: bool = option(
+        True,
+        parse_bool,
+        "casts between float32 and bfloat16/float16 of large tensors run on PyTorch's kernel (faster on CPU)",
+        "ORTCORE_AMP_TORCH_CASTS",
+    )
+
+
 @hookimpl
 def ortcore_options_class() -> type:
     return MixedPrecisionOptions
@@ -443,6 +451,64 @@ def place_low_precision(
     return _Placer(model, gradient, matmul, trainable or set()).run()
 
 
+_CAST_HELPERS = {
+    TensorProto.BFLOAT16: "to_bfloat16",
+    TensorProto.FLOAT16: "to_float16",
+    TensorProto.FLOAT: "to_float32",
+}
+#: A cast of fewer elements than this stays ORT's: calling PyTorch costs more than ORT's slower loop saves.
+TORCH_CAST_MIN_ELEMENTS = 16384
+
+
+def _element_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """The element count of every value whose shape is fully known."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+    except Exception:
+        inferred = model
+    counts = {}
+    for value in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        tensor = value.type.tensor_type
+        if value.type.HasField("tensor_type") and tensor.HasField("shape"):
+            dims = tensor.shape.dim
+            if all(d.HasField("dim_value") for d in dims):
+                n = 1
+                for d in dims:
+                    n *= d.dim_value
+                counts.setdefault(value.name, n)
+    return counts
+
+
+def casts_on_torch(model: onnx.ModelProto, min_elements: int = TORCH_CAST_MIN_ELEMENTS) -> int:
+    """Each ``Cast`` between float32 and bfloat16/float16 of at least ``min_elements`` elements (or of unknown size)
+    runs on PyTorch's kernel as an ATen node: the same values (a cast rounds to nearest even on both), 2-9x faster
+    on the CPU. For the built training graph, whose gradients exist already. Returns how many were moved."""
+    types = value_types(model)
+    counts = _element_counts(model)
+    moved = 0
+    value_info = []
+    for k, node in enumerate(model.graph.node):
+        if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
+            continue
+        source, target = types.get(node.input[0]), _attribute(node, "to")
+        if {source, target} not in ({TensorProto.FLOAT, TensorProto.BFLOAT16}, {TensorProto.FLOAT, TensorProto.FLOAT16}):
+            continue
+        if counts.get(node.input[0], min_elements) < min_elements:
+            continue
+        aten = helper.make_node(
+            "ATen", [node.input[0]], [node.output[0]], name=f"{node.name or 'Cast'}/ortcore.mixed_precision",
+            domain=ATEN_DOMAIN, operator=helper_op(_CAST_HELPERS[target]), overload_name="",
+        )
+        model.graph.node[k].CopyFrom(aten)
+        value_info.append(helper.make_tensor_value_info(node.output[0], target, None))
+        moved += 1
+    if moved:
+        known = {v.name for v in model.graph.value_info}
+        model.graph.value_info.extend(v for v in value_info if v.name not in known)
+        torch_kernels.prepare_runtime()
+    return moved
+
+
 def _trainable_inputs(model: onnx.ModelProto, module: Any) -> set[str]:
     """The graph inputs that are parameters requiring a gradient (their names are the parameters')."""
     names = {i.name for i in model.graph.input}
@@ -499,8 +565,9 @@ def ortcore_gradient_graph_passes(config: Config) -> list[GraphPass]:
         if graph.request.device.type != "cpu":  # the CUDA provider has float16 and bfloat16 kernels
             return
         placement = place_low_precision(model, gradient=True, matmul=options.matmul)
-        if placement.counts:
-            graph.notes[NAME] = {"gradient graph": placement.summary()}
+        moved = casts_on_torch(model) if options.torch_casts else 0
+        if placement.counts or moved:
+            graph.notes[NAME] = {"gradient graph": placement.summary(), "casts on PyTorch": moved}
         _log(placement, "gradient graph")
 
     return [GraphPass(GRADIENT_PASS_NAME, run=run, plugin=NAME)]

@@ -6,8 +6,9 @@ ONNX Runtime's CPU provider has almost no kernels for those types (no bfloat16 `
 ``Softmax``, no gradient kernel of any), so the session would be refused node by node. This plugin decides where each
 such node runs, once per graph, before the session is built:
 
-* **ORT runs it as it is** when its provider has the kernel (``Cast``, ``Transpose``, ``Reshape``, ``Gather``, ...),
-  asked of ORT itself (:func:`~ortcore_plugins.services.ort_kernels.ort_runs`, a one-node session per signature);
+* **ORT runs it as it is** when it only moves elements (:data:`NATIVE_LOW_PRECISION_OPS`: ``Cast``, ``Transpose``,
+  ``Reshape``, ``Gather``, ...) and ORT's provider has the kernel, asked of ORT itself
+  (:func:`~ortcore_plugins.services.ort_kernels.ort_runs`, a one-node session per signature);
 * **matrix products** (``MatMul``, ``Gemm`` of the linear form) run on PyTorch's kernel as ATen nodes, in the low
   type, when this CPU has units for it (AMX, AVX512-BF16, AVX512-FP16): oneDNN's kernels there are faster than any
   float32 GEMM, and they are the kernels eager autocast runs. Their gradients are matrix products of the same kind
@@ -41,6 +42,7 @@ from ortcore.api import (
     ATEN_DOMAIN,
     Config,
     GraphPass,
+    OptionError,
     PassContext,
     ValueNames,
     hookimpl,
@@ -63,7 +65,6 @@ PASS_VERSION = 1
 LOW = {TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT16: "float16"}
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, *LOW)
 MATMUL_PLACEMENTS = ("auto", "torch", "ort")
-_CAST_OPS = frozenset({"Cast", "CastLike"})
 # Nodes that are not computations to place: the forward/backward boundary of a training graph (its values are the
 # model's outputs and their gradients, in the types the user sees), PyTorch code (PythonOp), constants.
 _NEVER_PLACED = frozenset({"YieldOp", "PythonOp", "PythonOpGrad", "Constant"})
@@ -76,16 +77,25 @@ _FIXED_OUTPUT_TYPES: dict[str, dict[int, int]] = {"ConcatTraining": {1: TensorPr
 # fails at run time in training graphs (ReduceMax: "Tensor type mismatch"). tests/plugins/test_mixed_precision.py
 # runs each of these ops in both types against torch.
 NATIVE_LOW_PRECISION_OPS = frozenset(
-    {"Cast", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Gather", "Concat",
-     "Shape"}
+    {
+        "Cast",
+        "Reshape",
+        "Transpose",
+        "Identity",
+        "Squeeze",
+        "Unsqueeze",
+        "Flatten",
+        "Slice",
+        "Gather",
+        "Concat",
+        "Shape",
+    }
 )
 
 
 def _parse_placement(value: object, name: str) -> str:
     text = str(value).strip().lower()
     if text not in MATMUL_PLACEMENTS:
-        from ortcore.api import OptionError
-
         raise OptionError(f"{name}: {value!r} is not a placement; allowed: {', '.join(MATMUL_PLACEMENTS)}")
     return text
 
@@ -107,8 +117,6 @@ class MixedPrecisionOptions:
         "ort (ORT's float32 GEMM, cast back), auto (torch where the CPU has units for the type, else ort)",
         "ORTCORE_AMP_MATMUL",
     )
-
-
     torch_casts: bool = option(
         True,
         parse_bool,
@@ -156,7 +164,7 @@ def _output_types(node: onnx.NodeProto, input_types: list[int | None], opset: in
             schema = onnx.defs.get_schema(node.op_type, opset, "")
         except onnx.defs.SchemaError:
             schema = None
-    if node.op_type in _CAST_OPS and node.op_type == "Cast":
+    if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
         return [_attribute(node, "to")]
     if schema is not None:
         bound: dict[str, int] = {}
@@ -196,15 +204,18 @@ def _output_types(node: onnx.NodeProto, input_types: list[int | None], opset: in
     return found
 
 
-_TYPE_STRINGS = {f"tensor({name})": value for name, value in (
-    ("float", TensorProto.FLOAT),
-    ("double", TensorProto.DOUBLE),
-    ("float16", TensorProto.FLOAT16),
-    ("bfloat16", TensorProto.BFLOAT16),
-    ("int64", TensorProto.INT64),
-    ("int32", TensorProto.INT32),
-    ("bool", TensorProto.BOOL),
-)}
+_TYPE_STRINGS = {
+    f"tensor({name})": value
+    for name, value in (
+        ("float", TensorProto.FLOAT),
+        ("double", TensorProto.DOUBLE),
+        ("float16", TensorProto.FLOAT16),
+        ("bfloat16", TensorProto.BFLOAT16),
+        ("int64", TensorProto.INT64),
+        ("int32", TensorProto.INT32),
+        ("bool", TensorProto.BOOL),
+    )
+}
 
 
 def _type_of(type_string: str) -> int | None:
@@ -282,8 +293,12 @@ class _Placer:
                     continue
                 nodes = self._widened(node, input_types, output_types)
                 if nodes is None:
-                    logger.debug("%s (%s) has no kernel in %s or float32: left as it is", node.name, node.op_type,
-                                 type_name(elem_type))
+                    logger.debug(
+                        "%s (%s) has no kernel in %s or float32: left as it is",
+                        node.name,
+                        node.op_type,
+                        type_name(elem_type),
+                    )
                     continue
                 self.placement.add(node.op_type, elem_type, "ORT in float32")
             replaced[position] = nodes
@@ -326,8 +341,13 @@ class _Placer:
     def _aten(self, operator: str, inputs: list[str], output: str, elem_type: int, scope: str) -> onnx.NodeProto:
         self.value_info.append(helper.make_tensor_value_info(output, elem_type, None))
         return helper.make_node(
-            "ATen", inputs, [output], name=f"{scope}/ATen_{operator.split('::')[-1]}", domain=ATEN_DOMAIN,
-            operator=operator, overload_name="",
+            "ATen",
+            inputs,
+            [output],
+            name=f"{scope}/ATen_{operator.split('::')[-1]}",
+            domain=ATEN_DOMAIN,
+            operator=operator,
+            overload_name="",
         )
 
     def _on_torch(
@@ -378,7 +398,6 @@ class _Placer:
         torch_kernels.prepare_runtime()
         return nodes
 
-
     def _single_consumer(self, value: str) -> onnx.NodeProto | None:
         users = self.consumers.get(value, [])
         return users[0] if len(users) == 1 and value not in self.graph_outputs else None
@@ -399,9 +418,14 @@ class _Placer:
         add = self._single_consumer(out)
         if add is not None and add.op_type == "Add" and add.domain in ("", "ai.onnx"):
             other = add.input[1] if add.input[0] == out else add.input[0]
-            if self.types.get(other) == elem_type and self.ranks.get(other) == 1 and self.types.get(add.output[0]) in (
-                elem_type,
-                None,
+            if (
+                self.types.get(other) == elem_type
+                and self.ranks.get(other) == 1
+                and self.types.get(add.output[0])
+                in (
+                    elem_type,
+                    None,
+                )
             ):
                 bias, absorbed, out = other, add, add.output[0]
         if bias:
@@ -491,13 +515,21 @@ def casts_on_torch(model: onnx.ModelProto, min_elements: int = TORCH_CAST_MIN_EL
         if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
             continue
         source, target = types.get(node.input[0]), _attribute(node, "to")
-        if {source, target} not in ({TensorProto.FLOAT, TensorProto.BFLOAT16}, {TensorProto.FLOAT, TensorProto.FLOAT16}):
+        if {source, target} not in (
+            {TensorProto.FLOAT, TensorProto.BFLOAT16},
+            {TensorProto.FLOAT, TensorProto.FLOAT16},
+        ):
             continue
         if counts.get(node.input[0], min_elements) < min_elements:
             continue
         aten = helper.make_node(
-            "ATen", [node.input[0]], [node.output[0]], name=f"{node.name or 'Cast'}/ortcore.mixed_precision",
-            domain=ATEN_DOMAIN, operator=helper_op(_CAST_HELPERS[target]), overload_name="",
+            "ATen",
+            [node.input[0]],
+            [node.output[0]],
+            name=f"{node.name or 'Cast'}/ortcore.mixed_precision",
+            domain=ATEN_DOMAIN,
+            operator=helper_op(_CAST_HELPERS[target]),
+            overload_name="",
         )
         model.graph.node[k].CopyFrom(aten)
         value_info.append(helper.make_tensor_value_info(node.output[0], target, None))

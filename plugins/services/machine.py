@@ -17,6 +17,7 @@ rows above :data:`BUSY_PCT`, and the kernel choice keeps such a measurement for 
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -70,11 +71,17 @@ LOW_PRECISION_UNITS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
-def low_precision_units(flags: set[str] | None = None) -> dict[str, str | None]:
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def low_precision_units(flags: frozenset[str] | set[str] | None = None) -> dict[str, str | None]:
     """Per low-precision dtype (``bfloat16``, ``float16``), the best unit of this CPU that multiplies it natively
-    (``AMX-BF16``, ``AVX512-BF16``, ...), or None: PyTorch's oneDNN kernels then emulate it, slower than float32."""
+    (``AMX-BF16``, ``AVX512-BF16``, ...), or None: PyTorch's oneDNN kernels then emulate it, slower than float32.
+    ``flags`` default to this CPU's (read once per process)."""
     if flags is None:
-        flags = set(_cpuinfo().get("flags", "").split())
+        flags = _cpu_flags()
     found: dict[str, str | None] = {"bfloat16": None, "float16": None}
     for dtype, unit, needed in LOW_PRECISION_UNITS:
         if found[dtype] is None and all(f in flags for f in needed):

@@ -21,7 +21,7 @@ from typing import Any
 import onnx
 import pytest
 import torch
-from models import MLP, ConvNet, tiny_gpt2
+from models import MLP, ConvNet
 from onnx import TensorProto, helper
 from torch import nn
 
@@ -178,7 +178,9 @@ def test_entering_leaving_or_changing_autocast_is_a_new_graph(caplog: pytest.Log
     reasons = [t.reason for t in wrapped.state_machine.history if t.action == "export"]
     assert "autocast off->cpu bfloat16" in reasons[1] and "autocast cpu bfloat16->cpu float16" in reasons[2]
     reused = [t.reason for t in wrapped.state_machine.history if t.action == "reuse"]
-    assert any("autocast cpu float16->off" in r for r in reused) and any("autocast off->cpu bfloat16" in r for r in reused)
+    assert any("autocast cpu float16->off" in r for r in reused) and any(
+        "autocast off->cpu bfloat16" in r for r in reused
+    )
     assert "autocast off->cpu bfloat16" in caplog.text
 
 

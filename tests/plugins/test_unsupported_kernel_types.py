@@ -44,11 +44,11 @@ import ortcore_plugins.aten_fallback as aten_fallback
 import ortcore_plugins.dynamo_exporter as dynamo_exporter
 import ortcore_plugins.kernel_types as kernel_types
 import ortcore_plugins.op_routing as op_routing
-from ortcore_plugins.services import ort_kernels
 from ortcore.errors import GraphBuildError
 from ortcore.repair import Failure
 from ortcore.testing import make_host
 from ortcore_plugins.aten_fallback.repairs import repairs_for, unrunnable_nodes
+from ortcore_plugins.services import ort_kernels
 from ortcore_plugins.services.differentiability import differentiable_arguments, differentiates, parse_derivatives
 
 # -- models: a narrow-type computation on a Linear's output, whose result scales that output ---------------------------

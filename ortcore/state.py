@@ -36,8 +36,8 @@ EXPORT_FIELDS = (
     "shape_class",
     "static_sizes",
     "repairs",
-    "taps",
     "autocast",
+    "taps",
 )
 BUILD_FIELDS = ("grad_enabled", "trainable", "input_requires_grad", "device")
 

@@ -305,6 +305,8 @@ class _Placer:
         if replaced:
             nodes: list[onnx.NodeProto] = []
             for position, node in enumerate(self.graph.node):
+                if id(node) in self.removed:  # absorbed by a placement, before or after it in the graph
+                    continue
                 nodes.extend(replaced.get(position, [node]))
             del self.graph.node[:]
             self.graph.node.extend(nodes)

@@ -36,6 +36,7 @@ from typing import Any
 
 import attrs
 import onnx
+import onnx.numpy_helper
 from onnx import TensorProto, helper
 
 from ortcore.api import (
@@ -284,6 +285,11 @@ class _Placer:
             if not low:
                 continue
             elem_type = low[0]
+            if node.op_type == "Dropout" and self._inactive_dropout(node):
+                # no element dropped: the input itself, in its own type (eager's dropout at p=0 scales by 1)
+                replaced[position] = [helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)]
+                self.placement.add("Dropout", elem_type, "Identity (p=0)")
+                continue
             nodes = None
             if not self.gradient and node.domain in ("", "ai.onnx") and node.op_type in ("MatMul", "Gemm"):
                 if matmul_placement(self.matmul, elem_type) == "torch":
@@ -311,7 +317,33 @@ class _Placer:
             del self.graph.node[:]
             self.graph.node.extend(nodes)
             self.graph.value_info.extend(self.value_info)
+        rounds = drop_exact_round_trips(self.model)
+        if rounds:
+            self.placement.counts[("Cast pair", "low->float->low", "removed (exact)")] += rounds
         return self.placement
+
+    def _constant_value(self, name: str) -> Any:
+        """The value of a constant input (a Constant node or an initializer), or None."""
+        if not name:
+            return None
+        producer = self.producer.get(name)
+        tensor = None
+        if producer is not None and producer.op_type == "Constant":
+            tensor = _attribute(producer, "value")
+        else:
+            tensor = next((t for t in self.graph.initializer if t.name == name), None)
+        if tensor is None:
+            return None
+        return onnx.numpy_helper.to_array(tensor)
+
+    def _inactive_dropout(self, node: onnx.NodeProto) -> bool:
+        """A Dropout that drops nothing: a ratio of constant 0 (the exporter writes p=0 in training mode), or not
+        training, and its mask unused."""
+        if len(node.output) > 1 and node.output[1] and self.consumers.get(node.output[1]):
+            return False
+        ratio = self._constant_value(node.input[1]) if len(node.input) > 1 else None
+        training = self._constant_value(node.input[2]) if len(node.input) > 2 else False
+        return (ratio is not None and float(ratio) == 0.0) or (training is not None and not bool(training))
 
     def _runs_natively(self, node: onnx.NodeProto, input_types: list) -> bool:
         if node.domain not in ("", "ai.onnx") or node.op_type not in NATIVE_LOW_PRECISION_OPS:
@@ -446,6 +478,46 @@ class _Placer:
         self.placement.add("MatMul" + ("+Add" if bias else ""), elem_type, "PyTorch (linear)")
         torch_kernels.prepare_runtime()
         return [aten]
+
+
+def drop_exact_round_trips(model: onnx.ModelProto) -> int:
+    """``Cast(to bfloat16)`` of ``Cast(to float)`` of a bfloat16 value (float16 likewise) is that value: every low
+    value is a float32 value, and rounding it back gives it unchanged. Such pairs appear where a placed node's
+    rounded output feeds another placed node. The second Cast's readers read the first's input; a Cast left without
+    readers is dropped. (The other order, float -> low -> float, rounds, and stays.) Returns how many were removed."""
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output if o}
+    types = value_types(model)
+    outputs = {o.name for o in graph.output}
+    renamed: dict[str, str] = {}
+    dropped: set[int] = set()
+    for node in graph.node:
+        if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or node.output[0] in outputs:
+            continue
+        first = producer.get(node.input[0])
+        if first is None or first.op_type != "Cast" or first.domain not in ("", "ai.onnx"):
+            continue
+        source, middle, target = types.get(first.input[0]), _attribute(first, "to"), _attribute(node, "to")
+        if source in LOW and target == source and middle in (TensorProto.FLOAT, TensorProto.DOUBLE):
+            renamed[node.output[0]] = first.input[0]
+            dropped.add(id(node))
+    if not renamed:
+        return 0
+    for node in graph.node:
+        for k, name in enumerate(node.input):
+            if name in renamed:
+                node.input[k] = renamed[name]
+    readers = {i for n in graph.node if id(n) not in dropped for i in n.input}
+    kept = []
+    for node in graph.node:
+        if id(node) in dropped:
+            continue
+        if node.op_type == "Cast" and node.output[0] not in readers and node.output[0] not in outputs:
+            continue  # a first Cast only the dropped ones read
+        kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+    return len(renamed)
 
 
 def _value_ranks(model: onnx.ModelProto) -> dict[str, int]:

@@ -90,6 +90,7 @@ NATIVE_LOW_PRECISION_OPS = frozenset(
         "Gather",
         "Concat",
         "Shape",
+        "Split",
     }
 )
 
@@ -257,6 +258,7 @@ class _Placer:
                 self.consumers.setdefault(i, []).append(n)
         self.graph_outputs = {o.name for o in self.graph.output}
         self.removed: set[int] = set()  # nodes a placement absorbed (a bias Add into a linear), by id
+        self.orphans: set[str] = set()  # values a replaced node read (a dropout's ratio): their constants may go
         self.trainable = trainable
         self.placement = Placement()
         self.value_info: list[onnx.ValueInfoProto] = []
@@ -288,6 +290,7 @@ class _Placer:
             if node.op_type == "Dropout" and self._inactive_dropout(node):
                 # no element dropped: the input itself, in its own type (eager's dropout at p=0 scales by 1)
                 replaced[position] = [helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)]
+                self.orphans.update(name for name in node.input[1:] if name)
                 self.placement.add("Dropout", elem_type, "Identity (p=0)")
                 continue
             nodes = None
@@ -314,6 +317,12 @@ class _Placer:
                 if id(node) in self.removed:  # absorbed by a placement, before or after it in the graph
                     continue
                 nodes.extend(replaced.get(position, [node]))
+            readers = {i for n in nodes for i in n.input}
+            nodes = [
+                n
+                for n in nodes
+                if not (n.op_type == "Constant" and n.output[0] in self.orphans and n.output[0] not in readers)
+            ]
             del self.graph.node[:]
             self.graph.node.extend(nodes)
             self.graph.value_info.extend(self.value_info)
@@ -407,6 +416,16 @@ class _Placer:
             if c and _attribute(node, "beta", 1.0) != 1.0:
                 return None
             trans_b = _attribute(node, "transB", 0)
+            if c and not trans_b and self.ranks.get(c) in (1, 2) and self._on_gradient_path(c):
+                # addmm(C, A, B) as it is (GPT-2's Conv1D: the weight is [in, out]), no transposed copy of B; ORT
+                # builds its gradient through C, the bias, which must carry one
+                one = self.names.fresh(f"{scope}/one")
+                one_tensor = helper.make_tensor("one", TensorProto.DOUBLE, [], [1.0])
+                nodes.append(helper.make_node("Constant", [], [one], name=one, value=one_tensor))
+                nodes.append(self._aten("addmm", [c, a, b, one, one], out, elem_type, scope))
+                self.placement.add("Gemm", elem_type, "PyTorch (addmm)")
+                torch_kernels.prepare_runtime()
+                return nodes
             if c:
                 # linear(input, weight [out, in], bias): the weight is B when transB, else B transposed
                 weight = b

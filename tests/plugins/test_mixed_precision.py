@@ -336,6 +336,11 @@ def _op_case(op: str, elem_type: int) -> tuple[onnx.NodeProto, list[Any], Callab
         ),
         "Concat": (helper.make_node("Concat", ["x", "z"], ["y"], axis=0), [x, x * 2], lambda t, z: torch.cat([t, z])),
         "Shape": (helper.make_node("Shape", ["x"], ["y"]), [x], lambda t: torch.tensor(t.shape)),
+        "Split": (
+            helper.make_node("Split", ["x", "s"], ["y", "y2"], axis=2),
+            [x, torch.tensor([1, 3])],
+            lambda t, s: t[:, :, :1],
+        ),
         "Size": (helper.make_node("Size", ["x"], ["y"]), [x], lambda t: torch.tensor(t.numel())),
     }
     return cases[op]

@@ -639,7 +639,7 @@ def default_side(case: Case) -> str:
     return PYTORCH if case.op in DEFAULT_OPS else ORT
 
 
-# Types ORT's CPU provider has (almost) no kernels for: nothing to measure against PyTorch's kernel.
+# Types ORT's CPU provider has (almost) no kernels for: such calls run on PyTorch's kernel, unmeasured.
 LOW_PRECISION = frozenset({"bfloat16", "float16"})
 
 
@@ -654,9 +654,10 @@ def decide_case(config: Config, case: Case) -> Decision:
     if case.device != "cpu" or case.dtype not in TORCH_TYPES:
         return Decision(case, fallback, UNMEASURED, note="measured on CPU floats only: the default list decided")
     if case.dtype in LOW_PRECISION:
-        # ORT's CPU provider has no kernels to time in these types: the mixed_precision plugin places such nodes.
+        # ORT's CPU provider has no kernel in these types to time: its side would be a float32 kernel with casts
+        # around it, PyTorch's is the kernel eager autocast runs.
         return Decision(
-            case, fallback, UNMEASURED, note=f"{case.dtype}: not measured (placed by the mixed_precision plugin)"
+            case, PYTORCH, UNMEASURED, note=f"{case.dtype}: PyTorch's kernel (ORT's CPU provider has none in this type)"
         )
     chooser = chooser_for(config)
     mode = measure_mode(config)

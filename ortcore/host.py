@@ -97,7 +97,12 @@ PLUGIN_ENV_VARS: dict[str, tuple[str, ...]] = {
     ),
     "grad_management": ("ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",),
     "memory_recompute": ("ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_MEMORY_OPT_CONFIG"),
-    "mixed_precision": ("ORTCORE_MIXED_PRECISION", "ORTCORE_AMP_MATMUL", "ORTCORE_AMP_TORCH_CASTS"),
+    "mixed_precision": (
+        "ORTCORE_MIXED_PRECISION",
+        "ORTCORE_AMP_MATMUL",
+        "ORTCORE_AMP_EXACT_ROUNDING",
+        "ORTCORE_AMP_TORCH_CASTS",
+    ),
     "op_profiler": (
         "ORTCORE_PROFILE_OPS",
         "ORTCORE_PROFILE_OPS_WARMUP",

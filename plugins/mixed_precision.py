@@ -119,6 +119,12 @@ class MixedPrecisionOptions:
         "ort (ORT's float32 GEMM, cast back), auto (torch where the CPU has units for the type, else ort)",
         "ORTCORE_AMP_MATMUL",
     )
+    exact_rounding: bool = option(
+        False,
+        parse_bool,
+        "keep every rounding autocast makes, also between two float32 computations (bit-closer to eager, more casts)",
+        "ORTCORE_AMP_EXACT_ROUNDING",
+    )
     torch_casts: bool = option(
         True,
         parse_bool,
@@ -237,12 +243,18 @@ class Placement:
         self.counts[(op_type, type_name(elem_type), where)] += 1
 
     def summary(self) -> str:
-        return ", ".join(f"{n} {op} ({t}) on {where}" for (op, t, where), n in sorted(self.counts.items()))
+        return ", ".join(
+            f"{n} {op} ({t}) {where if where == 'bypassed' else 'on ' + where}"
+            for (op, t, where), n in sorted(self.counts.items())
+        )
 
 
 class _Placer:
-    def __init__(self, model: onnx.ModelProto, gradient: bool, matmul: str, trainable: set[str]):
+    def __init__(
+        self, model: onnx.ModelProto, gradient: bool, matmul: str, trainable: set[str], keep_rounding: bool = False
+    ):
         self.model = model
+        self.keep_rounding = keep_rounding
         self.graph = model.graph
         self.gradient = gradient
         self.matmul = matmul
@@ -326,9 +338,9 @@ class _Placer:
             del self.graph.node[:]
             self.graph.node.extend(nodes)
             self.graph.value_info.extend(self.value_info)
-        rounds = drop_exact_round_trips(self.model)
+        rounds = drop_round_trips(self.model, keep_rounding=self.keep_rounding)
         if rounds:
-            self.placement.counts[("Cast pair", "low->float->low", "removed (exact)")] += rounds
+            self.placement.counts[("Cast pair", "round trip", "bypassed")] += rounds
         return self.placement
 
     def _constant_value(self, name: str) -> Any:
@@ -499,11 +511,20 @@ class _Placer:
         return [aten]
 
 
-def drop_exact_round_trips(model: onnx.ModelProto) -> int:
-    """``Cast(to bfloat16)`` of ``Cast(to float)`` of a bfloat16 value (float16 likewise) is that value: every low
-    value is a float32 value, and rounding it back gives it unchanged. Such pairs appear where a placed node's
-    rounded output feeds another placed node. The second Cast's readers read the first's input; a Cast left without
-    readers is dropped. (The other order, float -> low -> float, rounds, and stays.) Returns how many were removed."""
+def drop_round_trips(model: onnx.ModelProto, keep_rounding: bool = False) -> int:
+    """Cast pairs that give back (about) what they were given:
+
+    * ``Cast(to bfloat16)`` of ``Cast(to float)`` of a bfloat16 value (float16 likewise) is that value exactly: every
+      low value is a float32 value, and rounding it back gives it unchanged;
+    * ``Cast(to float)`` of ``Cast(to bfloat16)`` of a float32 value is that value rounded to bfloat16. Between two
+      nodes computed in float32 (placed nodes, autocast's float32 ops) the rounding is autocast's, and it costs two
+      casts of the whole tensor. Unless ``keep_rounding``, the float32 value is read as it is: never less accurate
+      than autocast (the rounding is only left out between float32 computations; every low-precision kernel and
+      every output still reads the rounded value), and, on an elementwise-heavy model (GPT-2's tanh GELU), most of
+      the casts a step would spend.
+
+    The second Cast's readers read the first's input; a Cast left without readers is dropped. Returns how many pairs
+    were bypassed."""
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output if o}
     types = value_types(model)
@@ -517,7 +538,9 @@ def drop_exact_round_trips(model: onnx.ModelProto) -> int:
         if first is None or first.op_type != "Cast" or first.domain not in ("", "ai.onnx"):
             continue
         source, middle, target = types.get(first.input[0]), _attribute(first, "to"), _attribute(node, "to")
-        if source in LOW and target == source and middle in (TensorProto.FLOAT, TensorProto.DOUBLE):
+        exact = source in LOW and target == source and middle in (TensorProto.FLOAT, TensorProto.DOUBLE)
+        rounding = source == TensorProto.FLOAT and target == source and middle in LOW and not keep_rounding
+        if exact or rounding:
             renamed[node.output[0]] = first.input[0]
             dropped.add(id(node))
     if not renamed:
@@ -557,15 +580,21 @@ def _value_ranks(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def place_low_precision(
-    model: onnx.ModelProto, *, gradient: bool = False, matmul: str = "auto", trainable: set[str] | None = None
+    model: onnx.ModelProto,
+    *,
+    gradient: bool = False,
+    matmul: str = "auto",
+    trainable: set[str] | None = None,
+    keep_rounding: bool = False,
 ) -> Placement:
-    """Place every bfloat16/float16 node of ``model`` (module docstring), in place; returns what was decided."""
+    """Place every bfloat16/float16 node of ``model`` (module docstring), in place; returns what was decided.
+    ``keep_rounding`` keeps autocast's roundings between two float32 computations (:func:`drop_round_trips`)."""
     types = value_types(model)
     if not any(t in LOW for t in types.values()) and not any(
         _attribute(n, "to") in LOW for n in model.graph.node if n.op_type == "Cast"
     ):
         return Placement()
-    return _Placer(model, gradient, matmul, trainable or set()).run()
+    return _Placer(model, gradient, matmul, trainable or set(), keep_rounding).run()
 
 
 _CAST_HELPERS = {
@@ -675,7 +704,10 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
         if _device_type(context.module) != "cpu":  # the CUDA provider has float16 and bfloat16 kernels
             return
         trainable = _trainable_inputs(model, context.module) if context.training else set()
-        _log(place_low_precision(model, matmul=options.matmul, trainable=trainable), "forward graph")
+        placement = place_low_precision(
+            model, matmul=options.matmul, trainable=trainable, keep_rounding=options.exact_rounding
+        )
+        _log(placement, "forward graph")
 
     return [GraphPass(PASS_NAME, run=run, plugin=NAME)]
 
@@ -689,7 +721,9 @@ def ortcore_gradient_graph_passes(config: Config) -> list[GraphPass]:
     def run(model: onnx.ModelProto, graph: Any) -> None:
         if graph.request.device.type != "cpu":  # the CUDA provider has float16 and bfloat16 kernels
             return
-        placement = place_low_precision(model, gradient=True, matmul=options.matmul)
+        placement = place_low_precision(
+            model, gradient=True, matmul=options.matmul, keep_rounding=options.exact_rounding
+        )
         moved = casts_on_torch(model) if options.torch_casts else 0
         if placement.counts or moved:
             graph.notes[NAME] = {"gradient graph": placement.summary(), "casts on PyTorch": moved}
@@ -705,4 +739,8 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
         return {PASS_NAME: "off"}
     # "auto" resolves by this CPU's units: a graph exported on another machine may place its products elsewhere.
     placements = {name: matmul_placement(options.matmul, t) for t, name in LOW.items()}
-    return {PASS_NAME: PASS_VERSION, f"{PASS_NAME}.matmul": placements}
+    return {
+        PASS_NAME: PASS_VERSION,
+        f"{PASS_NAME}.matmul": placements,
+        f"{PASS_NAME}.exact_rounding": options.exact_rounding,
+    }

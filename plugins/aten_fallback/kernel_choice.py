@@ -641,6 +641,7 @@ def default_side(case: Case) -> str:
 
 # Types ORT's CPU provider has (almost) no kernels for: such calls run on PyTorch's kernel, unmeasured.
 LOW_PRECISION = frozenset({"bfloat16", "float16"})
+MATRIX_PRODUCTS = frozenset({"linear", "addmm"})
 
 
 def decide_case(config: Config, case: Case) -> Decision:
@@ -655,7 +656,10 @@ def decide_case(config: Config, case: Case) -> Decision:
         return Decision(case, fallback, UNMEASURED, note="measured on CPU floats only: the default list decided")
     if case.dtype in LOW_PRECISION:
         # ORT's CPU provider has no kernel in these types to time: its side would be a float32 kernel with casts
-        # around it, PyTorch's is the kernel eager autocast runs.
+        # around it, PyTorch's is the kernel eager autocast runs. Matrix products are left as ONNX's Gemm/MatMul,
+        # which the mixed_precision plugin places (its `matmul` option can force either side).
+        if case.op in MATRIX_PRODUCTS:
+            return Decision(case, fallback, UNMEASURED, note=f"{case.dtype}: placed by the mixed_precision plugin")
         return Decision(
             case, PYTORCH, UNMEASURED, note=f"{case.dtype}: PyTorch's kernel (ORT's CPU provider has none in this type)"
         )

@@ -1,12 +1,14 @@
-"""``ortcore bench``: presets and overrides, the JSON that rebuilds every table, the plot, ``--from``, ``--explain``.
+"""``ortcore bench``: presets and overrides, the JSON that rebuilds every table, the plot, ``--from``, ``--explain``,
+``--amp``.
 
-The fast tests replace the worker processes with synthetic results; one slow test runs ``ortcore bench --quick``
-end to end.
+The fast tests replace the worker processes with synthetic results (or, for ``--amp``, run the worker's own code in
+this process); slow tests run ``ortcore bench --quick`` end to end.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import subprocess
@@ -312,9 +314,11 @@ def _fake_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         bench, "run_isolated", lambda model, mode, cfg, timeout_s: _run(model, mode, cfg.hidden, cfg.hidden, cfg.hidden)
     )
 
-    def explain_in_process(model: str, cfg: bench.BenchConfig, timeout_s: float) -> tuple[dict | None, str | None]:
+    def explain_in_process(
+        model: str, cfg: bench.BenchConfig, timeout_s: float, amp: str = "off"
+    ) -> tuple[dict | None, str | None]:
         out = os.path.join(os.environ["BENCH_TEST_TMP"], f"{model}.json")
-        bench._worker_main(["--explain", model, "--config", json.dumps(cfg.to_dict()), "--out", out])
+        bench._worker_main(["--explain", model, "--amp", amp, "--config", json.dumps(cfg.to_dict()), "--out", out])
         data = json.loads(Path(out).read_text())
         return (data["data"], None) if data["ok"] else (None, data["error"])
 
@@ -542,3 +546,223 @@ def test_a_compile_backend_row_with_some_graphs_in_pytorch_still_counts_and_says
     assert bench._notes(row, None) == "graph breaks 0, ORT graphs 4, exports 4, in PyTorch 2"
     row.details["fallbacks"] = 4
     assert row.fell_back
+
+
+# -- --amp: autocast rows beside the float32 ones ----------------------------------------------------------------
+def _machine(bf16: str | None = "AMX-BF16", fp16: str | None = "AVX512-FP16") -> dict[str, Any]:
+    units = {"bfloat16": bf16, "float16": fp16}
+    return {"cpu": "Test CPU 9000", "cores": 2, "isa": "AMX", "low_precision_units": units}
+
+
+def _amp_report(amp: str = "bf16", machine: dict[str, Any] | None = None) -> bench.BenchReport:
+    """Synthetic rows of ``--modes eager,ortcore --amp AMP``: the autocast rows faster, their losses a little off."""
+    env = {"torch_threads": 2, "torch": "2.x", "onnxruntime": "1.x", "hardware": machine or _machine()}
+    results = []
+    for model in ("bert", "gpt2"):
+        for mode, step_ms, added in (("eager", 200, 200), (f"eager-{amp}", 160, 150), ("ortcore", 180, 240),
+                                     (f"ortcore-{amp}", 80, 120)):  # fmt: skip
+            run = _run(model, mode, step_ms, added, 1000, environment=env)
+            if mode.endswith(amp):
+                run.losses = [x + (3e-3 if mode.startswith("eager") else 4e-3) for x in run.losses]
+                run.final_loss = run.losses[-1]
+            results.append(run)
+    bench.add_ratios(results)
+    return bench.BenchReport(bench.PRESETS["quick"], results, dict(bench.WORKER_ENV), 10.0, name="quick", amp=amp)
+
+
+def test_amp_names_its_rows_after_their_float32_twins() -> None:
+    assert bench.AMP_CHOICES == ("off", "bf16", "fp16")
+    assert bench.with_amp(["eager", "compile", "ortcore", "ortcore-dynamo"], "bf16") == [
+        "eager", "eager-bf16", "compile", "compile-bf16", "ortcore", "ortcore-bf16", "ortcore-dynamo",
+    ]  # fmt: skip
+    assert bench.with_amp(["eager", "ortcore"], "off") == ["eager", "ortcore"]
+    assert bench.split_mode("ortcore-fp16") == ("ortcore", "fp16")
+    assert bench.split_mode("ortcore-dynamo-cached") == ("ortcore-dynamo-cached", None)
+    assert set(bench.AMP_MODES) <= set(bench.ALL_MODES) and not set(bench.AMP_MODES) & set(bench.MODES)
+    with pytest.raises(ValueError, match=r"unknown amp setting 'fp8'; allowed: off, bf16, fp16"):
+        bench.with_amp(["eager"], "fp8")
+
+
+def test_amp_rows_have_ratios_to_eager_of_their_precision_and_to_float32_eager() -> None:
+    report = _amp_report()
+    by = {(r.model, r.mode): r for r in report.results}
+    ort16, eager16, ort32 = by["gpt2", "ortcore-bf16"], by["gpt2", "eager-bf16"], by["gpt2", "ortcore"]
+    assert ort16.vs_eager["steady_step_s"] == pytest.approx(80 / 160)  # ortcore bf16 / eager bf16
+    assert ort16.vs_eager_fp32["steady_step_s"] == pytest.approx(80 / 200)  # ortcore bf16 / eager fp32
+    assert ort16.vs_eager["rss_peak_above_baseline_mib"] == pytest.approx(120 / 150)
+    assert ort16.vs_eager["max_loss_rel_diff"] == pytest.approx(1e-3 / (1.6 + 4e-3), rel=1e-3)
+    assert eager16.vs_eager["steady_step_s"] == 1.0 and eager16.vs_eager_fp32["steady_step_s"] == pytest.approx(0.8)
+    assert ort32.vs_eager["steady_step_s"] == pytest.approx(0.9) and ort32.vs_eager_fp32 == {}
+    text = _rendered(bench.BenchSuite([report], {}, 10.0))
+    assert "80.0 (0.50×; 0.40× fp32)" in text and "180.0 (0.90×)" in text and "160.0 (1.00×; 0.80× fp32)" in text
+    rows = [line.split("│")[2].strip() for line in text.splitlines() if line.count("│") > 5 and "gpt2" in line]
+    assert rows == ["eager", "eager-bf16", "ortcore", "ortcore-bf16"]
+    # Loss agreement: float32 rows against eager, bf16 rows against eager-bf16, and how far bf16 moves eager itself.
+    assert "loss curves vs eager: max relative difference 6.2e-08 over all 5 steps (bert/ortcore)" in text
+    assert "bf16 loss curves vs eager-bf16: max relative difference 6.2e-04 over all 5 steps" in text
+    assert "eager-bf16 vs eager (float32): max relative difference 1.9e-03 (bert): bfloat16's own rounding" in text
+
+
+def test_amp_table_and_json_name_the_cpu_s_low_precision_unit(tmp_path: Path) -> None:
+    report = _amp_report()
+    text = " ".join(_rendered(bench.BenchSuite([report], {}, 10.0)).split())
+    assert "ortcore bench on Test CPU 9000" in text
+    assert ('bf16 rows: forward under torch.autocast("cpu", dtype=torch.bfloat16); this CPU\'s bfloat16 matrix '
+            "unit: AMX-BF16 (best of AMX-BF16, AVX512-BF16)") in text  # fmt: skip
+    assert "-bf16 rows: ratios to eager-bf16, then to float32 eager (× fp32)" in text
+    path = tmp_path / "amp.json"
+    bench.write_json(bench.BenchSuite([report], {}, 10.0), str(path))
+    data = json.loads(path.read_text())
+    (config,) = data["configs"]
+    assert (config["amp"], config["amp_dtype"]) == ("bf16", "bfloat16")
+    assert config["low_precision_units"] == {"bfloat16": "AMX-BF16", "float16": "AVX512-FP16"}
+    ort16 = next(r for r in data["results"] if r["mode"] == "ortcore-bf16")
+    assert ort16["vs_eager_fp32"]["steady_step_s"] == pytest.approx(0.4)
+    # --from rebuilds the same table, the autocast line included.
+    assert _rendered(bench.load_suite(str(path))) == _rendered(bench.BenchSuite([report], {}, 10.0))
+
+    bare = _amp_report("fp16", _machine(bf16=None, fp16=None))
+    text = " ".join(_rendered(bench.BenchSuite([bare], {}, 10.0)).split())
+    assert ("fp16 rows: forward under torch.autocast(\"cpu\", dtype=torch.float16); this CPU has no float16 matrix "
+            "unit (no AMX-FP16, no AVX512-FP16): oneDNN emulates float16, slower than float32") in text  # fmt: skip
+    plain = " ".join(_rendered(_suite("quick")).split())
+    assert "rows: forward under torch.autocast" not in plain and "fp32" not in plain
+
+
+def test_amp_rows_plot_in_colours_of_their_own(tmp_path: Path) -> None:
+    png = tmp_path / "amp.png"
+    bench.plot_suite(bench.BenchSuite([_amp_report()], {}, 10.0), str(png))
+    assert _png_size(png) == _expected_png_size()
+    colours = [bench._MODE_COLORS[m] for m in bench.ALL_MODES]
+    assert len(set(colours)) == len(colours)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8' (choose from "),
+        (
+            ["--amp", "bf16", "--modes", "ortcore-dynamo"],
+            "--amp bf16 adds autocast rows for eager, compile, ortcore; --modes names none of them",
+        ),
+        (["--from", "x.json", "--amp", "fp16"], "--from redraws a saved run; --amp would need a new one"),
+    ],
+)
+def test_bad_amp_arguments_are_named(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    if "invalid choice" in expected:  # the allowed values, however this Python's argparse quotes them
+        allowed = err[err.index("choose from") :]
+        assert all(name in allowed for name in ("off", "bf16", "fp16"))
+
+
+def test_an_amp_row_runs_in_its_own_worker_on_its_base_mode_s_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
+    spawned: list[tuple[list[str], dict[str, str]]] = []
+
+    def spawn(task: list[str], cfg: bench.BenchConfig, timeout_s: float, extra_env: dict | None = None) -> tuple:
+        spawned.append((task, dict(extra_env or {})))
+        return vars(_run(task[1], task[2], 10.0, 10.0, 1000)), "", 1.0
+
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    for mode in ("eager-bf16", "compile-fp16", "ortcore-bf16"):
+        assert bench.run_isolated("gpt2", mode, bench.PRESETS["quick"]).mode == mode
+    assert spawned == [
+        (["--worker", "gpt2", "eager-bf16"], {}),
+        (["--worker", "gpt2", "compile-fp16"], {}),
+        (["--worker", "gpt2", "ortcore-bf16"], {"ORTCORE_EXPORTER": "torchscript"}),
+    ]
+
+
+def test_amp_bf16_trains_the_autocast_rows_in_the_worker_s_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--amp bf16`` end to end through the command, each row the worker's own code (run_worker) in this process
+    instead of a fresh one (process start-up is most of a quick run): GPT-2, quick preset, 4 steps (about 10 s)."""
+
+    def in_process(model: str, mode: str, cfg: bench.BenchConfig, timeout_s: float) -> bench.RunResult:
+        result = bench.run_worker(model, mode, cfg)
+        result.wall_s = 1.0
+        return result
+
+    monkeypatch.setattr(bench, "run_isolated", in_process)
+    out = tmp_path / "amp.json"
+    argv = ["bench", "--quick", "--models", "gpt2", "--modes", "eager,ortcore", "--amp", "bf16", "--steps", "4",
+            "--json", str(out)]  # fmt: skip
+    code = cli.main(argv)
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    data = json.loads(out.read_text())
+    by_mode = {r["mode"]: r for r in data["results"]}
+    assert list(by_mode) == ["eager", "eager-bf16", "ortcore", "ortcore-bf16"]
+    for r in data["results"]:
+        assert r["ok"], r["error"]
+        times = [r["first_step_s"], r["steady_step_s"], r["rss_peak_mib"], *r["step_times_s"]]
+        assert len(r["step_times_s"]) == 4 and all(math.isfinite(t) and t > 0 for t in times), r["mode"]
+        assert all(math.isfinite(x) for x in r["losses"])
+    ort16, eager16 = by_mode["ortcore-bf16"], by_mode["eager-bf16"]
+    assert ort16["details"]["autocast"] == eager16["details"]["autocast"] == "cpu bfloat16"
+    assert ort16["details"]["fallbacks"] == 0
+    # ortcore under autocast computes eager autocast's numbers, within bf16's rounding.
+    assert all(abs(a - b) <= 0.05 for a, b in zip(ort16["losses"], eager16["losses"]))
+    assert ort16["vs_eager"]["max_loss_rel_diff"] < 0.01 and ort16["vs_eager_fp32"]["steady_step_s"] > 0
+    assert data["configs"][0]["amp"] == "bf16"
+    assert set(data["configs"][0]["low_precision_units"]) == {"bfloat16", "float16"}
+    assert "bf16 loss curves vs eager-bf16: max relative difference" in printed.out
+    assert "bf16 rows: forward under torch.autocast" in printed.out
+
+
+def test_explain_under_amp_asks_the_plugin_for_the_autocast_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list = []
+    _fake_plugin(monkeypatch, calls)
+    _fake_workers(monkeypatch)
+    monkeypatch.setenv("BENCH_TEST_TMP", str(tmp_path))
+    fake = sys.modules[bench.EXPLAIN_MODULE]
+    # A plugin written before autocast (no amp parameter) still serves float32: the bench passes no amp then.
+    assert cli.main(["bench", "--quick", "--models", "gpt2", "--explain-only"]) == 0
+    amps: list = []
+
+    def explain_bench(model_name: str, cfg: bench.BenchConfig, steps: int = 3, warmup: int = 2, amp: Any = None):
+        amps.append(amp)
+        return {"model": model_name, "hidden": cfg.hidden}
+
+    fake.explain_bench = explain_bench
+    assert cli.main(["bench", "--quick", "--models", "gpt2", "--explain-only", "--amp", "fp16"]) == 0
+    assert cli.main(["bench", "--quick", "--models", "gpt2", "--explain-only", "--amp", "bf16"]) == 0
+    assert amps == ["float16", "bfloat16"]
+    assert "gpt2 / explain (op_profiler, autocast bfloat16)" in capsys.readouterr().err
+
+
+def test_explain_under_amp_with_the_real_plugin_profiles_the_autocast_step(tmp_path: Path) -> None:
+    """The op_profiler plugin's explain_bench under autocast, through the explain worker's entry (in this process;
+    about 10 s): both sides' forward under autocast bf16, their losses within bf16 rounding of each other."""
+    if problem := bench_commands._explain_unavailable():
+        pytest.skip(problem)
+    out = tmp_path / "explain.json"
+    cfg = bench.PRESETS["quick"]
+    argv = ["--explain", "gpt2", "--amp", "bf16", "--config", json.dumps(cfg.to_dict()), "--out", str(out)]
+    assert bench._worker_main(argv) == 0, out.read_text()
+    data = json.loads(out.read_text())["data"]
+    assert data["settings"]["amp"] == "bfloat16"
+    eager, ortcore = data["losses"]["eager"], data["losses"]["ortcore"]
+    assert len(eager) == len(ortcore) > 0 and all(abs(a - b) <= 0.05 for a, b in zip(eager, ortcore))
+    # matrix products under autocast on PyTorch's bf16 kernels inside the ORT graph, where the CPU has the units
+    assert any(row["category"] == "matmul/gemm" for row in data["categories"])
+
+
+@pytest.mark.slow
+def test_amp_bf16_through_the_console_script_in_fresh_processes(tmp_path: Path) -> None:
+    """``ortcore bench --quick --amp bf16``, every row in its own worker process (about 50 s on 2 cores)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"}
+    out = tmp_path / "amp.json"
+    argv = [sys.executable, "-m", "ortcore.cli", "bench", "--quick", "--models", "gpt2", "--modes", "eager,ortcore",
+            "--amp", "bf16", "--json", str(out)]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    by_mode = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(by_mode) == ["eager", "eager-bf16", "ortcore", "ortcore-bf16"]
+    assert all(r["ok"] for r in by_mode.values())
+    assert abs(by_mode["ortcore-bf16"]["final_loss"] - by_mode["eager-bf16"]["final_loss"]) <= 0.05
+    assert by_mode["ortcore"]["vs_eager"]["max_loss_rel_diff"] < 1e-4

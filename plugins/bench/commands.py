@@ -43,7 +43,7 @@ _BENCH_OVERRIDES: tuple[str, ...] = ("steps", "warmup", "batch", "seq", "hidden"
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    from .suite import MODELS, MODES, PRESETS
+    from .suite import AMP_BASE_MODES, AMP_CHOICES, AMP_DTYPES, MODELS, MODES, PRESETS
 
     def preset_values(key: str) -> str:
         return ", ".join(f"{getattr(cfg, key)} {name}" for name, cfg in PRESETS.items())
@@ -85,6 +85,18 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden", type=positive_int, help=f"hidden size (config's: {preset_values('hidden')})")
     p.add_argument("--layers", type=positive_int, help=f"config's: {preset_values('layers')}")
     p.add_argument("--vocab", type=positive_int, help=f"vocabulary size (config's: {preset_values('vocab')})")
+    p.add_argument(
+        "--amp",
+        choices=AMP_CHOICES,
+        default="off",
+        help=(
+            f"mixed precision: beside each of {', '.join(AMP_BASE_MODES)} the modes name, one more row training "
+            'with its forward under torch.autocast("cpu", dtype=...): '
+            + ", ".join(f"{flag} = {dtype} (rows eager-{flag}, ...)" for flag, dtype in AMP_DTYPES.items())
+            + "; ratios to eager of the same precision and to float32 eager; --explain profiles the autocast step "
+            "(default: off)"
+        ),
+    )
     p.add_argument("--json", metavar="PATH", help="also write all results to PATH as JSON (atomically)")
     p.add_argument(
         "--plot",
@@ -144,12 +156,13 @@ def _bench_configs(args: argparse.Namespace) -> tuple[dict, dict[str, int]]:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from .suite import MODELS, MODES, QUICK_MODES, load_suite, plot_suite, run_suite, write_json
+    from .suite import AMP_BASE_MODES, MODELS, MODES, QUICK_MODES, load_suite, plot_suite, run_suite, write_json
 
     parser: argparse.ArgumentParser = args.parser
     if args.from_json:
         given = [f"--{k.replace('_', '-')}" for k in ("config", "quick", "models", "modes", "explain", "explain_only",
                                                        "json", *_BENCH_OVERRIDES) if getattr(args, k)]  # fmt: skip
+        given += ["--amp"] if args.amp != "off" else []
         if given:
             parser.error(f"--from redraws a saved run; {', '.join(given)} would need a new one")
     else:
@@ -185,6 +198,10 @@ def _run_bench(args: argparse.Namespace) -> int:
             progress.print(f"      done in {wall_s:.0f} s: {what}", highlight=False)
 
         modes = args.modes or list(QUICK_MODES if args.quick else MODES)
+        if args.amp != "off" and not args.explain_only and not set(modes) & set(AMP_BASE_MODES):
+            parser.error(
+                f"--amp {args.amp} adds autocast rows for {', '.join(AMP_BASE_MODES)}; --modes names none of them"
+            )
         if args.quick and not args.modes:
             progress.print(
                 f"a smoke run: modes {', '.join(QUICK_MODES)}; "
@@ -202,6 +219,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             on_start=on_start,
             on_done=on_done,
             timeout_s=args.timeout,
+            amp=args.amp,
         )
     # Piped output gets rich's 80 columns unless told otherwise, too narrow for nine columns and ratios.
     console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)

@@ -12,6 +12,7 @@ show, and :func:`plot_suite` draws it. Nothing in this module prints except the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -39,6 +40,7 @@ from ortcore_plugins.services.example_models import (  # noqa: F401 (PRESETS and
 )
 from ortcore_plugins.services.machine import (  # noqa: F401 (OthersCPU: the bench's API)
     BUSY_PCT,
+    LOW_PRECISION_UNITS,
     OthersCPU,
     describe_machine,
     machine_line,
@@ -74,6 +76,40 @@ ORTCORE_EXPORTERS: dict[str, str] = {
 }
 _CACHED_SUFFIX = "-cached"
 
+#: ``--amp``: the autocast dtype each setting adds rows for ("off": float32 rows only). An autocast row,
+#: ``<mode>-bf16`` or ``<mode>-fp16``, trains its base mode with the forward under
+#: ``torch.autocast("cpu", dtype=...)`` (backward and optimizer outside it, as autocast's recipe has it), in the same
+#: run as the float32 rows, each right after its float32 twin, from the same seeded weights and batches.
+AMP_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
+AMP_CHOICES: tuple[str, ...] = ("off", *AMP_DTYPES)
+#: The modes that get an autocast twin under ``--amp``.
+AMP_BASE_MODES: tuple[str, ...] = ("eager", "compile", "ortcore")
+AMP_MODES: tuple[str, ...] = tuple(f"{mode}-{amp}" for amp in AMP_DTYPES for mode in AMP_BASE_MODES)
+#: Every mode a worker runs, in the order tables and plots list them.
+ALL_MODES: tuple[str, ...] = MODES + AMP_MODES
+
+
+def split_mode(mode: str) -> tuple[str, str | None]:
+    """``("ortcore", "bf16")`` for ``"ortcore-bf16"``; ``(mode, None)`` for a float32 mode (or an unknown name)."""
+    for amp in AMP_DTYPES:
+        base = mode.removesuffix(f"-{amp}")
+        if base != mode and base in AMP_BASE_MODES:
+            return base, amp
+    return mode, None
+
+
+def with_amp(modes: Sequence[str], amp: str) -> list[str]:
+    """``modes`` with, under ``amp`` (``bf16``, ``fp16``), each base mode's autocast twin right after it."""
+    if amp not in AMP_CHOICES:
+        raise ValueError(f"unknown amp setting {amp!r}; allowed: {', '.join(AMP_CHOICES)}")
+    out: list[str] = []
+    for mode in modes:
+        out.append(mode)
+        if amp != "off" and mode in AMP_BASE_MODES:
+            out.append(f"{mode}-{amp}")
+    return out
+
+
 #: Set in every worker's environment, so it is in place before torch (and libgomp) load. libgomp's default lets
 #: torch's idle OpenMP workers spin long after each parallel region, stealing the second core from ORT's kernels
 #: (ENGINE-NOTES); 10000 removes that penalty and leaves eager unchanged.
@@ -105,7 +141,8 @@ class RunResult:
     environment: dict[str, Any] = field(default_factory=dict)  # as seen inside the worker
     wall_s: float | None = None  # whole worker process, imports included (measured by the parent)
     others_cpu_pct: float | None = None  # share of the machine's CPU other processes used during the run
-    vs_eager: dict[str, float | None] = field(default_factory=dict)
+    vs_eager: dict[str, float | None] = field(default_factory=dict)  # to eager of the same precision
+    vs_eager_fp32: dict[str, float | None] = field(default_factory=dict)  # autocast rows: to float32 eager too
     config: str = ""  # name of the configuration (preset) the run belongs to, set by the parent
 
     @property
@@ -113,7 +150,7 @@ class RunResult:
         """True if ortcore ran the model in PyTorch: its numbers would then be eager's, not ortcore's. Under
         torch.compile's backend, when every captured graph ran in PyTorch (some of them doing so is how the backend
         trains every model: the notes count them)."""
-        if self.mode.startswith("compile-ortcore"):
+        if split_mode(self.mode)[0].startswith("compile-ortcore"):
             graphs = self.details.get("graphs") or 0
             return graphs > 0 and (self.details.get("fallbacks") or 0) >= graphs
         return bool(self.details.get("fallbacks")) or bool(self.details.get("fallback_reason"))
@@ -276,10 +313,12 @@ def run_worker(model_name: str, mode: str, cfg: BenchConfig) -> RunResult:
     """Train one model under one mode in this process and measure it. Meant to run in a fresh process."""
     if model_name not in MODELS:
         raise ValueError(f"unknown model {model_name!r}; allowed: {', '.join(MODELS)}")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    if mode not in ALL_MODES:
+        raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(ALL_MODES)}")
     import torch
     import transformers
+
+    base_mode, amp = split_mode(mode)
 
     transformers.logging.set_verbosity_error()  # config notices would bury the worker's real errors
     result = RunResult(model=model_name, mode=mode, environment=_environment())
@@ -287,6 +326,8 @@ def run_worker(model_name: str, mode: str, cfg: BenchConfig) -> RunResult:
     model = build_model(model_name, cfg)
     model.train()
     result.details["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    if amp:
+        result.details["autocast"] = f"cpu {AMP_DTYPES[amp]}"
     result.n_params = sum(p.numel() for p in model.parameters())
     batches = make_batches(model_name, cfg)
     # Wrappers share the model's parameters, so the optimizer can be built on the bare model.
@@ -295,11 +336,14 @@ def run_worker(model_name: str, mode: str, cfg: BenchConfig) -> RunResult:
     result.rss_baseline_mib = rss.current_bytes() / _MIB
     rss.start()
     start = time.perf_counter()
-    runner, details = _wrap(model, mode)
+    runner, details = _wrap(model, base_mode)
     result.setup_s = time.perf_counter() - start
+    dtype = getattr(torch, AMP_DTYPES[amp]) if amp else None
     for batch in batches:
         start = time.perf_counter()
-        loss = runner(**batch).loss
+        # Only the forward under autocast: its backward runs in the types the forward chose.
+        with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            loss = runner(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -327,18 +371,24 @@ def _write_json_atomic(path: str, payload: Any) -> None:
 
 
 #: The plugin whose ``explain_bench(model_name, cfg, steps=3, warmup=2) -> dict`` and ``render_explain(data)`` serve
-#: ``ortcore bench --explain``.
+#: ``ortcore bench --explain``; under ``--amp`` it is called with ``amp=`` the autocast dtype's name (``"bfloat16"``).
 EXPLAIN_PLUGIN = "op_profiler"
 EXPLAIN_MODULE = f"ortcore_plugins.{EXPLAIN_PLUGIN}"
 
 
-def run_explain_worker(model_name: str, cfg: BenchConfig) -> dict[str, Any]:
-    """Where one training step of ``model_name`` spends its time, from the op_profiler plugin (JSON-able)."""
+def run_explain_worker(model_name: str, cfg: BenchConfig, amp: str = "off") -> dict[str, Any]:
+    """Where one training step of ``model_name`` spends its time, from the op_profiler plugin (JSON-able); under
+    ``amp`` (``bf16``, ``fp16``) the step whose forward runs under autocast."""
     if model_name not in MODELS:
         raise ValueError(f"unknown model {model_name!r}; allowed: {', '.join(MODELS)}")
+    if amp not in AMP_CHOICES:
+        raise ValueError(f"unknown amp setting {amp!r}; allowed: {', '.join(AMP_CHOICES)}")
     import importlib
 
-    return importlib.import_module(EXPLAIN_MODULE).explain_bench(model_name, cfg)
+    explain_bench = importlib.import_module(EXPLAIN_MODULE).explain_bench
+    if amp == "off":  # no keyword: a plugin written before autocast serves float32 as before
+        return explain_bench(model_name, cfg)
+    return explain_bench(model_name, cfg, amp=AMP_DTYPES[amp])
 
 
 def _worker_main(argv: Sequence[str] | None = None) -> int:
@@ -349,10 +399,12 @@ def _worker_main(argv: Sequence[str] | None = None) -> int:
     task.add_argument("--explain", metavar="MODEL", help="explain MODEL's step through the op_profiler plugin")
     parser.add_argument("--config", required=True, help="BenchConfig as JSON")
     parser.add_argument("--out", required=True, help="where to write the result JSON")
+    parser.add_argument("--amp", choices=AMP_CHOICES, default="off", help="with --explain: the autocast step")
     args = parser.parse_args(argv)
     if args.explain is not None:
         try:
-            payload = {"ok": True, "data": run_explain_worker(args.explain, BenchConfig(**json.loads(args.config)))}
+            cfg = BenchConfig(**json.loads(args.config))
+            payload = {"ok": True, "data": run_explain_worker(args.explain, cfg, args.amp)}
         except Exception as e:
             traceback.print_exc()
             payload = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -416,7 +468,8 @@ def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float 
     Never raises for a failed run: a crash, a timeout or an exception inside the worker becomes ``ok=False`` with
     ``error`` set.
     """
-    env = {"ORTCORE_EXPORTER": ORTCORE_EXPORTERS[mode]} if mode in ORTCORE_EXPORTERS else {}
+    base = split_mode(mode)[0]
+    env = {"ORTCORE_EXPORTER": ORTCORE_EXPORTERS[base]} if base in ORTCORE_EXPORTERS else {}
     if mode in ORTCORE_EXPORTERS and mode.endswith(_CACHED_SUFFIX):
         with tempfile.TemporaryDirectory(prefix="ortcore-bench-cache-") as cache:
             env["ORTMODULE_CACHE_DIR"] = cache
@@ -439,9 +492,11 @@ def run_isolated(model_name: str, mode: str, cfg: BenchConfig, timeout_s: float 
     return result
 
 
-def explain_isolated(model_name: str, cfg: BenchConfig, timeout_s: float = 1800.0) -> tuple[dict | None, str | None]:
+def explain_isolated(
+    model_name: str, cfg: BenchConfig, timeout_s: float = 1800.0, amp: str = "off"
+) -> tuple[dict | None, str | None]:
     """Run :func:`run_explain_worker` in a fresh process: (the plugin's dict, None) or (None, why it failed)."""
-    data, why, _ = _spawn(["--explain", model_name], cfg, timeout_s)
+    data, why, _ = _spawn(["--explain", model_name, *(["--amp", amp] if amp != "off" else [])], cfg, timeout_s)
     if data is None:
         return None, why
     return (data["data"], None) if data.get("ok") else (None, data.get("error") or "failed")
@@ -452,20 +507,28 @@ BUSY_WARNING_PCT = BUSY_PCT
 
 
 def add_ratios(results: Sequence[RunResult]) -> None:
-    """Fill ``vs_eager`` of every successful run with its ratio to the eager run of the same model."""
-    eager = {r.model: r for r in results if r.mode == "eager" and r.ok}
+    """Fill ``vs_eager`` of every successful run with its ratio to the eager run of the same model and precision
+    (``ortcore-bf16`` to ``eager-bf16``), and ``vs_eager_fp32`` of every autocast run with its ratio to float32
+    eager."""
+    eager = {(r.model, split_mode(r.mode)[1]): r for r in results if split_mode(r.mode)[0] == "eager" and r.ok}
     for r in results:
-        base = eager.get(r.model)
-        r.vs_eager = {}
-        if base is None or not r.ok:
-            continue
-        for key in ("first_step_s", "steady_step_s", "rss_peak_mib", "rss_peak_above_baseline_mib"):
-            a, b = getattr(r, key), getattr(base, key)
-            r.vs_eager[key] = a / b if a is not None and b else None
-        r.vs_eager["final_loss_rel_diff"] = _rel_diff(r.final_loss, base.final_loss)
-        # The whole curve, not only the last value: two runs can drift apart and meet again by chance.
-        diffs = [_rel_diff(a, b) for a, b in zip(r.losses, base.losses)]
-        r.vs_eager["max_loss_rel_diff"] = max((d for d in diffs if d is not None), default=None)
+        amp = split_mode(r.mode)[1]
+        r.vs_eager = _ratios(r, eager.get((r.model, amp)))
+        r.vs_eager_fp32 = _ratios(r, eager.get((r.model, None))) if amp else {}
+
+
+def _ratios(r: RunResult, base: RunResult | None) -> dict[str, float | None]:
+    if base is None or not r.ok:
+        return {}
+    ratios: dict[str, float | None] = {}
+    for key in ("first_step_s", "steady_step_s", "rss_peak_mib", "rss_peak_above_baseline_mib"):
+        a, b = getattr(r, key), getattr(base, key)
+        ratios[key] = a / b if a is not None and b else None
+    ratios["final_loss_rel_diff"] = _rel_diff(r.final_loss, base.final_loss)
+    # The whole curve, not only the last value: two runs can drift apart and meet again by chance.
+    diffs = [_rel_diff(a, b) for a, b in zip(r.losses, base.losses)]
+    ratios["max_loss_rel_diff"] = max((d for d in diffs if d is not None), default=None)
+    return ratios
 
 
 def _rel_diff(a: float | None, b: float | None) -> float | None:
@@ -492,10 +555,21 @@ class BenchReport:
     overrides: dict[str, int] = field(default_factory=dict)  # settings given on the command line
     explain: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> op_profiler's explain_bench dict
     explain_errors: dict[str, str] = field(default_factory=dict)  # model -> why its explain worker failed
+    amp: str = "off"  # --amp: which autocast rows ran beside the float32 ones (and what --explain profiled)
 
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.results) and not self.explain_errors
+
+    @property
+    def low_precision_units(self) -> dict[str, str | None] | None:
+        """The CPU's bfloat16/float16 matrix units (AMX-BF16, AVX512-BF16, ...) as the workers saw them, or None
+        for results written before the machine service named them."""
+        for r in self.results:
+            units = (r.environment.get("hardware") or {}).get("low_precision_units")
+            if units is not None:
+                return units
+        return None
 
     @property
     def n_params(self) -> dict[str, int]:
@@ -517,6 +591,9 @@ class BenchReport:
             "wall_s": self.wall_s,
             "explain": self.explain,
             "explain_errors": self.explain_errors,
+            "amp": self.amp,
+            "amp_dtype": AMP_DTYPES.get(self.amp),
+            "low_precision_units": self.low_precision_units,
             "summary": summary_lines(self) if self.results else [],  # the lines printed under the table
         }
 
@@ -594,6 +671,7 @@ class BenchSuite:
                         overrides=dict(c.get("overrides") or {}),
                         explain=dict(c.get("explain") or {}),
                         explain_errors=dict(c.get("explain_errors") or {}),
+                        amp=c.get("amp") or "off",
                     )
                 )
             return cls(reports, data.get("environment") or {}, data.get("wall_s") or 0.0)
@@ -642,6 +720,7 @@ def run_bench(
     on_done: Callable[[RunResult, int, int], None] | None = None,
     timeout_s: float = 1800.0,
     name: str = "default",
+    amp: str = "off",
 ) -> BenchReport:
     """Run every (model, mode) pair, one after the other, each in its own process.
 
@@ -650,8 +729,9 @@ def run_bench(
     """
     cfg.validate()
     _check_names(models, modes)
-    # Eager first within each model, so that a partial run still has the baseline for ratios.
-    ordered = sorted(modes, key=lambda m: m != "eager")
+    # Eager (and its autocast twin) first within each model, so that a partial run still has the baselines for
+    # ratios; an autocast row right after its float32 twin.
+    ordered = sorted(modes, key=lambda m: split_mode(m)[0] != "eager")
     pairs = [(model, mode) for model in models for mode in ordered]
     start = time.perf_counter()
     results = []
@@ -666,7 +746,7 @@ def run_bench(
         if on_done is not None:
             on_done(result, i, len(pairs))
     add_ratios(results)
-    return BenchReport(cfg, results, dict(WORKER_ENV), time.perf_counter() - start, name=name)
+    return BenchReport(cfg, results, dict(WORKER_ENV), time.perf_counter() - start, name=name, amp=amp)
 
 
 def _check_names(models: Sequence[str], modes: Sequence[str]) -> None:
@@ -674,8 +754,8 @@ def _check_names(models: Sequence[str], modes: Sequence[str]) -> None:
         if m not in MODELS:
             raise ValueError(f"unknown model {m!r}; allowed: {', '.join(MODELS)}")
     for m in modes:
-        if m not in MODES:
-            raise ValueError(f"unknown mode {m!r}; allowed: {', '.join(MODES)}")
+        if m not in ALL_MODES:
+            raise ValueError(f"unknown mode {m!r}; allowed: {', '.join(ALL_MODES)}")
 
 
 def run_suite(
@@ -688,15 +768,19 @@ def run_suite(
     on_start: Callable[[str, int, int], None] | None = None,
     on_done: Callable[[bool, float, str, int, int], None] | None = None,
     timeout_s: float = 1800.0,
+    amp: str = "off",
 ) -> BenchSuite:
     """:func:`run_bench` for each named configuration, in order; with ``explain``, after each configuration's runs,
-    one more fresh worker per model calls the op_profiler plugin's ``explain_bench``.
+    one more fresh worker per model calls the op_profiler plugin's ``explain_bench``. ``amp`` (``bf16``, ``fp16``)
+    adds each of ``eager``, ``compile`` and ``ortcore`` that ``modes`` names again under autocast
+    (:func:`with_amp`), and ``explain`` then profiles the autocast step.
 
     ``on_start(label, index, total)`` and ``on_done(ok, wall_s, what, index, total)`` report progress, where ``label``
     names the task (``"quick: gpt2 / ortcore"``) and ``what`` sums up its outcome in one line.
     """
     for cfg in configs.values():
         cfg.validate()
+    modes = with_amp(modes, amp)
     _check_names(models, modes)
     total = len(configs) * len(models) * (len(modes) + bool(explain))
     done = 0
@@ -712,7 +796,7 @@ def run_suite(
             if on_done is not None:
                 on_done(r.ok, r.wall_s or 0.0, _run_outcome(r), offset + i, total)
 
-        report = run_bench(models, modes, cfg, started, finished, timeout_s, name=name)
+        report = run_bench(models, modes, cfg, started, finished, timeout_s, name=name, amp=amp)
         done += len(report.results)
         report.overrides = dict(overrides or {})
         if explain:
@@ -720,9 +804,10 @@ def run_suite(
             for model in models:
                 done += 1
                 if on_start is not None:
-                    on_start(f"{name}: {model} / explain ({EXPLAIN_PLUGIN})", done, total)
+                    what = EXPLAIN_PLUGIN if amp == "off" else f"{EXPLAIN_PLUGIN}, autocast {AMP_DTYPES[amp]}"
+                    on_start(f"{name}: {model} / explain ({what})", done, total)
                 t0 = time.perf_counter()
-                data, error = explain_isolated(model, cfg, timeout_s=timeout_s)
+                data, error = explain_isolated(model, cfg, timeout_s=timeout_s, amp=amp)
                 if data is not None:
                     report.explain[model] = data
                 else:
@@ -755,6 +840,37 @@ def _ratio(value: float | None) -> str:
     return "" if value is None or not math.isfinite(value) else f" ({value:.2f}×)"
 
 
+def _ratio_cell(r: RunResult, key: str) -> str:
+    """`` (0.91×)``: the ratio to eager of the row's precision; an autocast row adds its ratio to float32 eager,
+    `` (0.91×; 0.62× fp32)``."""
+    parts = [
+        f"{value:.2f}×{suffix}"
+        for value, suffix in ((r.vs_eager.get(key), ""), (r.vs_eager_fp32.get(key), " fp32"))
+        if value is not None and math.isfinite(value)
+    ]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def amp_line(report: BenchReport) -> str | None:
+    """What the autocast rows of ``report`` ran under, and whether this CPU multiplies that dtype natively (AMX,
+    AVX512-BF16, ...): None when ``--amp`` was off."""
+    dtype = AMP_DTYPES.get(report.amp)
+    if dtype is None:
+        return None
+    head = f'{report.amp} rows: forward under torch.autocast("cpu", dtype=torch.{dtype}); '
+    units = report.low_precision_units
+    if units is None:
+        return head + "the CPU's low-precision units are not recorded in these results"
+    candidates = [unit for d, unit, _ in LOW_PRECISION_UNITS if d == dtype]
+    unit = units.get(dtype)
+    if unit:
+        return head + f"this CPU's {dtype} matrix unit: {unit} (best of {', '.join(candidates)})"
+    return head + (
+        f"this CPU has no {dtype} matrix unit (no {', no '.join(candidates)}): oneDNN emulates {dtype}, slower than "
+        "float32"
+    )
+
+
 def _millions(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n / 1e3:.0f}k"
 
@@ -785,23 +901,24 @@ def _notes(r: RunResult, footnote: int | None) -> str:
 
 def _mode_notes(r: RunResult) -> str:
     d = r.details
-    if r.mode in ORTCORE_EXPORTERS:
+    mode = split_mode(r.mode)[0]
+    if mode in ORTCORE_EXPORTERS:
         loads, exports = d.get("cache_loads") or 0, d.get("exports")
         if loads:  # a graph the export cache served is not an export: say which the row measured
             fresh = (exports or 0) - loads
             graphs = f"graphs from the export cache {loads}" + (f", exports {fresh}" if fresh else " (no export)")
         else:
-            graphs = f"exports {exports}" + (" (the export cache missed)" if r.mode.endswith(_CACHED_SUFFIX) else "")
+            graphs = f"exports {exports}" + (" (the export cache missed)" if mode.endswith(_CACHED_SUFFIX) else "")
         notes = f"{graphs}, builds {d.get('builds')}, fallbacks {d.get('fallbacks')}"
         ran = d.get("exporter")
         # The exporter a plugin (ortcore_exporter) chose instead of the mode's would make the row another mode's.
-        return notes if ran in (None, ORTCORE_EXPORTERS[r.mode]) else f"{notes}, ran on exporter {ran!r}"
-    if r.mode.startswith("compile-ortcore") and "graphs" in d:
+        return notes if ran in (None, ORTCORE_EXPORTERS[mode]) else f"{notes}, ran on exporter {ran!r}"
+    if mode.startswith("compile-ortcore") and "graphs" in d:
         return (
             f"graph breaks {d.get('graph_breaks', '?')}, ORT graphs {d['graphs']}, exports {d.get('exports')}, "
             f"in PyTorch {d.get('fallbacks')}"
         )
-    if r.mode == "compile" and "graph_breaks" in d:
+    if mode == "compile" and "graph_breaks" in d:
         return f"graph breaks {d['graph_breaks']}"
     return ""
 
@@ -819,9 +936,11 @@ def results_table(report: BenchReport) -> Any:
     settings = ", ".join(f"{k}={v}" for k, v in report.worker_env.items())
     params = ", ".join(f"{m} {_millions(n)}" for m, n in report.n_params.items())
     machine = machine_line(env["hardware"]) if env.get("hardware") else NO_MACHINE
+    amp = amp_line(report)
     title = (
         f"ortcore bench on {machine}\n"
-        f"config {report.name!r}: {cfg.steps} AdamW steps, batch {cfg.batch} × seq {cfg.seq}, "
+        + (f"{amp}\n" if amp else "")
+        + f"config {report.name!r}: {cfg.steps} AdamW steps, batch {cfg.batch} × seq {cfg.seq}, "
         f"hidden {cfg.hidden}, {_plural(cfg.layers, 'layer')}, {_plural(cfg.heads, 'head')}, vocab {cfg.vocab}, "
         f"dropout 0{f'; parameters: {params}' if params else ''}\n"
         f"worker env: {settings} (set before torch is imported), torch threads {env.get('torch_threads', '?')}; "
@@ -834,6 +953,11 @@ def results_table(report: BenchReport) -> Any:
         "the memory ratio (×eager) is of peak − base, i.e. memory training added. "
         f"torch {env.get('torch', '?')}, onnxruntime {env.get('onnxruntime', '?')}, "
         f"transformers {env.get('transformers', '?')}."
+        + (
+            f" -{report.amp} rows: ratios to eager-{report.amp}, then to float32 eager (× fp32)."
+            if report.amp in AMP_DTYPES
+            else ""
+        )
     )
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
     table.add_column("model")
@@ -854,15 +978,14 @@ def results_table(report: BenchReport) -> Any:
         if r.first_step_s is None:  # the run produced no measurements at all
             table.add_row(r.model, r.mode, *(["—"] * 6), _notes(r, footnotes.get(i)), style="red")
             continue
-        v = r.vs_eager
         table.add_row(
             r.model,
             r.mode,
-            f"{r.first_step_s:.2f}{_ratio(v.get('first_step_s'))}",
-            f"{r.steady_step_s * 1e3:.1f}{_ratio(v.get('steady_step_s'))}",
+            f"{r.first_step_s:.2f}{_ratio_cell(r, 'first_step_s')}",
+            f"{r.steady_step_s * 1e3:.1f}{_ratio_cell(r, 'steady_step_s')}",
             f"{r.rss_baseline_mib:.0f}",
             f"{r.rss_peak_mib:.0f}",
-            f"{r.rss_peak_above_baseline_mib:.0f}{_ratio(v.get('rss_peak_above_baseline_mib'))}",
+            f"{r.rss_peak_above_baseline_mib:.0f}{_ratio_cell(r, 'rss_peak_above_baseline_mib')}",
             f"{r.final_loss:.6f}",
             _notes(r, footnotes.get(i)),
             style=None if r.ok else "red",
@@ -873,15 +996,32 @@ def results_table(report: BenchReport) -> Any:
 def summary_lines(report: BenchReport) -> list[str]:
     """Short conclusions under the table: loss agreement, the failures the table points to, the slowest step."""
     lines = []
-    compared = [
-        r for r in report.results if r.ok and r.mode != "eager" and r.vs_eager.get("max_loss_rel_diff") is not None
-    ]
-    if compared:
-        worst = max(compared, key=lambda r: r.vs_eager["max_loss_rel_diff"])
-        lines.append(
-            f"loss curves vs eager: max relative difference {worst.vs_eager['max_loss_rel_diff']:.1e} "
-            f"over all {report.config.steps} steps ({worst.model}/{worst.mode})"
-        )
+    for amp in (None, *AMP_DTYPES):
+        compared = [
+            r
+            for r in report.results
+            if r.ok
+            and split_mode(r.mode)[1] == amp
+            and split_mode(r.mode)[0] != "eager"
+            and r.vs_eager.get("max_loss_rel_diff") is not None
+        ]
+        if compared:
+            worst = max(compared, key=lambda r: r.vs_eager["max_loss_rel_diff"])
+            what = "loss curves vs eager" if amp is None else f"{amp} loss curves vs eager-{amp}"
+            lines.append(
+                f"{what}: max relative difference {worst.vs_eager['max_loss_rel_diff']:.1e} "
+                f"over all {report.config.steps} steps ({worst.model}/{worst.mode})"
+            )
+        if amp is None:
+            continue
+        # How far autocast itself moves eager's curve: the scale the autocast rows' agreement is read against.
+        own = [r for r in report.results if r.ok and r.mode == f"eager-{amp}" and r.vs_eager_fp32.get("max_loss_rel_diff") is not None]  # fmt: skip
+        if own:
+            worst = max(own, key=lambda r: r.vs_eager_fp32["max_loss_rel_diff"])
+            lines.append(
+                f"eager-{amp} vs eager (float32): max relative difference "
+                f"{worst.vs_eager_fp32['max_loss_rel_diff']:.1e} ({worst.model}): {AMP_DTYPES[amp]}'s own rounding"
+            )
     for i, n in _failure_index(report).items():
         r = report.results[i]
         lines.append(f"[{n}] {r.model}/{r.mode}: {_short(r.error or 'failed', 600)}")
@@ -917,6 +1057,12 @@ _MODE_COLORS = {
     "ortcore-cached": "tab:cyan",
     "ortcore-dynamo": "tab:green",
     "ortcore-dynamo-cached": "tab:olive",
+    "eager-bf16": "black",
+    "compile-bf16": "gold",
+    "ortcore-bf16": "navy",
+    "eager-fp16": "dimgray",
+    "compile-fp16": "darkgoldenrod",
+    "ortcore-fp16": "royalblue",
 }
 _MODEL_STYLES = {"bert": ("o", "-"), "gpt2": ("s", "--")}
 
@@ -960,8 +1106,10 @@ def plot_suite(suite: BenchSuite, path: str) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize="small")
     machine = next((r.environment.get("hardware") for rep in suite.reports for r in rep.results if r.environment), None)
+    amps = sorted({split_mode(mode)[1] for _, mode in points} - {None})
+    to_eager = "ratio to eager" + "".join(f", -{a} rows to eager-{a}" for a in amps)
     fig.suptitle(f"ortcore bench: eager vs torch.compile vs ortcore (config{'s' if len(configs) > 1 else ''} "
-                 f"{', '.join(configs)}); ×: ratio to eager\n"
+                 f"{', '.join(configs)}); ×: {to_eager}\n"
                  f"on {machine_line(machine) if machine else NO_MACHINE}")  # fmt: skip
     with atomic_writer(path, "wb") as f:
         fig.savefig(f, format="png", dpi=PLOT_DPI)
@@ -973,13 +1121,13 @@ def _value(r: RunResult, key: str, scale: float) -> float | None:
 
 
 def _lines(ax: Any, points: dict, key: str, scale: float) -> None:
-    order = {m: i for i, m in enumerate(MODES)}
+    order = {m: i for i, m in enumerate(ALL_MODES)}
     for (model, mode), series in sorted(points.items(), key=lambda item: (item[0][0], order.get(item[0][1], 9))):
         xs = [n / 1e6 for _, n, r in series if _value(r, key, scale) is not None]
         ys = [_value(r, key, scale) for _, _, r in series if _value(r, key, scale) is not None]
         marker, style = _MODEL_STYLES.get(model, ("^", ":"))
         ax.plot(xs, ys, marker=marker, linestyle=style, color=_MODE_COLORS.get(mode), label=f"{model} / {mode}")
-        if mode == "eager":
+        if split_mode(mode)[0] == "eager":
             continue
         for _, n, r in series:
             ratio, y = r.vs_eager.get(key), _value(r, key, scale)
@@ -995,7 +1143,7 @@ def _lines(ax: Any, points: dict, key: str, scale: float) -> None:
 
 def _bars(ax: Any, points: dict, key: str, scale: float) -> None:
     models = list(dict.fromkeys(model for model, _ in sorted(points)))
-    modes = [m for m in MODES if any(mode == m for _, mode in points)]
+    modes = [m for m in ALL_MODES if any(mode == m for _, mode in points)]
     width = 0.8 / len(modes)
     for j, mode in enumerate(modes):
         for i, model in enumerate(models):
@@ -1006,7 +1154,7 @@ def _bars(ax: Any, points: dict, key: str, scale: float) -> None:
             x = i + (j - (len(modes) - 1) / 2) * width
             ax.bar(x, y, width, color=_MODE_COLORS.get(mode), label=mode if i == 0 else None)
             ratio = series[0][2].vs_eager.get(key)
-            if mode != "eager" and ratio is not None:
+            if split_mode(mode)[0] != "eager" and ratio is not None:
                 ax.annotate(f"{ratio:.2f}×", (x, y), textcoords="offset points", xytext=(0, 2), ha="center",
                             fontsize=8)  # fmt: skip
     params = {model: series[0][1] for (model, _), series in points.items()}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -34,13 +35,19 @@ EXPLAIN_KEYS: tuple[str, ...] = (
 )
 
 
-def _bench_step(runner: Any, optimizer: Any, batches: list[dict[str, Any]], losses: list[float]) -> Callable[[], None]:
-    """One training step as ``the bench plugin's ``run_worker```` runs it, its phases marked, the next batch each call."""
+def _bench_step(
+    runner: Any, optimizer: Any, batches: list[dict[str, Any]], losses: list[float], amp: str | None = None
+) -> Callable[[], None]:
+    """One training step as ``the bench plugin's ``run_worker```` runs it, its phases marked, the next batch each call;
+    with ``amp`` (a dtype name, ``"bfloat16"``) the forward under ``torch.autocast("cpu", dtype=...)``."""
+    import torch
+
     batch_iter = itertools.cycle(batches)
+    dtype = getattr(torch, amp) if amp else None
 
     def step() -> None:
         batch = next(batch_iter)
-        with phase("forward"):
+        with phase("forward"), torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
             loss = runner(**batch).loss
         with phase("zero_grad"):
             optimizer.zero_grad(set_to_none=True)
@@ -77,11 +84,14 @@ def _versions() -> dict[str, str]:
     }
 
 
-def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
+def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2, amp: str | None = None) -> dict[str, Any]:
     """Train a benchmark model in PyTorch eager and under ortcore in this process (same seed, same batches, AdamW
     as ``the bench plugin's ``run_worker````), profile ``steps`` steps after ``warmup`` on each side, then run ``steps``
     more unprofiled, and compare where the time goes. The two sides' steps alternate, so that a change of load on
     the machine falls on both alike.
+
+    ``amp`` (``"bfloat16"`` or ``"float16"``; ``ortcore bench --amp``) runs both sides' forward under
+    ``torch.autocast("cpu", dtype=...)``: the autocast step, profiled.
 
     ``cfg`` is an ``ortcore_plugins.services.example_models.BenchConfig``. Returns a JSON-able dict with the keys of :data:`EXPLAIN_KEYS`:
 
@@ -107,6 +117,8 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
 
     if steps < 1 or warmup < 1:
         raise ValueError(f"steps and warmup must be >= 1, got steps={steps}, warmup={warmup}")
+    if amp not in (None, "bfloat16", "float16"):
+        raise ValueError(f"amp must be None, 'bfloat16' or 'float16', got {amp!r}")
     transformers.logging.set_verbosity_error()
     needed = warmup + 2 * steps
     batches = make_batches(model_name, _evolve(cfg, steps=max(cfg.steps, needed)))[:needed]
@@ -121,7 +133,7 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
         optimizers[side] = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         models[side] = ORTModule(model) if side == "ortcore" else model
         losses[side] = []
-        steps_fn[side] = _bench_step(models[side], optimizers[side], batches, losses[side])
+        steps_fn[side] = _bench_step(models[side], optimizers[side], batches, losses[side], amp)
     eager_profile, ort_profile = EagerProfile(), OrtProfile(models["ortcore"])
     for _ in range(warmup):
         steps_fn["eager"]()
@@ -175,6 +187,7 @@ def explain_bench(model_name: str, cfg: Any, steps: int = 3, warmup: int = 2) ->
             **_as_dict(cfg),
             "profiled_steps": steps,
             "warmup": warmup,
+            "amp": amp,
             "torch_threads": torch.get_num_threads(),
             "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
             "ORTCORE_DISABLE_PLUGINS": os.environ.get("ORTCORE_DISABLE_PLUGINS"),
@@ -279,7 +292,9 @@ def render_explain(data: dict[str, Any], top: int = 15) -> Any:
     s = data["settings"]
     title = (
         f"{data['model']}: hidden {s['hidden']} × {s['layers']} layers, batch {s['batch']} × {s['seq']}, "
-        f"{s['profiled_steps']} profiled steps after {s['warmup']}; ms per step"
+        f"{s['profiled_steps']} profiled steps after {s['warmup']}"
+        + (f", forward under autocast {s['amp']}" if s.get("amp") else "")
+        + "; ms per step"
     )
     categories = Table(title=f"{title}\nkernels per op category: ortcore vs PyTorch eager", title_justify="left")
     for name, justify in (

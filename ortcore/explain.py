@@ -53,7 +53,16 @@ def aten_kind(operator: str) -> str:
     if operator.startswith("ortcore_route::") or "__" in name:
         name = name.split("__")[0]
     name = re.sub(r"_backward(_\w+)?$", "", name)
-    return {"native_layer_norm": "layer_norm", "linear_no_bias": "linear", "addmm": "linear"}.get(name, name)
+    return {
+        "native_layer_norm": "layer_norm",
+        "linear_no_bias": "linear",
+        "linear_weight_first": "linear",
+        "addmm": "linear",
+        "matmul_rhs_first": "matmul",
+        "to_bfloat16": "cast",
+        "to_float16": "cast",
+        "to_float32": "cast",
+    }.get(name, name)
 
 
 class Explanation(list):

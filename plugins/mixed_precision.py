@@ -41,6 +41,7 @@ from onnx import TensorProto, helper
 
 from ortcore.api import (
     ATEN_DOMAIN,
+    ROUTED_METADATA_PREFIX,
     Config,
     GraphPass,
     OptionError,
@@ -673,6 +674,30 @@ def _trainable_inputs(model: onnx.ModelProto, module: Any) -> set[str]:
     return found
 
 
+def _record_reasons(model: onnx.ModelProto, placement: Placement, options: MixedPrecisionOptions) -> None:
+    """Why the kinds this plugin puts on PyTorch's kernels run there, for ``model.explain()`` (the casts are placed
+    in the gradient graph, whose kinds explain reads from the exported graph too)."""
+    types = sorted({t for (_op, t, _where) in placement.counts if t in LOW.values()})
+    units = machine.low_precision_units()
+    found = ", ".join(f"{t}: {units.get(t) or 'no unit'}" for t in types)
+    reasons = {
+        "matmul": f"{'/'.join(types)} matrix product: ORT's CPU provider has no kernel in this type; PyTorch's "
+        f"oneDNN kernel (mixed_precision, matmul = {options.matmul}; {found})",
+        "linear": f"{'/'.join(types)} linear: ORT's CPU provider has no kernel in this type; PyTorch's oneDNN kernel "
+        f"(mixed_precision, matmul = {options.matmul}; {found})",
+    }
+    if options.torch_casts:
+        reasons["cast"] = (
+            "large casts between float32 and bfloat16/float16: PyTorch's kernel is 2-9x faster than ORT's (mixed_precision)"
+        )
+    props = {p.key: p for p in model.metadata_props}
+    for op, reason in reasons.items():
+        key = ROUTED_METADATA_PREFIX + op
+        if key in props:
+            continue  # another plugin's reason for this kind (aten_fallback's measured linear) stands
+        model.metadata_props.add(key=key, value=reason)
+
+
 def _device_type(module: Any) -> str:
     """Where the module's parameters live (``cpu`` for a module without any)."""
     try:
@@ -708,6 +733,8 @@ def ortcore_graph_passes(config: Config) -> list[GraphPass]:
             model, matmul=options.matmul, trainable=trainable, keep_rounding=options.exact_rounding
         )
         _log(placement, "forward graph")
+        if placement.counts:
+            _record_reasons(model, placement, options)
 
     return [GraphPass(PASS_NAME, run=run, plugin=NAME)]
 

@@ -43,16 +43,27 @@ class _GraphIndex:
         self.initializers = {t.name: t for t in graph.initializer}
         self.graph_outputs = {o.name for o in graph.output}
 
-    def constant(self, name: str) -> float | None:
-        """The value of a scalar constant (a Constant node or an initializer), else None."""
+    def _tensor(self, name: str) -> onnx.TensorProto | None:
         tensor = self.initializers.get(name)
         node = self.producer.get(name)
         if tensor is None and node is not None and node.op_type == "Constant":
             tensor = next((a.t for a in node.attribute if a.name == "value"), None)
+        return tensor
+
+    def constant(self, name: str) -> float | None:
+        """The value of a scalar constant (a Constant node or an initializer), else None."""
+        tensor = self._tensor(name)
         if tensor is None:
             return None
         array = onnx.numpy_helper.to_array(tensor)
         return float(array.reshape(-1)[0]) if array.size == 1 else None
+
+    def tolerance(self, name: str) -> float:
+        """How close a constant of ``name``'s type can be to a formula's value: a bfloat16 or float16 constant
+        (a formula written under autocast, or in a bf16 model) holds it rounded to 8 or 11 bits."""
+        tensor = self._tensor(name)
+        data_type = tensor.data_type if tensor is not None else onnx.TensorProto.FLOAT
+        return {onnx.TensorProto.BFLOAT16: 2.0**-8, onnx.TensorProto.FLOAT16: 2.0**-11}.get(data_type, 1e-5)
 
     def node(self, name: str, op_type: str) -> onnx.NodeProto | None:
         node = self.producer.get(name)
@@ -62,7 +73,7 @@ class _GraphIndex:
         """For a binary node with one constant operand close to ``value``, the other operand."""
         for i in (0, 1):
             c = self.constant(node.input[i])
-            if c is not None and math.isclose(c, value, rel_tol=1e-5):
+            if c is not None and math.isclose(c, value, rel_tol=self.tolerance(node.input[i])):
                 return node.input[1 - i]
         return None
 

@@ -6,6 +6,7 @@ One process, or several through a launcher::
 
     python docs/deepspeed_example.py
     python docs/deepspeed_example.py --compare          # also train with stock DeepSpeed, print both curves
+    python docs/deepspeed_example.py --compare --bf16   # DeepSpeed's bf16 (the model in bfloat16), both curves
     torchrun --nproc_per_node 2 docs/deepspeed_example.py --compare
     deepspeed --num_gpus 2 docs/deepspeed_example.py --compare
 
@@ -34,8 +35,8 @@ SEQ = 16
 MICRO_BATCH = 4
 
 
-def ds_config(stage: int) -> dict:
-    return {
+def ds_config(stage: int, bf16: bool = False) -> dict:
+    config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -44,6 +45,9 @@ def ds_config(stage: int) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    if bf16:
+        config["bf16"] = {"enabled": True}  # DeepSpeed casts the model to bfloat16, fp32 master weights in ZeRO
+    return config
 
 
 def build_model() -> torch.nn.Module:
@@ -68,14 +72,18 @@ def counting_batch(generator: torch.Generator) -> torch.Tensor:
     return (starts + torch.arange(SEQ)) % VOCAB
 
 
-def train(use_ortcore: bool, stage: int, steps: int) -> list[float]:
+def train(use_ortcore: bool, stage: int, steps: int, bf16: bool = False) -> tuple[list[float], torch.nn.Module]:
     model = build_model()
     if use_ortcore:
         model = ORTModule(model)
     optimizer = FusedAdam(model.parameters(), lr=3e-3, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(stage), dist_init_required=False
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config(stage, bf16),
+        dist_init_required=False,
     )
     if use_ortcore:
         optimizer = FP16_Optimizer(optimizer)  # multi-tensor overflow check and gradient norm (the same object)
@@ -87,7 +95,7 @@ def train(use_ortcore: bool, stage: int, steps: int) -> list[float]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses
+    return losses, engine.module
 
 
 def init_distributed() -> None:
@@ -109,16 +117,18 @@ def main() -> None:
         action="store_true",
         help="also train without ORTModule and FP16_Optimizer (stock DeepSpeed) and compare",
     )
+    parser.add_argument("--bf16", action="store_true", help='DeepSpeed\'s "bf16": {"enabled": true}')
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = parser.parse_args()
 
     init_distributed()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    ours = train(True, args.stage, args.steps)
-    reference = train(False, args.stage, args.steps) if args.compare else None
+    ours, model = train(True, args.stage, args.steps, args.bf16)
+    reference = train(False, args.stage, args.steps, args.bf16)[0] if args.compare else None
 
     if dist.get_rank() == 0:
-        print(f"ZeRO stage {args.stage}, {dist.get_world_size()} process(es), rank 0's losses")
+        precision = "bf16" if args.bf16 else "fp32"
+        print(f"ZeRO stage {args.stage}, {precision}, {dist.get_world_size()} process(es), rank 0's losses")
         for step, loss in enumerate(ours, 1):
             line = f"step {step:3d}  ortcore {loss:.6f}"
             if reference is not None:
@@ -127,6 +137,9 @@ def main() -> None:
         if reference is not None:
             worst = max(abs(a / b - 1) for a, b in zip(ours, reference, strict=True))
             print(f"largest relative loss difference: {worst:.1e}")
+        counters = model.state_machine.counters
+        where = "PyTorch (fallback: " + model.fallback_reason + ")" if model.fallback_reason else "ONNX Runtime"
+        print(f"ortcore ran in {where}: exports {counters.exports}, repairs {counters.repairs}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -70,9 +70,11 @@ def run_model(
     timeout: float = DEFAULT_TIMEOUT_S,
     exporter: str = EXPORTERS[0],
     catalog: str = DEFAULT_CATALOG,
+    autocast: str | None = None,
 ) -> dict[str, Any]:
     """Run the model ``name`` of the zoo ``catalog`` on ``exporter``'s route in a child process; return its result,
-    or a crash/timeout result made here.
+    or a crash/timeout result made here. With ``autocast`` (``bf16``, ``fp16``) the child runs one step under
+    ``torch.autocast`` instead (``tests.zoo.autocast``).
 
     The child writes ``out_dir/<name>.json``; a child that dies or hangs is recorded with its return code (or the
     timeout) and the end of its stderr, and that record is written to the same file.
@@ -86,6 +88,8 @@ def run_model(
     # faulthandler: a child killed by a signal leaves its Python stack in stderr, which the crash result keeps.
     cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.zoo.run_model", name, "--json", str(out)]
     cmd += ["--catalog", catalog]
+    if autocast:
+        cmd += ["--autocast", autocast]
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=REPO, env=child_env(exporter), capture_output=True, text=True, timeout=timeout)
@@ -93,6 +97,8 @@ def run_model(
         stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         result = _failure(name, "timeout", f"no result after {timeout:.0f} s (killed)", stderr, catalog)
         result["exporter"] = exporter
+        if autocast:
+            result["autocast"] = autocast
     else:
         if out.is_file():
             result = json.loads(out.read_text())
@@ -102,6 +108,8 @@ def run_model(
             result = _failure(name, "crash", _describe_returncode(done.returncode), done.stderr, catalog)
             result["returncode"] = done.returncode
             result["exporter"] = exporter
+            if autocast:
+                result["autocast"] = autocast
     result["wall_s"] = time.perf_counter() - t0
     result["commit"] = source_commit()
     from .run_model import write_json

@@ -10,8 +10,13 @@ python -m tests.zoo.report --exporter dynamo --models bert,gpt2   # rerun these 
 python -m tests.zoo.report --exporter torchscript --results DIR   # record an earlier run's JSON (the pytest zoo)
 python -m tests.zoo.report --render                 # rewrite the page from the records, running nothing
 python -m tests.zoo.report --catalog wide --exporter torchscript   # the wide zoo (records/wide/), its section
+python -m tests.zoo.report --autocast bf16          # the main zoo under torch.autocast (records/autocast-bf16.json)
+python -m tests.zoo.report --autocast fp16 --models bert,gpt2     # a few models under float16 autocast
 
 The wide zoo (``catalog_wide``) has its records in ``records/wide/`` and its own section at the end of the page.
+Under ``--autocast`` each model of the main zoo runs one step with its forward under ``torch.autocast("cpu", ...)``
+on the default route, judged against eager autocast and float64 (``tests.zoo.autocast``); each type's record is
+``records/autocast-<type>.json`` and has its own section ("Under bf16 autocast") after the wide zoo's.
 """
 
 from __future__ import annotations
@@ -31,12 +36,16 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `tests.zoo` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.zoo.autocast import DTYPES as AUTOCAST_TYPES  # noqa: E402
+from tests.zoo.autocast import EAGER_FACTOR, FLOOR_ROUNDINGS, UNIT_ROUNDOFF  # noqa: E402
+from tests.zoo.autocast import check_dtype as check_autocast  # noqa: E402
+from tests.zoo.autocast import describe as describe_autocast  # noqa: E402
 from tests.zoo.catalog import MODELS  # noqa: E402
 from tests.zoo.catalogs import CATALOGS, DEFAULT_CATALOG, models  # noqa: E402
 from tests.zoo.deps import ensure_torchvision  # noqa: E402
 from tests.zoo.failures import BY_KEY, categorize, failure_op  # noqa: E402
 from tests.zoo.harness import EXPORTERS, REPO, check_exporter, describe_failure, run_model, source_commit  # noqa: E402
-from tests.zoo.run_model import ATOL, F64_FACTOR, LR, RTOL, TIMED_STEPS, TRAIN_STEPS  # noqa: E402
+from tests.zoo.run_model import ATOL, F64_FACTOR, LR, PERTURBED_RUNS, RTOL, TIMED_STEPS, TRAIN_STEPS  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "models.md"
 RECORDS = Path(__file__).resolve().parent / "records"
@@ -53,20 +62,22 @@ def run_all(
     exporter: str = EXPORTERS[0],
     log: bool = True,
     catalog: str = DEFAULT_CATALOG,
+    autocast: str | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
-    """Run ``names`` of ``catalog`` on ``exporter``'s route, one process each, into ``out_dir``; return the results
-    and the total wall time in seconds."""
+    """Run ``names`` of ``catalog`` on ``exporter``'s route (under ``autocast``, if given), one process each, into
+    ``out_dir``; return the results and the total wall time in seconds."""
     if any(models(catalog)[n].family == "torchvision" for n in names):
         ensure_torchvision()
     results = []
     t0 = time.perf_counter()
     for name in names:
-        result = run_model(name, out_dir, exporter=exporter, catalog=catalog)
+        result = run_model(name, out_dir, exporter=exporter, catalog=catalog, autocast=autocast)
         results.append(result)
         if log:
+            why = describe_autocast(result) if autocast else describe_failure(result)
             print(
-                f"{exporter:11s} {name:22s} {result['status']:9s} {result.get('wall_s', 0):6.1f} s  "
-                f"{describe_failure(result)[:150]}",
+                f"{exporter + ('/' + autocast if autocast else ''):11s} {name:22s} {result['status']:9s} "
+                f"{result.get('wall_s', 0):6.1f} s  {why[:150]}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -74,11 +85,16 @@ def run_all(
 
 
 def read_results(
-    directory: Path, names: list[str], exporter: str = EXPORTERS[0], catalog: str = DEFAULT_CATALOG
+    directory: Path,
+    names: list[str],
+    exporter: str = EXPORTERS[0],
+    catalog: str = DEFAULT_CATALOG,
+    autocast: str | None = None,
 ) -> list[dict[str, Any]]:
     """The results found in ``directory`` for ``names``; a model without a result file is listed as not run.
 
-    A result another exporter produced is refused (it would land in the wrong column).
+    A result another exporter produced, or one run under another autocast type (or without autocast when
+    ``autocast`` is given, or the other way round), is refused (it would land in the wrong record).
     """
     results = []
     for name in names:
@@ -90,6 +106,9 @@ def read_results(
                     f"{path} holds a result of the {result.get('exporter')!r} exporter, not {exporter!r}; "
                     f"pass --exporter {result.get('exporter')}"
                 )
+            if result.get("autocast") != autocast:
+                found = result.get("autocast") or "no autocast"
+                raise ValueError(f"{path} holds a result run under {found}, not {autocast or 'no autocast'}")
             results.append(result)
         else:
             spec = models(catalog)[name]
@@ -100,6 +119,7 @@ def read_results(
                     "description": spec.description,
                     "status": "not run",
                     "error": {"first_line": f"no {path.name} in {directory}"},
+                    **({"autocast": autocast} if autocast else {}),
                 }
             )
     return results
@@ -554,11 +574,233 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# -- under autocast ------------------------------------------------------------------------------------------------
+
+#: The words each autocast type has on the page.
+AUTOCAST_NAMES = {"bf16": ("bfloat16", "bf16"), "fp16": ("float16", "fp16")}
+
+
+def autocast_record_path(dtype: str, records: Path = RECORDS) -> Path:
+    """Where the main zoo's record under ``dtype`` autocast is kept: ``records/autocast-<dtype>.json``."""
+    return records / f"autocast-{check_autocast(dtype)}.json"
+
+
+def load_autocast_records(records: Path = RECORDS) -> dict[str, dict[str, Any]]:
+    """The record of every autocast type that has one, in ``tests.zoo.autocast.DTYPES`` order."""
+    found = {}
+    for dtype in AUTOCAST_TYPES:
+        path = autocast_record_path(dtype, records)
+        if path.is_file():
+            found[dtype] = json.loads(path.read_text())
+    return found
+
+
+def _ops_on_pytorch(result: dict[str, Any]) -> str:
+    """The op kinds that run on PyTorch's kernels inside the graph, with their counts (no reasons: under autocast
+    the matrix products are there by design)."""
+    routed = result.get("routed_ops")
+    if routed is None:
+        return "-"
+    return ", ".join(f"{r['op']}×{r.get('count', '?')}" for r in routed) or "none"
+
+
+def autocast_row(result: dict[str, Any], commit: str) -> dict[str, Any]:
+    """What the page shows of one model's result under autocast (a row of ``records/autocast-<type>.json``)."""
+    checks = result.get("checks") or {}
+    loss = checks.get("loss") or {}
+    err = result.get("error") or {}
+    first_error = ""
+    if result["status"] not in ("pass", "mismatch", "pytorch"):
+        first_error = f"{err.get('type')}: {err.get('first_line')}" if err.get("type") else str(err.get("first_line"))
+    grads = checks.get("grads") or {}
+    dtypes = result.get("loss_dtype") or {}
+    return {
+        "model": result["model"],
+        "family": result["family"],
+        "description": result.get("description", ""),
+        "status": result["status"],
+        "phase": result.get("phase"),
+        "first_error": first_error,
+        "reason": describe_autocast(result),
+        "worst_ratio": result.get("worst_ratio"),
+        "grads_ok": sum(bool(c.get("ok")) for c in grads.values()) if grads else None,
+        "grads": len(grads) if grads else None,
+        "loss_vs_f64": {k: loss.get(k) for k in ("ortcore_vs_f64", "eager_vs_f64", "allowed")} if loss else None,
+        "loss_dtype": dtypes or None,
+        "reference": result.get("reference"),
+        "in_ort": result.get("in_ort"),
+        "clean": result.get("clean"),
+        "counters": result.get("counters"),
+        "fallback_reason": result.get("fallback_reason"),
+        "repairs": [str(r)[:600] for r in result.get("repairs") or []],
+        "on_pytorch": _ops_on_pytorch(result),
+        "ort_op_share": _share(result, "ort_op_share"),
+        "first_step_s": result.get("ortcore_first_step_s"),
+        "wall_s": result.get("wall_s"),
+        "commit": result.get("commit") or commit,
+    }
+
+
+def make_autocast_record(
+    dtype: str,
+    exporter: str,
+    results: list[dict[str, Any]],
+    wall_s: float,
+    how: str,
+    commit: str,
+    previous: dict | None = None,
+) -> dict[str, Any]:
+    """The record of the main zoo under ``dtype`` autocast: ``previous`` (if any) with the rows of ``results``
+    replaced, and this run's particulars."""
+    rows = dict(previous["models"]) if previous else {}
+    rows.update({r["model"]: autocast_row(r, commit) for r in results})
+    rows = {name: rows[name] for name in MODELS if name in rows}
+    return {
+        "autocast": check_autocast(dtype),
+        "exporter": exporter,
+        "criterion": {
+            "eager_factor": EAGER_FACTOR,
+            "floor_roundings": FLOOR_ROUNDINGS,
+            "unit_roundoff": UNIT_ROUNDOFF[dtype],
+        },
+        "commit": commit,
+        "versions": _versions(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "generated": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "how": how,
+        "wall_s": wall_s,
+        "models_run": len(results),
+        "models": rows,
+    }
+
+
+def _autocast_counts(rows: dict[str, dict[str, Any]]) -> str:
+    clean = sum(r["status"] == "pass" and bool(r.get("clean")) for r in rows.values())
+    passed = sum(r["status"] == "pass" for r in rows.values())
+    text = _counts(rows)
+    if passed:
+        text += f"; {clean} of the {passed} with no repairs"
+    return text
+
+
+def _autocast_status(r: dict[str, Any]) -> str:
+    text = "✅ pass" if r["status"] == "pass" else f"❌ {r['status']}"
+    if (r.get("reference") or "float64") != "float64":
+        text += " (vs float32: no float64 kernel)"
+    return text
+
+
+def _autocast_in_ort(r: dict[str, Any]) -> str:
+    if r.get("in_ort") is None:
+        return "-"
+    if not r["in_ort"]:
+        return "no (fallback)"
+    return "yes" + (f", {len(r['repairs'])} repair(s)" if r.get("repairs") else ", no repairs")
+
+
+def _autocast_loss(r: dict[str, Any]) -> str:
+    loss = r.get("loss_vs_f64")
+    if not loss:
+        return "-"
+    text = f"{_fmt(loss['ortcore_vs_f64'])} / {_fmt(loss['eager_vs_f64'])}"
+    dtypes = r.get("loss_dtype") or {}
+    if dtypes.get("ortcore") != dtypes.get("eager"):
+        text += f" (dtype {dtypes.get('ortcore')} vs eager {dtypes.get('eager')})"
+    return text
+
+
+def render_autocast(dtype: str, record: dict[str, Any]) -> str:
+    """The page's section for the main zoo under ``dtype`` autocast, from its record."""
+    long, short = AUTOCAST_NAMES[dtype]
+    rows = record["models"]
+    u = record["criterion"]["unit_roundoff"]
+    factor, roundings = record["criterion"]["eager_factor"], record["criterion"]["floor_roundings"]
+    lines = [
+        f"## Under {short} autocast",
+        "",
+        f"The main zoo's {len(rows)} models with their forward (and the loss computed from its outputs) under "
+        f'`torch.autocast("cpu", dtype=torch.{long})`, on the {record["exporter"]} route with '
+        "`ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE`, one training step each: ortcore (`ORTModule`), eager PyTorch "
+        f"under the same autocast on a deep copy (*eager autocast*), and a float64 copy without autocast (the exact "
+        "value), from the same random initial weights and batch (`tests/zoo/autocast.py`).",
+        "",
+        "- Judged: the loss and every parameter's gradient, by their distance from float64 (max abs over the tensor's "
+        f"elements). One passes when `max|ortcore − float64| ≤ {factor:g}·max|eager autocast − float64| + floor`, "
+        f"floor = {roundings:g}·2^{round(math.log2(u))}·`max|float64|`: ortcore may be at most {factor:g}× as far "
+        f"from exact as eager autocast itself is, and is never held to less than one rounding of the tensor's "
+        f"largest element to {long} (2^{round(math.log2(u))} is {long}'s unit roundoff; where eager's own error is "
+        "accidentally tiny, e.g. a gradient autocast leaves in float32 throughout, a rounding more or another "
+        "summation order is still autocast's accuracy). A model passes when all of them do, the step ran in ONNX "
+        "Runtime (an export, no fallback) and PythonOps take at most half its parameters (with repairs in force, "
+        "also at most half its graph's nodes on PyTorch: else its status is `pytorch`, as above). A model with a "
+        "kernel that has no float64 version is judged by float32 eager without autocast instead (its own error, "
+        "about 2^-24, is far below the floor); one that eager PyTorch itself cannot run under this autocast has the "
+        "status `eager error` (nothing to judge ortcore by).",
+        f"- A tensor that fails is diagnosed, not judged again: eager autocast also runs on {PERTURBED_RUNS} "
+        "batches with the rows "
+        "reversed and every value moved by one unit in the last place, and the cause names the farthest of those "
+        "runs from float64. Where that reaches ortcore's error, eager's own error on the zoo's batch was the lucky "
+        "end of its rounding spread (*rounding luck*); where it does not, ortcore is farther from exact than eager "
+        "autocast lands on any of those batches.",
+        "- *in ORT*: no fallback (`state_machine.counters`, `fallback_reason`), and whether repairs were needed "
+        "(`model.repairs`). *on PyTorch inside the graph*: op kinds run by PyTorch's kernels as ATen or PythonOp "
+        "nodes (`explain()`); under autocast the matrix products are there by design (`mixed_precision` plugin: "
+        "oneDNN's low-precision GEMMs, the kernels eager autocast runs).",
+        "- *worst error / allowed*: the largest `max|ortcore − float64| / allowance` over the loss and the gradients "
+        "(at most 1 passes); *loss from float64*: ortcore's and eager autocast's distance.",
+        "",
+        f"**{short} autocast: {_autocast_counts(rows)}** (train in ORT with autocast-level accuracy)",
+        "",
+        "| model | family | status | worst error / allowed | gradients passing | loss from float64: ortcore / eager "
+        "| in ORT | on PyTorch inside the graph | first step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows.values():
+        grads = f"{r['grads_ok']}/{r['grads']}" if r.get("grads") else "-"
+        first = f"{r['first_step_s']:.2f} s" if isinstance(r.get("first_step_s"), int | float) else "-"
+        lines.append(
+            f"| {r['model']} | {r['family']} | {_autocast_status(r)} | {_fmt(r['worst_ratio'] if r.get('worst_ratio') is not None else '-', '.2g')} "
+            f"| {grads} "
+            f"| {_cell(_autocast_loss(r))} | {_autocast_in_ort(r)} | {_cell(r['on_pytorch'])} | {first} |"
+        )
+    failing = [r for r in rows.values() if r["status"] != "pass"]
+    if failing:
+        lines += ["", f"Why each model fails under {short} autocast:", ""]
+        for r in failing:
+            if r["status"] in ("mismatch", "pytorch"):
+                why = r["reason"]
+            else:
+                why = (r["first_error"] or r["reason"])[:600]
+                if r["status"] == "eager error":
+                    why = f"eager PyTorch itself fails under {short} autocast: {why}"
+            lines.append(f"- **{r['model']}** ({_cell(r['description'])}): {_cell(why)}")
+    repaired = [r for r in rows.values() if r.get("repairs")]
+    if repaired:
+        lines += ["", f"Repairs under {short} autocast:", ""]
+        lines += [f"- **{r['model']}**: {_cell('; '.join(r['repairs']))}" for r in repaired]
+    commits = sorted({r["commit"] for r in rows.values()})
+    firsts = sorted(r["first_step_s"] for r in rows.values() if isinstance(r.get("first_step_s"), int | float))
+    lines += [
+        "",
+        f"{record['how']}; total wall time {record['wall_s'] / 60:.1f} min for {record['models_run']} models"
+        + (f"; first step (export, build, audit, run) median {firsts[len(firsts) // 2]:.2f} s" if firsts else "")
+        + f". ortcore at {', '.join(commits)}; {record['versions']}; {record['machine']}; generated "
+        f"{record['generated']}. Rerun: `{REGENERATE} --autocast {dtype}` (a few models: add `--models bert,gpt2`); "
+        f"one model by hand: `python -m tests.zoo.run_model bert --autocast {dtype}`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def render_page(records: Path = RECORDS) -> str:
-    """The whole page: the main zoo's routes (``render``), then the wide zoo's section if it has records."""
+    """The whole page: the main zoo's routes (``render``), then the wide zoo's section if it has records, then a
+    section per autocast type that has a record."""
     page = render(load_records(records))
     wide = load_records(records, WIDE)
-    return page + "\n" + render_wide(wide) if wide else page
+    page = page + "\n" + render_wide(wide) if wide else page
+    for dtype, record in load_autocast_records(records).items():
+        page += "\n" + render_autocast(dtype, record)
+    return page
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -572,8 +814,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--exporter",
-        default=",".join(EXPORTERS),
-        help="comma-separated routes to run (default: %(default)s); the others keep their records",
+        help=f"comma-separated routes to run (default: {','.join(EXPORTERS)}; under --autocast: {EXPORTERS[0]}); "
+        "the others keep their records",
+    )
+    parser.add_argument(
+        "--autocast",
+        help=f"comma-separated autocast types ({', '.join(AUTOCAST_TYPES)}): run the main zoo one step under "
+        "torch.autocast and judge it against eager autocast and float64 (records/autocast-<type>.json)",
     )
     parser.add_argument("--results", type=Path, help="record the results in this directory instead of running")
     parser.add_argument("--keep", type=Path, help="directory for the JSON results of this run (default: temporary)")
@@ -589,10 +836,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=Path, default=RECORDS, help="records directory (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file to write (default: %(default)s)")
     args = parser.parse_args(argv)
-    exporters = [e.strip() for e in args.exporter.split(",") if e.strip()]
+    autocast_types = [t.strip() for t in (args.autocast or "").split(",") if t.strip()]
+    if args.autocast is not None and (not autocast_types or any(t not in AUTOCAST_TYPES for t in autocast_types)):
+        parser.error(f"--autocast {args.autocast!r}: allowed types are {', '.join(AUTOCAST_TYPES)}")
+    if autocast_types and args.catalog != DEFAULT_CATALOG:
+        parser.error("--autocast runs the main zoo only")
+    exporter_arg = args.exporter or (EXPORTERS[0] if autocast_types else ",".join(EXPORTERS))
+    exporters = [e.strip() for e in exporter_arg.split(",") if e.strip()]
     unknown = [e for e in exporters if e not in EXPORTERS]
     if unknown or not exporters:
-        parser.error(f"--exporter {args.exporter!r}: allowed routes are {', '.join(EXPORTERS)}")
+        parser.error(f"--exporter {exporter_arg!r}: allowed routes are {', '.join(EXPORTERS)}")
+    if autocast_types and exporters != [EXPORTERS[0]]:
+        parser.error(f"--autocast runs the {EXPORTERS[0]} route (its records have one route)")
     known = models(args.catalog)
     names = list(known)
     if args.models:
@@ -603,7 +858,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.results and len(exporters) != 1:
         parser.error("--results needs exactly one --exporter: the route those results were run on")
     commit = args.commit or source_commit()
-    if not args.render:
+    if autocast_types and not args.render:
+        for dtype in autocast_types:
+            _record_autocast(parser, args, dtype, exporters[0], names, commit)
+    elif not args.render:
         for exporter in exporters:
             path = record_path(exporter, args.records, args.catalog)
             previous = json.loads(path.read_text()) if path.is_file() else None
@@ -633,6 +891,33 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(args.out, render_page(args.records))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _record_autocast(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, dtype: str, exporter: str, names: list[str], commit: str
+) -> None:
+    """Run (or read, with ``--results``) ``names`` under ``dtype`` autocast and write its record."""
+    path = autocast_record_path(dtype, args.records)
+    previous = json.loads(path.read_text()) if path.is_file() else None
+    if args.results:
+        directory = args.results / dtype if (args.results / dtype).is_dir() else args.results
+        try:
+            results = read_results(directory, names, exporter, autocast=dtype)
+        except ValueError as e:
+            parser.error(str(e))
+        wall = sum(r.get("wall_s", 0.0) for r in results)
+        how = "results of an earlier run recorded (sum of per-model wall times)"
+    else:
+        with tempfile.TemporaryDirectory(prefix=f"ortcore-zoo-autocast-{dtype}-") as tmp:
+            out_dir = (args.keep / f"autocast-{dtype}") if args.keep else Path(tmp)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            results, wall = run_all(names, out_dir, exporter, autocast=dtype)
+        how = "models run one after another, one process each"
+    if args.models:
+        how += f" (this run: {len(names)} of the models; the others as recorded before)"
+    record = make_autocast_record(dtype, exporter, results, wall, how, commit, previous)
+    write_atomic(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    print(f"{dtype} autocast: {_autocast_counts(record['models'])}, {wall / 60:.1f} min", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python -m tests.zoo.run_model bert                 # readable summary
     python -m tests.zoo.run_model bert --json out.json # the same, and the result for the test and the report
     python -m tests.zoo.run_model swin --catalog wide  # a model of the wide zoo (tests.zoo.catalog_wide)
+    python -m tests.zoo.run_model bert --autocast bf16 # one step under torch.autocast, judged as tests.zoo.autocast says
 
 The step runs with ``ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE`` (any failure raises instead of running PyTorch).
 Checked after one step: the loss and every parameter's gradient against eager PyTorch on a deep copy with the same
@@ -661,17 +662,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="zoo model name")
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--catalog", default=DEFAULT_CATALOG, choices=list(CATALOGS), help="zoo (default: %(default)s)")
+    parser.add_argument(
+        "--autocast", choices=["bf16", "fp16"], help="run one step under torch.autocast instead (tests.zoo.autocast)"
+    )
     args = parser.parse_args(argv)
     try:
         get(args.model, args.catalog)
     except KeyError as e:
         parser.error(str(e.args[0]))
     t0 = time.perf_counter()
-    result = run(args.model, args.catalog)
+    if args.autocast:
+        from tests.zoo import autocast
+
+        result = autocast.run(args.model, args.autocast, args.catalog)
+        describe = autocast.summary
+    else:
+        result = run(args.model, args.catalog)
+        describe = summary
     result["wall_s"] = time.perf_counter() - t0
     if args.json:
         write_json(result, args.json)
-    print(summary(result))
+    print(describe(result))
     return 0 if result["status"] == "pass" else 1
 
 

@@ -340,7 +340,64 @@ def _scaled_dot_product_attention(
     return g.op("MatMul", weights, value)
 
 
+# Binary ops and the positions of their tensor operands (``where``'s condition is not promoted).
+_PROMOTED_OPERANDS = {
+    **{
+        op: (0, 1)
+        for op in (
+            "add", "sub", "rsub", "mul", "div", "true_divide", "pow", "minimum", "maximum", "remainder", "fmod",
+            "atan2", "floor_divide", "eq", "ne", "lt", "le", "gt", "ge",
+        )
+    },
+    "where": (1, 2),
+}
+
+
+def _bfloat16_promotion(op: str) -> Callable[..., Any]:
+    """The exporter's symbolic of a binary ``aten::<op>``, with operands of different floating types cast to
+    PyTorch's result type first when one of them is bfloat16.
+
+    The exporter's implicit casts (its scalar type analysis) know every type but bfloat16: a bfloat16 tensor times a
+    float32 0-dim tensor (CLIP's ``logit_scale.exp() * logits`` under autocast, any bfloat16 model with a float32
+    scalar parameter) was left with mixed inputs and stopped the export ("output_scalar_type == input_tensor_type
+    INTERNAL ASSERT FAILED"). PyTorch's promotion decides the type (a 0-dim operand does not widen a dimensioned
+    one); other operands are left to the exporter, which casts them as PyTorch does."""
+    from torch.onnx import symbolic_helper as sh
+    from torch.onnx._internal.torchscript_exporter import _type_utils, registration
+
+    positions = _PROMOTED_OPERANDS[op]
+
+    def base(opset: int) -> Callable[..., Any]:
+        versions = registration.registry.get_function_group(f"aten::{op}")._functions._base
+        return versions[max(v for v in versions if v <= opset)]
+
+    def operand(value: Any) -> torch.Tensor | None:
+        """An empty tensor of the operand's type and rank class (0-dim or not), or None if either is unknown."""
+        try:
+            dtype = value.type().dtype()
+        except (AttributeError, RuntimeError):
+            return None
+        rank = sh._get_tensor_rank(value)
+        return None if rank is None else torch.empty((1,) * min(rank, 1), dtype=dtype)
+
+    def symbolic(g, *args):
+        samples = [operand(args[i]) if i < len(args) else None for i in positions]
+        if all(s is not None for s in samples) and any(s.dtype == torch.bfloat16 for s in samples):
+            dtypes = {s.dtype for s in samples}
+            if len(dtypes) > 1 and all(d.is_floating_point for d in dtypes):
+                target = torch.result_type(*samples)
+                onnx_type = _type_utils.JitScalarType.from_dtype(target).onnx_type()
+                args = list(args)
+                for i, sample in zip(positions, samples, strict=True):
+                    if sample.dtype != target:
+                        args[i] = g.op("Cast", args[i], to_i=onnx_type)
+        return base(g.opset)(g, *args)
+
+    return symbolic
+
+
 SYMBOLICS = {
+    **{f"::{op}": _bfloat16_promotion(op) for op in _PROMOTED_OPERANDS},
     "::scaled_dot_product_attention": _scaled_dot_product_attention,
     "::batch_norm": _batch_norm,
     "::detach": _detach,

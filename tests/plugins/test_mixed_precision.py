@@ -79,7 +79,44 @@ def _gpt2_case() -> tuple[nn.Module, Callable[[nn.Module, torch.dtype], torch.Te
     return build_model("gpt2", preset("quick")), lambda m, dtype: m(**batch).loss.float()
 
 
-CASES = {"mlp": _mlp_case, "cnn": _cnn_case, "bert": _bert_case, "gpt2": _gpt2_case}
+class _Scaled(nn.Module):
+    """CLIP's pattern: a float32 0-dim parameter (``logit_scale.exp()``) times an autocast (bf16) product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(12, 16)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logit_scale.exp() * self.a(x) @ self.b(x).t()
+
+
+def _scaled_case() -> tuple[nn.Module, Callable[[nn.Module, torch.dtype], torch.Tensor]]:
+    torch.manual_seed(0)
+    x = torch.randn(6, 12)
+    return _Scaled(), lambda m, dtype: m(x.to(dtype)).float().log_softmax(-1).diagonal().mean()
+
+
+class _Recurrent(nn.Module):
+    """A bidirectional LSTM (ORT cannot train it: ``aten::lstm`` is routed to PyTorch's kernel, which autocast runs in
+    bf16 inside the op) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def _lstm_case() -> tuple[nn.Module, Callable[[nn.Module, torch.dtype], torch.Tensor]]:
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8)
+    return _Recurrent(), lambda m, dtype: m(x.to(dtype)).float().pow(2).mean()
+
+
+CASES = {"lstm": _lstm_case, "scaled": _scaled_case, "mlp": _mlp_case, "cnn": _cnn_case, "bert": _bert_case, "gpt2": _gpt2_case}
 
 
 def _step(model: nn.Module, loss_of: Callable, dtype: torch.dtype, autocast: torch.dtype | None) -> tuple:
@@ -111,6 +148,9 @@ def _judge(name: str, ort: tuple, eager: tuple, exact: tuple, dtype: torch.dtype
     [
         ("mlp", torch.bfloat16),
         ("mlp", torch.float16),
+        ("scaled", torch.bfloat16),
+        ("scaled", torch.float16),
+        ("lstm", torch.bfloat16),
         ("cnn", torch.bfloat16),
         ("bert", torch.bfloat16),
         ("bert", torch.float16),

@@ -179,7 +179,7 @@ def test_wrapped_zero_calls_no_per_tensor_check(fp16_allowed, monkeypatch):
 def test_ortmodule_model_under_zero_trains_as_unwrapped(ortcore_default_host):
     from ortcore import ORTModule
 
-    # fp32 weights: ORT's CPU provider has no bf16/fp16 Gemm; ZeRO with fp32 weights still checks overflow and norms.
+    # fp32 weights (bf16 ORTModule models: tests/test_deepspeed.py); ZeRO with fp32 weights still checks overflow and norms.
     config = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
     unwrapped = engine_training(config, wrap=False, model=ORTModule(mlp()))
     wrapped = engine_training(config, wrap=True, model=ORTModule(mlp()))

@@ -395,10 +395,13 @@ def _translate_cross_entropy(
 ) -> Any:
     from ortcore_plugins.services.aten_program import aten_op, onnx_input
 
+    # A stand-in for a missing weight, replaced by a missing input below. Not None: the recorder would make None a
+    # constant of the logits' type, which it cannot for bfloat16 ("expected number, got NoneType").
+    placeholder = onnx_input("float", 0.0) if weight is None else weight
     loss, log_probs, total_weight = aten_op(3)(
         self,
         target,
-        weight,
+        placeholder,
         onnx_input("int", reduction),
         onnx_input("SymInt", ignore_index),
         onnx_input("float", label_smoothing),
@@ -411,6 +414,21 @@ def _translate_cross_entropy(
     _typed_like(log_probs, self, _rank(self))
     _typed_like(total_weight, self, 0)
     return loss
+
+
+def _computed_in(graph: Any, node: Any, input: Any) -> Any:
+    """``input`` cast to the floating type ``node`` computes in, where the two differ: torch.export records a call
+    under autocast as the call, its float32 computation (autocast's cast of a bf16 ``cross_entropy_loss`` input) inside
+    it; the kernel that stands for the call runs as written, so the cast is made explicit here."""
+    out, value = node.meta.get("val"), input.meta.get("val") if isinstance(input, torch.fx.Node) else None
+    if not (isinstance(out, torch.Tensor) and isinstance(value, torch.Tensor)):
+        return input
+    if out.dtype == value.dtype or not (out.dtype.is_floating_point and value.dtype.is_floating_point):
+        return input
+    with graph.inserting_before(node):
+        cast = graph.call_function(torch.ops.aten._to_copy.default, (input,), {"dtype": out.dtype})
+    cast.meta["val"] = value.to(out.dtype)
+    return cast
 
 
 DYNAMO_OPS: tuple[str, ...] = ("embedding", "gelu", "layer_norm", "cross_entropy")
@@ -467,6 +485,7 @@ def program_kernels(ops: Iterable[str]) -> Callable[[Any, Any], int]:
                 value = target.meta.get("val") if isinstance(target, torch.fx.Node) else None
                 if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
                     continue  # class probabilities as targets: not this op's formula
+                self = _computed_in(program.graph_module.graph, node, self)
                 args = (self, target, weight, reduction, ignore_index, float(smoothing))
                 node.target, node.args, node.kwargs = kernels.cross_entropy.default, args, {}
                 routed += 1

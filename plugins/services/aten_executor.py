@@ -42,8 +42,6 @@ from typing import Any
 import attrs
 import torch
 
-from ortcore.api import graph_autocast
-
 logger = logging.getLogger("ortcore.aten")
 
 # The C signatures ORT 1.19 calls (aten_op_executor.h):
@@ -312,11 +310,7 @@ def _execute(op: bytes, overload: bytes, n_in: int, inputs: Any, n_out: int, out
         # Take ownership of every input first, so ORT's deleters run even if resolving the op fails.
         tensors = [_from_ort(inputs[i]) for i in range(n_in)]
         resolved = resolve(op_name, overload_name)
-        # Under the autocast state the graph was traced under (none: nothing entered): an op traced whole under
-        # autocast (aten::lstm, whose bf16 computation autocast chose inside it) returns the types it was traced with.
-        # Ops a pass wrote in explicit types (bf16 linear) are unchanged by it: their inputs are already of the type.
-        with graph_autocast():
-            results = resolved.call(tensors)
+        results = resolved.call(tensors)
         del tensors
         if len(results) < n_out:
             raise TypeError(f"{resolved.qualified_name} returned {len(results)} results, the node has {n_out} outputs")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ortcore.api import ATEN_DOMAIN
+from ortcore.api import ATEN_DOMAIN, graph_autocast
 
 from . import aten_executor
 
@@ -463,7 +463,11 @@ def define_wrapper(
                 args[argument] = [items.get(i) for i in range(max(lengths.get(argument, 0), max(items) + 1))]
             positional = [v for v, kw in zip(args, kwarg_only, strict=True) if not kw]
             keywords = {a.name: v for a, v, kw in zip(schema.arguments, args, kwarg_only, strict=True) if kw}
-            result = packet(*positional, **keywords)
+            # Under the autocast state the graph was traced under (none: nothing entered): a call traced whole under
+            # autocast (aten::lstm, whose bf16 kernel autocast chose inside the op) returns the types it was traced
+            # with, and its gradient (the VJP calls this wrapper again) is autocast's.
+            with graph_autocast():
+                result = packet(*positional, **keywords)
             # ORT owns what the executor hands back: an output sharing an input's memory (a view) is copied.
             if isinstance(result, tuple | list):
                 return tuple(r.clone() if r._is_view() else r for r in result)

@@ -171,6 +171,21 @@ def test_autocast_trains_in_ort_within_autocasts_own_error(name: str, dtype: tor
     assert _judge(name, ort, eager, exact, dtype) == []
 
 
+def test_bert_under_bf16_autocast_on_the_dynamo_route() -> None:
+    """torch.export records cross-entropy under autocast with a bf16 input and a float32 result: the kernel standing
+    for it computes in float32 as autocast does (the cast made explicit), and no class weights is a missing input."""
+    base, loss_of = CASES["bert"]()
+    exact = _step(copy.deepcopy(base).double(), loss_of, torch.float64, None)
+    eager = _step(copy.deepcopy(base), loss_of, torch.float32, torch.bfloat16)
+    env = {**NO_FALLBACK, "ORTCORE_DYNAMO_TORCHSCRIPT_REPAIR": "0"}
+    wrapped = ORTModule(copy.deepcopy(base), host=make_host_all(env), exporter="dynamo")
+    ort = _step(wrapped, loss_of, torch.float32, torch.bfloat16)
+    counters = wrapped.state_machine.counters
+    assert (counters.exports, counters.repairs, counters.fallbacks) == (1, 0, 0), counters
+    assert [a.status for a in wrapped.gradient_audits] == ["passed"], [a.message() for a in wrapped.gradient_audits]
+    assert _judge("bert (dynamo)", ort, eager, exact, torch.bfloat16) == []
+
+
 def make_host_all(env: dict[str, str] | None = None) -> Any:
     """Every built-in plugin, configured from ``env`` (and no kernel timing: graphs independent of this machine's
     speed)."""

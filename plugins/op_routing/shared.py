@@ -72,7 +72,22 @@ _NO_GRAD = "ORT has no gradient builder for {}"
 _NO_GRAD_KERNEL = "ORT has no CPU kernel for {}"
 _SCATTER_GRAD = "ORT's gradient of a scatter with reduction drops the gradient of self at the scattered positions"
 
+# A packed sequence: pack_padded_sequence -> an RNN over the PackedSequence -> pad_packed_sequence. ORT's training
+# kernels reject the sequence lengths the exporter gives an RNN over a packed input, and the exporter writes pack and
+# pad only as a pair around an RNN it exports itself ("must occur in pairs"): the three calls run on PyTorch's kernels,
+# a connected region of ATen nodes inside the ORT graph (what lies between them, such as the initial state, and around
+# them stays in ORT).
+PACKED_REASON = (
+    "a packed sequence: pack_padded_sequence, the RNN over it and pad_packed_sequence run on PyTorch as one "
+    "connected region (ORT's LSTM/GRU training kernels reject sequence lengths, and the exporter writes pack and pad "
+    "only as a pair around an RNN it exports itself)"
+)
+# The RNN ops whose ``data`` overload takes a packed sequence (data and batch sizes).
+PACKED_RNN_OPS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
 ROUTES: tuple[Route, ...] = (
+    Route("_pack_padded_sequence", "PackPadded (removed around an exported RNN)", PACKED_REASON, gradient_only=False),
+    Route("_pad_packed_sequence", "PadPacked (removed around an exported RNN)", PACKED_REASON, gradient_only=False),
     Route("hardswish", "HardSwish", _NO_GRAD.format("HardSwish")),
     Route("hardsigmoid", "HardSigmoid", _NO_GRAD.format("HardSigmoid")),
     Route("einsum", "Einsum", _NO_GRAD.format("Einsum")),

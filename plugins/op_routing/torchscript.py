@@ -31,6 +31,8 @@ from ortcore_plugins.services.torch_kernels import prepare_runtime
 from . import shared
 from .shared import (
     AS_STRIDED_REASON,
+    PACKED_REASON,
+    PACKED_RNN_OPS,
     RENORM_OP,
     RENORM_REASON,
     ROUTE_REASONS,
@@ -66,6 +68,15 @@ def _const(args: tuple, schema: Any, name: str) -> Any:
 
 def _is_bidirectional(args: tuple, schema: Any) -> bool:
     return bool(_const(args, schema, "bidirectional"))
+
+
+def _is_packed(args: tuple, schema: Any) -> bool:
+    """An RNN over a packed sequence (the ``data`` overload: data and batch sizes)."""
+    return schema.overload_name == "data"
+
+
+def _rnn_routed(args: tuple, schema: Any) -> bool:
+    return _is_packed(args, schema) or _is_bidirectional(args, schema)
 
 
 def _is_transposed(args: tuple, schema: Any) -> bool:
@@ -141,8 +152,8 @@ def _norm_ort_cannot_differentiate(args: tuple, schema: Any) -> bool:
 TRACED_CALLS: dict[str, Callable[[tuple, Any], bool]] = {
     "max": _is_reduction,
     "min": _is_reduction,
-    "gru": _is_bidirectional,
-    "lstm": _is_bidirectional,
+    "gru": _rnn_routed,
+    "lstm": _rnn_routed,
     "_convolution": _is_transposed,
     "scaled_dot_product_attention": _is_grouped_query,
     "index_put": _accumulates,
@@ -299,7 +310,8 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
             if base is None:
                 raise UnsupportedModelError(f"the exporter has no symbolic for aten::{op}")
             return base(g, *args, **kwargs)
-        return _emit(g, op, schema, args, route.reason)
+        packed = op in PACKED_RNN_OPS and _is_packed(args, schema)
+        return _emit(g, op, schema, args, PACKED_REASON if packed else route.reason)
 
     symbolic.__name__ = f"op_routing_{op}"
     symbolic.__qualname__ = f"route_symbolic.{op}"
@@ -308,12 +320,16 @@ def route_symbolic(route: Route) -> Callable[..., Any]:
 
 # Ops the current export routed because the exporter failed on a call (for the reasons in the graph's metadata).
 _failed_ops: set[str] = set()
+# Ops the current export routed for a reason other than their route's (an RNN over a packed sequence).
+_other_reasons: dict[str, str] = {}
 
 
 def _emit(g: Any, op: str, schema: Any, args: tuple, reason: str) -> Any:
     """Export one call of ``aten::<op>`` as an ATen node run by PyTorch, with its VJP gradient."""
     if reason == EXPORTER_FAILED:
         _failed_ops.add(op)
+    elif reason == PACKED_REASON:
+        _other_reasons[op] = reason
     results = routed_calls.emit_call(g, op, schema, args, prepare_runtime)
     _note_routed(op, reason)
     return results
@@ -451,6 +467,7 @@ def exact_tracing(never: frozenset[str]) -> Iterator[None]:
     """Around a TorchScript export (``ortcore_export_context``): ``as_strided`` and ``F.embedding`` with
     ``max_norm`` traced exactly (:class:`_ExactTracing`), and the ops routed on failure counted afresh."""
     _failed_ops.clear()
+    _other_reasons.clear()
     with _ExactTracing(never):
         yield
 
@@ -542,4 +559,5 @@ def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[
 
 def add_reasons(model: onnx.ModelProto) -> None:
     """The reasons of a TorchScript export's ATen nodes (:func:`.shared.add_reasons`)."""
-    shared.add_reasons(model, ROUTE_REASONS, EXPORTER_GAP, dict.fromkeys(sorted(_failed_ops), EXPORTER_FAILED))
+    decided = {**_other_reasons, **dict.fromkeys(sorted(_failed_ops), EXPORTER_FAILED)}
+    shared.add_reasons(model, ROUTE_REASONS, EXPORTER_GAP, decided)

@@ -421,6 +421,7 @@ def define_wrapper(
     placement: list[tuple[tuple[int, int | None], ...]],
     signature: str,
     list_lengths: dict[int, int] | None = None,
+    list_results: int | None = None,
 ) -> str:
     """Define (once) and name the wrapper op of one call signature of ``op`` (``gru``, ``aten::gru``,
     ``transformers::grouped_mm_fallback``) at ``overload``, whose ``schema`` is ``schema``.
@@ -428,7 +429,9 @@ def define_wrapper(
     Wrapper input ``k`` has schema type ``kinds[k]`` and fills ``placement[k]``: ``(argument, item)`` pairs, the index
     of a schema argument and, for a tensor list, the index in the list (None for a plain argument). Arguments no
     input fills are left at None, and so are the items of a tensor list (argument ``k``, ``list_lengths[k]`` items
-    long) no input fills (None indices of ``index_put``). ``signature`` (text) tells call signatures apart: the
+    long) no input fills (None indices of ``index_put``). An op returning a tensor list (``Tensor[]``: ``split``,
+    ``unbind``, ``broadcast_tensors``) returns ``list_results`` tensors, as a tuple (an ATen node has a fixed number
+    of outputs; the traced call says how many). ``signature`` (text) tells call signatures apart: the
     wrapper is named ``<op>__<overload>__<hash of signature>``, so its gradient definition (one per name and process)
     fits the call.
     """
@@ -442,6 +445,8 @@ def define_wrapper(
             _wrapper_library = torch.library.Library(WRAPPER_NAMESPACE, "FRAGMENT")
         arguments = [f"{kind} a{position}" for position, kind in enumerate(kinds)]
         returns = [str(r.type) for r in schema.returns]
+        if list_results is not None:
+            returns = ["Tensor"] * list_results
         returns_text = returns[0] if len(returns) == 1 else f"({', '.join(returns)})"
         text = f"({', '.join(arguments)}) -> {returns_text}"
         packet = getattr(op_packet(op), overload or "default")
@@ -468,6 +473,13 @@ def define_wrapper(
             # with, and its gradient (the VJP calls this wrapper again) is autocast's.
             with graph_autocast():
                 result = packet(*positional, **keywords)
+            if list_results is not None and len(result) != list_results:
+                raise RuntimeError(
+                    f"{op} returned {len(result)} tensors where the graph was exported with {list_results} (the "
+                    "length of its list result changed with the inputs' sizes)"
+                )
+            if list_results == 1:
+                result = result[0]
             # ORT owns what the executor hands back: an output sharing an input's memory (a view) is copied.
             if isinstance(result, tuple | list):
                 return tuple(r.clone() if r._is_view() else r for r in result)

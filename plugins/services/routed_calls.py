@@ -84,19 +84,44 @@ def call_wrapper(
     order: list[int],
     differentiable: tuple[int, ...],
     float_inputs: tuple[int, ...],
+    list_results: int | None = None,
 ) -> str:
-    """Define (once) the ``ortcore_route::`` op taking ``flat`` inputs in ``order`` and calling ``aten::<op>``."""
+    """Define (once) the ``ortcore_route::`` op taking ``flat`` inputs in ``order`` and calling ``aten::<op>`` (whose
+    tensor-list result, if it returns one, is ``list_results`` tensors long)."""
     overload = schema.overload_name
     signature = (
         f"{op}.{overload}|{[(f.argument, f.item, f.kind) for f in flat]}|{order}|{differentiable}|{float_inputs}"
     )
+    if list_results is not None:
+        signature += f"|list:{list_results}"
     kinds = [flat[i].kind for i in order]
     placement = [((flat[i].argument, flat[i].item),) for i in order]
     lengths: dict[int, int] = {}
     for f in flat:
         if f.item is not None:
             lengths[f.argument] = max(lengths.get(f.argument, 0), f.item + 1)
-    return define_wrapper(op, overload, schema, kinds, placement, signature, lengths)
+    return define_wrapper(op, overload, schema, kinds, placement, signature, lengths, list_results)
+
+
+def returns_tensor_list(schema: Any) -> bool:
+    """Does the op return one tensor list (``Tensor[]``: ``split``, ``unbind``, ``meshgrid``, ``broadcast_tensors``)?"""
+    if len(schema.returns) != 1 or schema.returns[0].type.kind() != "ListType":
+        return False
+    return schema.returns[0].type.getElementType().kind() == "TensorType"
+
+
+def list_items(op: str, value: Any) -> list[Any]:
+    """The traced items of a call's tensor-list result: the outputs of the ``prim::ListUnpack`` that reads it (the
+    tracer unpacks a list the model's Python code receives). A list read otherwise has no length in the trace."""
+    unpacks = [u.user for u in value.uses() if u.user.kind() == "prim::ListUnpack"]
+    others = [u.user.kind() for u in value.uses() if u.user.kind() != "prim::ListUnpack"]
+    if len(unpacks) != 1 or others:
+        read = ", ".join(others) if others else f"{len(unpacks)} prim::ListUnpack"
+        raise UnsupportedModelError(
+            f"cannot run aten::{op} on PyTorch's kernel: how many tensors its list result holds is not in the "
+            f"traced graph (the list is read by {read}, not unpacked once)"
+        )
+    return list(unpacks[0].outputs())
 
 
 def may_need_grad(value: Any, any_build: bool = False) -> bool:
@@ -142,8 +167,21 @@ def emit_call(g: Any, op: str, schema: Any, args: tuple, prepare_runtime: Callab
     prepare_runtime()
     node = g.original_node
     outputs_traced = list(node.outputs())
-    if any(r.type.kind() != "TensorType" for r in schema.returns):
-        raise UnsupportedModelError(f"cannot run aten::{op} on PyTorch's kernel: it returns non-tensors")
+    list_results = None
+    fused = False
+    if returns_tensor_list(schema):
+        # A tensor list (split, unbind, meshgrid, broadcast_tensors): the ATen node has one output per item, as many
+        # as the traced call returned; the symbolic hands the exporter the list it unpacks. The exporter fuses some
+        # calls with their unpacking already (split, unbind: a node with one output per item), which get the items.
+        fused = len(outputs_traced) > 1 or outputs_traced[0].type().kind() != "ListType"
+        if not fused:
+            outputs_traced = list_items(op, outputs_traced[0])
+        list_results = len(outputs_traced)
+    elif any(r.type.kind() != "TensorType" for r in schema.returns):
+        raise UnsupportedModelError(
+            f"cannot run aten::{op} on PyTorch's kernel: it returns {', '.join(str(r.type) for r in schema.returns)}"
+            " (the ATen executor hands back tensors, tuples of tensors and tensor lists only)"
+        )
     flat = flatten_call(op, schema, args)
     tensors = [i for i, f in enumerate(flat) if f.kind in ("Tensor", "Tensor?")]
     # Floating-point inputs PyTorch differentiates (fractional_max_pool2d's float random_samples it refuses to).
@@ -179,7 +217,7 @@ def emit_call(g: Any, op: str, schema: Any, args: tuple, prepare_runtime: Callab
     differentiable = tuple(j for j, v in enumerate(outputs_traced) if v.type().scalarType() in FLOAT_TYPES and v.uses())
     # Always a wrapper op: its name carries this call's signature, so its gradient definition (registered once per
     # name, process-wide) fits this call's inputs and outputs.
-    operator, overload = call_wrapper(op, schema, flat, order, differentiable, float_inputs), ""
+    operator, overload = call_wrapper(op, schema, flat, order, differentiable, float_inputs, list_results), ""
     packet_schema = op_packet(operator).default._schema
     inputs = [
         f.value if f.kind in ("Tensor", "Tensor?") else constant_argument(g, f.value, f.kind, op, f"a{k}")
@@ -187,4 +225,6 @@ def emit_call(g: Any, op: str, schema: Any, args: tuple, prepare_runtime: Callab
     ]
     register_vjp_gradient(operator, overload, packet_schema, differentiable, float_inputs, prepare_runtime)
     results = aten_node(g, operator, overload, inputs, outputs_traced)
+    if list_results is not None and not fused:
+        return g.op("prim::ListConstruct", *(results if isinstance(results, tuple) else (results,)))
     return results

@@ -21,8 +21,10 @@ Options (``[plugins.autograd_function]`` in ortcore.toml, or the environment):
   ``ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1`` turns it off too): off traces through every Function instead;
 - ``skipped_functions`` (``ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS``, comma-separated fully qualified class names):
   these are traced through;
-- ``allow_checkpoint`` (``ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT``, default off): ``torch.utils.checkpoint``'s
-  reentrant ``CheckpointFunction`` is refused unless set, and then traced through.
+- ``allow_checkpoint`` (``ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT``): what ``torch.utils.checkpoint``'s reentrant
+  ``CheckpointFunction`` becomes. ``region`` (the default, and ``1``): the checkpointed function runs in PyTorch as
+  one PythonOp node with recomputation (:mod:`.checkpoint`); ``0``: refused, naming the switch; ``inline``: traced
+  through, its layers exported into the graph (no recomputation unless the memory_recompute plugin's).
 
 The plugin is split by route, so that dropping an exporter means deleting its module: :mod:`.shared` (the PythonOp
 node's attributes, the output dimensions matched to input ones, the output-shape and inference-mode graph passes),
@@ -52,6 +54,7 @@ from ortcore.api import (
 )
 from ortcore_plugins.services.autograd_functions import function_name, python_op_symbolic
 
+from .checkpoint import TORCH_CHECKPOINT_FUNCTION, checkpoint_region, export_origin
 from .dynamo import _function_call_op, apply_function_call, translate_function_call
 from .shared import _has_python_op, inference_mode_pass, relate_output_shapes
 from .torchscript import export_python_op
@@ -63,6 +66,7 @@ SHAPES_PASS = "autograd_function.output_shapes"
 INFERENCE_PASS = "autograd_function.inference_mode"
 # Reentrant activation checkpointing: its forward runs the checkpointed layers in PyTorch, out of ORT's sight.
 CHECKPOINT_FUNCTIONS = ("torch.utils.checkpoint.CheckpointFunction", "deepspeed.checkpointing.CheckpointFunction")
+CHECKPOINT_MODES = ("region", "inline", "refuse")
 _QUALIFIED_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_<>][\w<>]*)*$")
 
 
@@ -87,6 +91,23 @@ def parse_function_names(value: object, source: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
+def parse_checkpoint_mode(value: object, source: str) -> str:
+    """``region``, ``inline`` or ``refuse``; a boolean as the older switch meant it (1: allowed, as a PythonOp that
+    PyTorch runs, which is ``region``; 0: refused)."""
+    text = str(value).strip().lower() if not isinstance(value, bool) else ("1" if value else "0")
+    if text in CHECKPOINT_MODES:
+        return text
+    if text in ("1", "true", "yes", "on"):
+        return "region"
+    if text in ("0", "false", "no", "off"):
+        return "refuse"
+    raise OptionError(
+        f"{source}={value!r} is not a checkpoint mode; allowed: region or 1 (the checkpointed function runs in PyTorch "
+        "with recomputation, the default), inline (its layers exported into the graph, no recomputation), refuse or "
+        "0 (an error naming this switch)"
+    )
+
+
 @attrs.frozen
 class AutogradFunctionOptions:
     enable_custom_autograd: bool = option(
@@ -107,10 +128,11 @@ class AutogradFunctionOptions:
         "Functions traced through instead (fully qualified names, comma-separated)",
         "ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS",
     )
-    allow_checkpoint: bool = option(
-        False,
-        parse_bool,
-        "trace through torch.utils.checkpoint's reentrant CheckpointFunction instead of refusing it",
+    allow_checkpoint: str = option(
+        "region",
+        parse_checkpoint_mode,
+        "reentrant torch.utils.checkpoint: region/1 (runs in PyTorch, recomputed in backward), inline (exported "
+        "into the graph), refuse/0",
         "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT",
     )
 
@@ -126,21 +148,50 @@ def _options(config: Config) -> AutogradFunctionOptions:
 
 # -- the handlers ---------------------------------------------------------------------------------------------------
 class CheckpointRefusal:
-    """Refuses reentrant activation checkpointing, explaining the switch that allows it."""
+    """Refuses reentrant activation checkpointing, explaining the switch (``explicit``: the user's ``0``) or, for a
+    checkpointing Function other than torch's, what runs it."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, explicit: bool = True):
+        self.name, self.explicit = name, explicit
 
     def export(self, g, node, args):
         self.check()
 
     def check(self) -> None:
+        if self.explicit:
+            raise UnsupportedModelError(
+                f"the model uses activation checkpointing through {self.name} (torch.utils.checkpoint with "
+                "use_reentrant=True), and ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=0 (or [plugins.autograd_function] "
+                "allow_checkpoint = false) refuses it. Unset it (or set it to 1) to run the checkpointed function in "
+                "PyTorch with recomputation, set it to 'inline' to export the checkpointed layers into the graph (no "
+                "recomputation: use the memory_recompute plugin, ORTMODULE_MEMORY_OPT_LEVEL=1, for that), or call "
+                "checkpoint with use_reentrant=False"
+            )
         raise UnsupportedModelError(
-            f"the model uses activation checkpointing through {self.name} (torch.utils.checkpoint with "
-            "use_reentrant=True), whose forward would run the checkpointed layers in PyTorch outside ONNX Runtime. "
-            "Set ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=1 (or [plugins.autograd_function] allow_checkpoint = true) to "
-            "export the checkpointed layers into the graph instead (no recomputation: use the memory_recompute "
-            "plugin, ORTMODULE_MEMORY_OPT_LEVEL=1, for that), or call checkpoint with use_reentrant=False"
+            f"the model uses activation checkpointing through {self.name}, which ortcore runs only traced through: "
+            "set ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=inline (or [plugins.autograd_function] allow_checkpoint = "
+            "'inline') to export the checkpointed layers into the graph (recomputation by the memory_recompute "
+            "plugin, ORTMODULE_MEMORY_OPT_LEVEL=1), or checkpoint with torch.utils.checkpoint"
+        )
+
+
+class CheckpointRegionHandler:
+    """Reentrant activation checkpointing as a recompute region (:mod:`.checkpoint`): while tracing, the call is
+    replaced by one :class:`~.checkpoint.CheckpointRegion` call, which this plugin exports as PythonOp."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def replace_call(self, args: tuple, kwargs: dict) -> Any:
+        return checkpoint_region(args, kwargs)
+
+    def dynamo_apply(self, function: type, apply: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return checkpoint_region(args, kwargs)
+
+    def export(self, g, node, args):
+        raise UnsupportedModelError(
+            f"{self.name} reached the exporter as a call: it is replaced by a checkpoint region only while the "
+            "model is traced by ortcore's exporters"
         )
 
 
@@ -179,10 +230,32 @@ def handler_for(config: Config, function: type) -> Any:
     if name in options.skipped_functions:
         return INLINE
     if name in CHECKPOINT_FUNCTIONS:
-        return INLINE if options.allow_checkpoint else CheckpointRefusal(name)
+        return _checkpoint_handler(options, name)
     if not options.python_op:
         return INLINE
     return PythonOpHandler(function)
+
+
+_warned: set[str] = set()
+
+
+def _checkpoint_handler(options: AutogradFunctionOptions, name: str) -> Any:
+    mode = options.allow_checkpoint
+    if mode == "inline":
+        return INLINE
+    if mode == "refuse":
+        return CheckpointRefusal(name)
+    if name != TORCH_CHECKPOINT_FUNCTION:  # DeepSpeed's: another signature and its own partitioning
+        return CheckpointRefusal(name, explicit=False)
+    if not options.python_op:
+        if "python_op" not in _warned:
+            _warned.add("python_op")
+            logger.warning(
+                "custom autograd Functions are traced through (ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0), so reentrant "
+                "checkpointing is too: the checkpointed layers run in ORT without recomputation"
+            )
+        return INLINE
+    return CheckpointRegionHandler(name)
 
 
 # -- hooks ----------------------------------------------------------------------------------------------------------
@@ -232,6 +305,13 @@ def ortcore_export_key(config: Config) -> dict[str, Any]:
         "autograd_function.skipped": sorted(options.skipped_functions),
         "autograd_function.allow_checkpoint": options.allow_checkpoint,
     }
+
+
+@hookimpl
+def ortcore_export_context(config: Config, module: torch.nn.Module) -> Any:
+    """Checkpoint regions find the user's tensors behind the traced copy's (:func:`.checkpoint.export_origin`)."""
+    options = _options(config)
+    return export_origin(module) if options.allow_checkpoint == "region" and options.python_op else None
 
 
 @hookimpl(wrapper=True)

@@ -112,6 +112,9 @@ def tracing_through(handler_for: Callable[[type], Any] | None):
             handler = _handler(handler_for, cls)
             if handler == INLINE or getattr(handler, "traces_through", lambda _args: False)(args):
                 return _trace_through(cls, args, kwargs)
+            replace_call = getattr(handler, "replace_call", None)
+            if replace_call is not None:  # the handler traces something else in place of the call
+                return replace_call(args, kwargs)
         return original(cls, *args, **kwargs)
 
     with function_apply_replaced(apply):
@@ -120,8 +123,8 @@ def tracing_through(handler_for: Callable[[type], Any] | None):
 
 def _handler(handler_for: Callable[[type], Any], function: type) -> Any:
     """The handler of ``function``: :data:`INLINE` or an object with ``export(g, node, args)``; its optional
-    ``check()`` may refuse the Function (raising) and its optional ``traces_through(args)`` may ask to trace through
-    one call; no handler is an error naming the plugin to enable."""
+    ``check()`` may refuse the Function (raising), its optional ``traces_through(args)`` may ask to trace through
+    one call, and its optional ``replace_call(args, kwargs)`` is traced in place of the call; no handler is an error naming the plugin to enable."""
     handler = handler_for(function)
     if handler is None:
         raise UnsupportedModelError(

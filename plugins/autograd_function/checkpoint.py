@@ -1,0 +1,420 @@
+"""Reentrant activation checkpointing as a recompute region: the checkpointed function runs in PyTorch as one
+PythonOp node of ORT's graph, without keeping its activations, and runs again in backward.
+
+``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)`` (the older default, ``checkpoint_sequential``,
+Hugging Face's ``gradient_checkpointing_enable()`` with ``use_reentrant=True``) calls
+``torch.utils.checkpoint.CheckpointFunction``. While the model is exported, that call is replaced by one call of
+:class:`CheckpointRegion`, a Function the plugin exports as PythonOp like any other, whose inputs are the call's
+tensors followed by the parameters of the modules ``fn`` reaches (graph inputs: ORT feeds the model's own and returns
+their gradients). ``forward`` runs ``fn`` under ``torch.no_grad()`` (nothing of it is kept but its inputs), after
+saving the RNG state; ``backward`` restores that state, runs ``fn`` again with autograd and differentiates it: the
+same masks as the forward, PyTorch's own recipe.
+
+``fn`` belongs to the copy of the model the exporter traces. At every step it runs with the user's model's state:
+each parameter and buffer of the traced copy is replaced, for the call, by the user's (the inputs' parameters by
+the tensors ORT feeds in forward, by the user's parameters again in the recompute), so in-place updates of buffers
+(batch norm's running statistics) reach the model, twice per step as in PyTorch (forward and recompute). The copy's
+tensors are matched to the user's through the deep copy's memo (:func:`export_origin`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from ortcore.api import UnsupportedModelError, graph_autocast
+
+logger = logging.getLogger("ortcore.autograd_function")
+
+TORCH_CHECKPOINT_FUNCTION = "torch.utils.checkpoint.CheckpointFunction"
+_ORIGIN_ATTRIBUTE = "_ortcore_export_origin"
+_current = threading.local()
+
+
+# -- the user's tensors behind the traced copy ----------------------------------------------------------------------
+class _Origin:
+    """Put in the user's module's ``__dict__`` while it is exported. The exporter's ``copy.deepcopy`` hands it the
+    copy's memo (``id(user object) -> copy``), which maps every parameter, buffer and module of the traced copy back
+    to the user's; without a deep copy (``ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT=0``) the traced model is the user's."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.memo: dict | None = None
+        self._state: list | None = None
+        self._users: dict[int, torch.Tensor] | None = None
+
+    def __deepcopy__(self, memo: dict) -> _Origin:
+        self.memo = memo
+        return self
+
+    def __repr__(self) -> str:
+        return "<ortcore export origin>"
+
+    def _copy_of(self, obj: Any) -> Any:
+        return obj if self.memo is None else self.memo.get(id(obj), obj)
+
+    def state(self) -> list[tuple[dict, str, torch.Tensor]]:
+        """Every parameter and buffer slot of the traced copy, with the user's tensor for it."""
+        if self._state is None:
+            self._state = [
+                (getattr(self._copy_of(user), table), name, tensor)
+                for user in self.module.modules()
+                for table in ("_parameters", "_buffers")
+                for name, tensor in getattr(user, table).items()
+                if tensor is not None
+            ]
+        return self._state
+
+    def user_tensor(self, traced: torch.Tensor) -> torch.Tensor:
+        """The user's tensor behind a traced copy's parameter."""
+        if self._users is None:
+            self._users = {id(table[name]): user for table, name, user in self.state() if name in table}
+        return self._users.get(id(traced), traced)
+
+
+@contextlib.contextmanager
+def export_origin(module: torch.nn.Module) -> Iterator[None]:
+    """Around one export of ``module`` (the plugin's ``ortcore_export_context``): lets checkpoint calls traced in the
+    copy find the user's tensors."""
+    origin = _Origin(module)
+    previous = getattr(_current, "origin", None)
+    module.__dict__[_ORIGIN_ATTRIBUTE] = origin
+    _current.origin = origin
+    try:
+        yield
+    finally:
+        module.__dict__.pop(_ORIGIN_ATTRIBUTE, None)
+        _current.origin = previous
+
+
+@contextlib.contextmanager
+def _slots(entries: list[tuple[dict, str, torch.Tensor]]) -> Iterator[None]:
+    """Each ``table[name]`` set to its tensor for the block, restored after."""
+    saved = []
+    try:
+        for table, name, tensor in entries:
+            saved.append((table, name, table.get(name)))
+            table[name] = tensor
+        yield
+    finally:
+        for table, name, before in reversed(saved):
+            table[name] = before
+
+
+# -- what the checkpointed function reaches -------------------------------------------------------------------------
+def reached_modules(function: Any, extra: tuple = ()) -> list[torch.nn.Module]:
+    """The modules ``function`` can call: itself, the object of a bound method, what a ``functools.partial`` binds,
+    a closure's cells, defaults, the module-level names its code reads, and containers of these, recursively."""
+    found: dict[int, torch.nn.Module] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if depth > 8 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            found.setdefault(id(obj), obj)
+            return
+        if isinstance(obj, torch.Tensor | str | bytes | int | float | bool | type(None)):
+            return
+        if isinstance(obj, list | tuple | set | frozenset):
+            for item in obj:
+                visit(item, depth + 1)
+            return
+        if isinstance(obj, dict):
+            for item in obj.values():
+                visit(item, depth + 1)
+            return
+        if isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            visit(obj.args, depth + 1)
+            visit(obj.keywords, depth + 1)
+            return
+        owner = getattr(obj, "__self__", None)
+        if owner is not None and not isinstance(owner, type):
+            visit(owner, depth + 1)
+        inner = getattr(obj, "__func__", None) or getattr(obj, "__wrapped__", None)
+        if inner is not None:
+            visit(inner, depth + 1)
+        code = getattr(obj, "__code__", None)
+        if code is not None:
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+            visit(getattr(obj, "__defaults__", None), depth + 1)
+            visit(getattr(obj, "__kwdefaults__", None), depth + 1)
+            names = getattr(obj, "__globals__", {})
+            for name in code.co_names:
+                value = names.get(name)
+                if isinstance(value, torch.nn.Module | list | tuple | dict):
+                    visit(value, depth + 1)
+        elif not callable(obj) or owner is not None:
+            return
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):  # a callable object: its attributes
+            visit(vars(obj), depth + 1)
+
+    visit(function, 0)
+    visit(extra, 0)
+    return list(found.values())
+
+
+def _parameters(modules: list[torch.nn.Module]) -> list[tuple[torch.Tensor, list[tuple[dict, str]]]]:
+    """The parameters of ``modules`` and their submodules, once each, with every slot naming it (frozen ones too:
+    whether one requires grad is not known while torch.export traces; ORT says which gradients it needs)."""
+    owners: dict[int, tuple[torch.Tensor, list[tuple[dict, str]]]] = {}
+    for module in modules:
+        for sub in module.modules():
+            for name, param in sub._parameters.items():
+                if param is not None:
+                    owners.setdefault(id(param), (param, []))[1].append((sub._parameters, name))
+    return list(owners.values())
+
+
+# -- one call -------------------------------------------------------------------------------------------------------
+@attrs.define(eq=False)
+class CheckpointCall:
+    """One traced ``checkpoint(function, *args)`` call: how to rebuild the arguments from the node's tensors, which
+    parameter slots the node's parameter inputs fill, and the structure of the outputs (learnt at export)."""
+
+    function: Callable[..., Any]
+    preserve_rng_state: bool
+    origin: _Origin
+    in_spec: Any
+    leaves: list  # non-tensor arguments in place; tensors are None here
+    tensor_positions: list[int]
+    slots: list[list[tuple[dict, str]]]  # per parameter input, the traced copy's slots it fills
+    out_spec: Any = None
+    out_leaves: list | None = None
+    out_positions: list[int] = attrs.field(factory=list)
+    warned: bool = False  # no tensor argument required grad: said once
+    checked: bool = False  # the first recompute checked that no other parameter of the model is reached
+
+    def arguments(self, tensors: tuple) -> tuple:
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            leaves[position] = tensor
+        (args,) = pytree.tree_unflatten(leaves, self.in_spec)
+        return args
+
+    def state(self, params: tuple, running: bool) -> list[tuple[dict, str, torch.Tensor]]:
+        """The slots to fill for one run: the user's state (at a step, not while exporting), then ``params``."""
+        entries = list(self.origin.state()) if running else []
+        for slots, tensor in zip(self.slots, params):
+            entries.extend((table, name, tensor) for table, name in slots)
+        return entries
+
+    def run(self, tensors: tuple, params: tuple, running: bool) -> list[torch.Tensor]:
+        with _slots(self.state(params, running)), graph_autocast():
+            output = self.function(*self.arguments(tensors))
+        out_leaves, out_spec = pytree.tree_flatten(output)
+        positions = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
+        if self.out_spec is None:
+            self.out_spec, self.out_positions = out_spec, positions
+            self.out_leaves = [None if i in positions else leaf for i, leaf in enumerate(out_leaves)]
+        elif out_spec != self.out_spec or positions != self.out_positions:
+            raise RuntimeError(
+                f"the checkpointed function {_name(self.function)} returned another output structure than when it "
+                f"was exported ({out_spec} instead of {self.out_spec})"
+            )
+        return [out_leaves[i] for i in positions]
+
+    def rebuild(self, tensors: tuple) -> Any:
+        leaves = list(self.out_leaves or [])
+        for position, tensor in zip(self.out_positions, tensors):
+            leaves[position] = tensor
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def _name(function: Any) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__qualname__
+
+
+def _exporting(tensors: tuple) -> bool:
+    """Whether this run traces the model (TorchScript's tracer, or torch.export's fake tensors)."""
+    if torch._C._get_tracing_state() is not None:
+        return True
+    return any(isinstance(t, torch._subclasses.FakeTensor) for t in tensors) or (
+        torch._guards.detect_fake_mode() is not None
+    )
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """No TorchScript tracing inside (the function's ops are the node's, not the graph's). A no-op otherwise."""
+    state = torch._C._get_tracing_state()
+    if state is None:
+        yield
+        return
+    torch._C._set_tracing_state(None)
+    try:
+        with torch._C.DisableTorchFunction():
+            yield
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+def _rng_states(tensors: tuple) -> tuple[torch.Tensor, list, list]:
+    devices = sorted({t.device for t in tensors if t.device.type not in ("cpu", "meta")}, key=str)
+    gpu = [d for d in devices if d.type == "cuda"]
+    return torch.get_rng_state(), gpu, [torch.cuda.get_rng_state(d) for d in gpu]
+
+
+@contextlib.contextmanager
+def _rng_restored(states: tuple[torch.Tensor, list, list] | None) -> Iterator[None]:
+    """The forward's RNG state for the recompute (the same dropout masks), the caller's kept (forked) after."""
+    if states is None:
+        yield
+        return
+    cpu, devices, device_states = states
+    with torch.random.fork_rng(devices=devices, enabled=True, device_type="cuda" if devices else "cpu"):
+        torch.set_rng_state(cpu)
+        for device, state in zip(devices, device_states):
+            torch.cuda.set_rng_state(state, device)
+        yield
+
+
+def _pointer(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.data_ptr() if tensor.numel() else None
+    except RuntimeError:  # a fake tensor
+        return None
+
+
+class CheckpointRegion(torch.autograd.Function):
+    """A checkpointed call: ``forward(call, *tensors)``, ``tensors`` being the call's tensor arguments then the
+    parameter inputs. Forward keeps only the tensor arguments; backward runs the function again and differentiates
+    it (as ``torch.utils.checkpoint.CheckpointFunction`` does)."""
+
+    @staticmethod
+    def forward(ctx: Any, call: CheckpointCall, *tensors: torch.Tensor) -> Any:
+        n = len(call.tensor_positions)
+        args, params = tensors[:n], tensors[n:]
+        exporting = _exporting(tensors)
+        tracing = torch._C._get_tracing_state() is not None
+        ctx.rng = _rng_states(args) if call.preserve_rng_state and not exporting else None
+        with _untraced(), torch.no_grad():
+            outputs = call.run(tuple(a.detach() for a in args), tuple(p.detach() for p in params), not exporting)
+            pointers = {_pointer(t) for t in tensors} - {None}
+            results = [o.detach().clone() if _pointer(o) in pointers else o.detach() for o in outputs]
+        if tracing and tensors:
+            # As region routing does: the tracer links outputs made from inputs to values it traced; the function ran
+            # untraced, so hand it fresh tensors holding the values.
+            placeholders = [tensors[0].new_empty([int(d) for d in r.shape], dtype=r.dtype) for r in results]
+            with _untraced(), torch.no_grad():
+                for placeholder, result in zip(placeholders, results):
+                    placeholder.copy_(result)
+            results = placeholders
+        ctx.call = call
+        ctx.save_for_backward(*args)
+        ctx.mark_non_differentiable(*(r for r in results if not (r.is_floating_point() or r.is_complex())))
+        return tuple(results) if len(results) != 1 else results[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        call: CheckpointCall = ctx.call
+        n = len(call.tensor_positions)
+        args = tuple(
+            a.detach().requires_grad_(ctx.needs_input_grad[1 + i] and (a.is_floating_point() or a.is_complex()))
+            for i, a in enumerate(ctx.saved_tensors)
+        )
+        # PyTorch's reentrant checkpoint differentiates nothing when no tensor argument requires grad (its
+        # parameters get no gradient from it, with a warning): the same here, ORT saying which inputs need one.
+        differentiable = any(a.requires_grad for a in args)
+        if not differentiable and call.slots and not call.warned:
+            call.warned = True
+            logger.warning(
+                "checkpoint(%s): none of its tensor arguments requires grad, so (as in PyTorch's reentrant "
+                "checkpoint) its parameters get no gradient from it",
+                _name(call.function),
+            )
+        traced = [slots[0][0][slots[0][1]] for slots in call.slots]
+        params = tuple(
+            call.origin.user_tensor(t).detach().requires_grad_(differentiable and ctx.needs_input_grad[1 + n + k])
+            for k, t in enumerate(traced)
+        )
+        with _rng_restored(ctx.rng), torch.enable_grad():
+            outputs = call.run(args, params, True)
+        if not call.checked:
+            _check_reached(call, outputs)
+            call.checked = True
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        leaves = [*args, *params]
+        wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+        result: list[torch.Tensor | None] = [None] * len(leaves)
+        if pairs and wanted:
+            found = torch.autograd.grad(
+                [o for o, _ in pairs], [leaves[i] for i in wanted], [g for _, g in pairs], allow_unused=True
+            )
+            for i, grad in zip(wanted, found):
+                result[i] = grad
+        ctx.call = ctx.rng = None
+        return (None, *result)
+
+
+def _check_reached(call: CheckpointCall, outputs: list[torch.Tensor]) -> None:
+    """The recompute reached no parameter of the model that is not an input of the node (its gradient would be
+    lost): a function that finds its modules in a way :func:`reached_modules` does not follow is named."""
+    names = {id(t): f"{path}.{name}" if path else name for path, m in call.origin.module.named_modules()
+             for name, t in m._parameters.items() if t is not None}
+    missed: list[str] = []
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in names:
+            missed.append(names[id(variable)])
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    if missed:
+        raise UnsupportedModelError(
+            f"the checkpointed function {_name(call.function)} uses parameters {', '.join(sorted(set(missed)))} that "
+            "ortcore did not find among the modules it reaches (its object, closure, defaults or module globals), so "
+            "their gradients would be lost. Pass the module as the checkpointed function (checkpoint(module, x)) or "
+            "close over it, or set ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=inline to export the checkpointed layers into "
+            "the graph"
+        )
+
+
+def checkpoint_region(args: tuple, kwargs: dict) -> Any:
+    """In place of ``CheckpointFunction.apply(function, preserve_rng_state, *args)`` while a model is exported: one
+    :class:`CheckpointRegion` call."""
+    if kwargs:
+        raise UnsupportedModelError(
+            f"torch.utils.checkpoint's CheckpointFunction was called with keyword arguments {sorted(kwargs)}: "
+            "reentrant checkpointing passes positional arguments only"
+        )
+    function, preserve_rng_state, *rest = args
+    origin = getattr(_current, "origin", None)
+    if origin is None:
+        raise UnsupportedModelError(
+            "reentrant activation checkpointing was met outside an ortcore export (no export origin): cannot map the "
+            "checkpointed function's parameters"
+        )
+    leaves, spec = pytree.tree_flatten((tuple(rest),))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in positions]
+    params = _parameters(reached_modules(function, tuple(rest)))
+    call = CheckpointCall(
+        function=function,
+        preserve_rng_state=bool(preserve_rng_state),
+        origin=origin,
+        in_spec=spec,
+        leaves=[None if i in positions else leaf for i, leaf in enumerate(leaves)],
+        tensor_positions=positions,
+        slots=[slots for _, slots in params],
+    )
+    outputs = CheckpointRegion.apply(call, *tensors, *(p for p, _ in params))
+    return call.rebuild(outputs if isinstance(outputs, tuple) else (outputs,))

@@ -100,6 +100,10 @@ ATEN_RANDOM_OPS = frozenset(
 _LEAF = "|"  # separates a module's path from the pytree path of a leaf of its output in tap names
 
 
+#: The kind of a :class:`Difference` for a returned output whose tensor changed after the call returned it.
+CHANGED_AFTER_CALL = "output changed after the call"
+
+
 @attrs.frozen
 class Difference:
     """How one of ORT's tensors differs from PyTorch's."""
@@ -114,6 +118,8 @@ class Difference:
 
     def describe(self) -> str:
         what = f"{self.kind} {self.name!r}"
+        if self.kind == CHANGED_AFTER_CALL:
+            return f"output {self.name!r} changed after the call: {self.detail}"
         if self.detail:
             return f"{what}: {self.detail}"
         return (
@@ -165,9 +171,29 @@ class AuditResult:
                 f"gradient audit passed on {self.graph}: outputs, loss and gradients match PyTorch ({self.compared} "
                 f"compared; {tolerance}){worst} [{self.seconds:.2f} s]"
             )
-        where = f"first difference in {self.location.describe()}" if self.location else "no single module named"
-        listed = "; ".join(d.describe() for d in self.differences[:5])
-        more = f" (and {len(self.differences) - 5} more)" if len(self.differences) > 5 else ""
+        changed = [d for d in self.differences if d.kind == CHANGED_AFTER_CALL]
+        if changed:
+            where = "; ".join(d.describe() for d in changed) + (
+                " (a forward value ONNX Runtime keeps for the backward was handed out without a copy: ortcore's "
+                "bug, not the model's; no module to route)"
+            )
+            if self.location:
+                where += f"; first difference in {self.location.describe()}"
+        elif self.location:
+            where = f"first difference in {self.location.describe()}"
+        else:
+            where = "no single module named"
+        others = [d for d in self.differences if d.kind != CHANGED_AFTER_CALL]
+        listed = "; ".join(d.describe() for d in others[:5]) or "nothing else"
+        more = f" (and {len(others) - 5} more)" if len(others) > 5 else ""
+        if changed and not others:
+            return (
+                f"gradient audit: ONNX Runtime differs from PyTorch on {self.graph}: {where}. Outputs, loss and "
+                f"gradients otherwise match ({self.compared} compared; {tolerance}). What to do: train this model "
+                "in PyTorch, or copy that output right after the call (before backward) and switch the audit off "
+                "for it (verify_gradients=False); report the model and the output with the saved graphs "
+                "(ORTMODULE_SAVE_ONNX_PATH). See docs/gradient_audit.md"
+            )
         return (
             f"gradient audit: ONNX Runtime differs from PyTorch on {self.graph} ({tolerance}): {where}. "
             f"Beyond the tolerance: {listed}{more}. What to do: train this model in PyTorch until it is fixed (or wrap "
@@ -346,6 +372,9 @@ class _Side:
     # Taps whose tensor a later in-place op changed (a batch norm's output under ReLU(inplace=True), and the ReLU's
     # output, the same tensor): the two sides do not report the same value for them, so they are not compared.
     tap_changed: set[int] = attrs.Factory(set)
+    # ORT's side: (index, largest change) of each returned output whose tensor the backward wrote into; ``outputs``
+    # then holds the values as the forward returned them.
+    outputs_changed: list[tuple[int, float]] = attrs.Factory(list)
 
 
 class _VersionedTapper(Tapper):
@@ -446,19 +475,43 @@ def _run_ort(req: AuditRequest, graph: Any, session: Any, output_grads: list[tor
     with running_graph(req.autocast):
         outputs, state = session.run_forward(_feeds(req, session))
     n = graph.n_user_outputs
+    # The outputs as the call returned them (a tensor handed to the user must not change afterwards), and the taps
+    # as the forward computed them.
+    returned = [o.detach().clone() for o in outputs]
     grads_in = list(output_grads[:n]) + [None] * (len(outputs) - n)
     tap_grads: list[tuple[int, torch.Tensor]] = []
     with running_graph(req.autocast):
-        grads = session.run_backward(
-            grads_in, [(o.shape, o.dtype) for o in outputs], state, tap_gradients=tap_grads
-        )
+        grads = session.run_backward(grads_in, [(o.shape, o.dtype) for o in outputs], state, tap_gradients=tap_grads)
     del state
-    side = _Side(outputs=outputs[:n], grads=dict(zip(session.feed_names, grads)))
+    side = _Side(outputs=returned[:n], grads=dict(zip(session.feed_names, grads)))
+    side.outputs_changed = changed_after_call(returned[:n], outputs[:n])
     if graph.taps:
         side.tap_names = [t.name for t in graph.taps]
-        side.tap_values = [outputs[i] for i in graph.tap_outputs]
+        side.tap_values = [returned[i] for i in graph.tap_outputs]
         side.tap_grads = dict(tap_grads)
     return side
+
+
+def changed_after_call(returned: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> list[tuple[int, float]]:
+    """``(index, largest absolute change)`` of each tensor of ``now`` that no longer holds what ``returned`` (its copy
+    taken when the call returned) holds, bit for bit; NaNs at the same places are the same. An integer or boolean
+    tensor's change is counted in differing elements."""
+    changed = []
+    for i, (before, after) in enumerate(zip(returned, now)):
+        after = after.detach()
+        if before.shape != after.shape or before.dtype != after.dtype:  # resized in place
+            changed.append((i, math.inf))
+            continue
+        if not before.numel():
+            continue
+        if before.is_floating_point() or before.is_complex():
+            same = (before == after) | (before.isnan() & after.isnan())
+            if not bool(same.all()):
+                delta = (after.to(torch.complex128 if before.is_complex() else torch.float64) - before).abs()
+                changed.append((i, float(torch.where(same, 0.0, delta).nan_to_num(math.inf).max())))
+        elif not torch.equal(before, after):
+            changed.append((i, float((before != after).sum())))
+    return changed
 
 
 def _loss(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> tuple[float, float]:
@@ -479,6 +532,22 @@ def _compare_sides(
 ) -> list[Difference]:
     rtol, atol = req.rtol, req.atol
     found = [compare("output", name, a, b, rtol, atol) for name, a, b in zip(names, ort.outputs, ref.outputs)]
+    for i, change in ort.outputs_changed:
+        amount = "in place: resized" if math.isinf(change) else f"by up to {change:.3g}"
+        if not ort.outputs[i].is_floating_point() and not ort.outputs[i].is_complex() and math.isfinite(change):
+            amount = f"in {int(change)} element(s)"
+        found.append(
+            Difference(
+                CHANGED_AFTER_CALL,
+                names[i],
+                change,
+                math.inf,
+                True,
+                f"ONNX Runtime's backward wrote into the tensor the forward returned ({amount}); the values compared "
+                "are those returned",
+                math.inf,
+            )
+        )
     ort_loss, _ = _loss(ort.outputs, output_grads)
     ref_loss, scale = _loss(ref.outputs, output_grads)
     loss_diff = abs(ort_loss - ref_loss)
@@ -912,7 +981,7 @@ def _audit(req: AuditRequest) -> AuditResult:
         beyond = tuple(d for d in found if d.exceeds)
         worst = max(found, key=lambda d: d.used)
         location = None
-        if beyond:
+        if any(d.kind != CHANGED_AFTER_CALL for d in beyond):
             try:
                 location = _locate(req, list(beyond), variant)
             except Exception as e:  # the mismatch is reported either way; only the module stays unnamed

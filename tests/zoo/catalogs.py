@@ -1,5 +1,6 @@
-"""The zoo's catalogs by name: ``main`` (``catalog``, the first zoo) and ``wide`` (``catalog_wide``, a second zoo of
-other models chosen for variety of ops). Each catalog module defines ``MODELS`` (name -> ``ZooModel``)."""
+"""The zoo's catalogs by name: ``main`` (``catalog``, the first zoo), ``wide`` (``catalog_wide``, a second zoo of
+other models chosen for variety of ops) and ``third`` (``catalog_third``, a third zoo of models neither has). Each
+catalog module defines ``MODELS`` (name -> ``ZooModel``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import ModuleType
 
 from .catalog import ZooModel
 
-CATALOGS = {"main": "tests.zoo.catalog", "wide": "tests.zoo.catalog_wide"}
+CATALOGS = {"main": "tests.zoo.catalog", "wide": "tests.zoo.catalog_wide", "third": "tests.zoo.catalog_third"}
 DEFAULT_CATALOG = "main"
 
 

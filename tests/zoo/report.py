@@ -10,10 +10,12 @@ python -m tests.zoo.report --exporter dynamo --models bert,gpt2   # rerun these 
 python -m tests.zoo.report --exporter torchscript --results DIR   # record an earlier run's JSON (the pytest zoo)
 python -m tests.zoo.report --render                 # rewrite the page from the records, running nothing
 python -m tests.zoo.report --catalog wide --exporter torchscript   # the wide zoo (records/wide/), its section
+python -m tests.zoo.report --catalog third --exporter torchscript  # the third zoo (records/third/), its section
 python -m tests.zoo.report --autocast bf16          # the main zoo under torch.autocast (records/autocast-bf16.json)
 python -m tests.zoo.report --autocast fp16 --models bert,gpt2     # a few models under float16 autocast
 
-The wide zoo (``catalog_wide``) has its records in ``records/wide/`` and its own section at the end of the page.
+The wide zoo (``catalog_wide``) has its records in ``records/wide/`` and its own section at the end of the page;
+the third zoo (``catalog_third``) likewise in ``records/third/``, its section after the wide zoo's.
 Under ``--autocast`` each model of the main zoo runs one step with its forward under ``torch.autocast("cpu", ...)``
 on the default route, judged against eager autocast and float64 (``tests.zoo.autocast``); each type's record is
 ``records/autocast-<type>.json`` and has its own section ("Under bf16 autocast") after the wide zoo's.
@@ -51,6 +53,7 @@ DEFAULT_OUT = REPO / "docs" / "models.md"
 RECORDS = Path(__file__).resolve().parent / "records"
 REGENERATE = "python -m tests.zoo.report"
 WIDE = "wide"
+THIRD = "third"
 #: A model that passes with less than this share of its training graph's nodes on ORT's kernels runs mostly in
 #: PyTorch: the zoo's test fails it (ortcore would then be a slower PyTorch).
 MIN_ORT_OP_SHARE = 0.5
@@ -498,7 +501,11 @@ def _mostly_pytorch(r: dict[str, Any]) -> bool:
 def render_wide(records: dict[str, dict[str, Any]]) -> str:
     """The wide zoo's section of the page, from its routes' ``records`` (``records/wide/<route>.json``)."""
     catalog = models(WIDE)
-    lines = [
+    return "\n".join(_wide_intro(catalog) + _zoo_tables(WIDE, "Wide zoo", records))
+
+
+def _wide_intro(catalog: dict[str, Any]) -> list[str]:
+    return [
         "## Wide zoo",
         "",
         f"A second zoo of {len(catalog)} models, none of them in the table above, chosen for variety of ops "
@@ -526,11 +533,18 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
         f"`{REGENERATE} --catalog wide --exporter torchscript`.",
         "",
     ]
+
+
+def _zoo_tables(catalog_name: str, title: str, records: dict[str, dict[str, Any]]) -> list[str]:
+    """Per route of ``records``, a table of ``catalog_name``'s models (status, what runs on PyTorch, ORT shares,
+    cause of failure), the failures grouped by cause, and the run's particulars; headings start with ``title``."""
+    catalog = models(catalog_name)
+    lines: list[str] = []
     for e, rec in records.items():
         rows = rec["models"]
         mostly = [n for n, r in rows.items() if r["status"] == "pytorch" or (r["status"] == "pass" and _mostly_pytorch(r))]
         lines += [
-            f"### Wide zoo, {e} route: {_counts(rows)}"
+            f"### {title}, {e} route: {_counts(rows)}"
             + (f"; {len(mostly)} with PyTorch's gradients run mostly in PyTorch ({', '.join(mostly)})" if mostly else ""),
             "",
             "| model | family | exercises | status | on PyTorch inside the graph (why) | ORT op share "
@@ -563,7 +577,7 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
         lines.append("")
         causes = _causes(e, rows)
         if causes:
-            causes[0] = f"#### Wide zoo: why models fail on the {e} route"
+            causes[0] = f"#### {title}: why models fail on the {e} route"
             lines += causes
         commits = sorted({r["commit"] for r in rows.values()})
         lines += [
@@ -571,6 +585,38 @@ def render_wide(records: dict[str, dict[str, Any]]) -> str:
             f"{', '.join(commits)}; {rec['versions']}; {rec['machine']}; generated {rec['generated']}.",
             "",
         ]
+    return lines
+
+
+def render_third(records: dict[str, dict[str, Any]]) -> str:
+    """The third zoo's section of the page, from its routes' ``records`` (``records/third/<route>.json``)."""
+    catalog = models(THIRD)
+    families: dict[str, int] = {}
+    for spec in catalog.values():
+        families[spec.family] = families.get(spec.family, 0) + 1
+    lines = [
+        "## Third zoo",
+        "",
+        f"A third zoo of {len(catalog)} models that neither table above has "
+        f"({', '.join(f'{n} {f}' for f, n in families.items())}; `tests/zoo/catalog_third.py`, each entry's "
+        "description says what it exercises), picked as a user meeting ortcore for the first time would bring them: "
+        "Hugging Face families of layout and markup text, protein, long-input and mixture-of-experts seq2seq, "
+        "decoders with multipliers, query-key norms, latent attention, state-space and hybrid layers, video, "
+        "conformer speech and time-series forecasters (which return their scaling, loc and scale, beside the "
+        "loss); an Inception net, a segmentation head and a video net from torchvision; and plain-torch patterns "
+        "written by hand: a VAE, a normalizing flow, linear algebra, mixtures of experts, CTC, adaptive softmax, "
+        "scans, buffers written in `forward` by the top module (an EMA codebook, running statistics, a step "
+        "counter), packed sequences, reentrant and non-reentrant activation checkpointing, list-returning ops, "
+        "and a forward that returns the tensors its backward keeps. Randomness a model would draw in `forward` "
+        "(reparameterization and Gumbel noise, MAE's patch shuffle) comes with the batch, so both sides compute "
+        "the same function. Judged as the wide zoo (same columns, same rules). A model whose float64 copy cannot "
+        "run (a kernel without a float64 version) is judged by float32 alone.",
+        "",
+        "`python -m pytest tests/zoo -m slow -k third` runs it: each model's status must be the one recorded here. "
+        f"Rerun and record: `{REGENERATE} --catalog third --exporter torchscript` (and `--exporter dynamo`).",
+        "",
+    ]
+    lines += _zoo_tables(THIRD, "Third zoo", records)
     return "\n".join(lines)
 
 
@@ -793,11 +839,13 @@ def render_autocast(dtype: str, record: dict[str, Any]) -> str:
 
 
 def render_page(records: Path = RECORDS) -> str:
-    """The whole page: the main zoo's routes (``render``), then the wide zoo's section if it has records, then a
-    section per autocast type that has a record."""
+    """The whole page: the main zoo's routes (``render``), then the wide and third zoos' sections if they have
+    records, then a section per autocast type that has a record."""
     page = render(load_records(records))
     wide = load_records(records, WIDE)
     page = page + "\n" + render_wide(wide) if wide else page
+    third = load_records(records, THIRD)
+    page = page + "\n" + render_third(third) if third else page
     for dtype, record in load_autocast_records(records).items():
         page += "\n" + render_autocast(dtype, record)
     return page

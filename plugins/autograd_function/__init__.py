@@ -54,7 +54,7 @@ from ortcore.api import (
 )
 from ortcore_plugins.services.autograd_functions import function_name, python_op_symbolic
 
-from .checkpoint import TORCH_CHECKPOINT_FUNCTION, checkpoint_region, export_origin
+from .checkpoint import TORCH_CHECKPOINT_FUNCTION, checkpoint_region, checkpoints_run_directly, export_origin
 from .dynamo import _function_call_op, apply_function_call, translate_function_call
 from .shared import _has_python_op, inference_mode_pass, relate_output_shapes
 from .torchscript import export_python_op
@@ -312,6 +312,16 @@ def ortcore_export_context(config: Config, module: torch.nn.Module) -> Any:
     """Checkpoint regions find the user's tensors behind the traced copy's (:func:`.checkpoint.export_origin`)."""
     options = _options(config)
     return export_origin(module) if options.allow_checkpoint == "region" and options.python_op else None
+
+
+@hookimpl(wrapper=True)
+def ortcore_check_first_step(config: Config, step: Any):
+    """The first-step check (the gradient audit) differentiates the model in PyTorch with ``torch.autograd.grad``,
+    which PyTorch's reentrant checkpoint refuses: there, checkpointed functions run directly (same values)."""
+    if _options(config).allow_checkpoint == "refuse":
+        return (yield)
+    with checkpoints_run_directly():
+        return (yield)
 
 
 @hookimpl(wrapper=True)

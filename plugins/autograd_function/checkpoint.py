@@ -31,6 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ortcore.api import UnsupportedModelError, graph_autocast
+from ortcore_plugins.services.autograd_functions import function_apply_replaced, function_name
 
 logger = logging.getLogger("ortcore.autograd_function")
 
@@ -361,11 +362,17 @@ class CheckpointRegion(torch.autograd.Function):
         return (None, *result)
 
 
-def _check_reached(call: CheckpointCall, outputs: list[torch.Tensor]) -> None:
-    """The recompute reached no parameter of the model that is not an input of the node (its gradient would be
-    lost): a function that finds its modules in a way :func:`reached_modules` does not follow is named."""
-    names = {id(t): f"{path}.{name}" if path else name for path, m in call.origin.module.named_modules()
-             for name, t in m._parameters.items() if t is not None}
+def _check_reached(call: CheckpointCall, outputs: list[torch.Tensor], traced: bool = False) -> None:
+    """The function reached no parameter of the model that is not an input of the node (its gradient would be
+    lost): a function that finds its modules in a way :func:`reached_modules` does not follow is named. ``traced``:
+    ``outputs`` were computed with the traced copy's parameters (at export), else with the user's."""
+    origin = call.origin
+    names = {
+        id(origin._copy_of(t) if traced else t): f"{path}.{name}" if path else name
+        for path, m in origin.module.named_modules()
+        for name, t in m._parameters.items()
+        if t is not None
+    }
     missed: list[str] = []
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
     seen: set[int] = set()
@@ -386,6 +393,17 @@ def _check_reached(call: CheckpointCall, outputs: list[torch.Tensor]) -> None:
             "close over it, or set ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=inline to export the checkpointed layers into "
             "the graph"
         )
+
+
+def _check_at_export(call: CheckpointCall, tensors: tuple) -> None:
+    """One untraced run of the function with autograd on the traced copy, to name a parameter it reaches that is not
+    an input of the node before the model runs (RNG and autograd state left as they were)."""
+    with _untraced(), torch.random.fork_rng(), torch.enable_grad():
+        args = tuple(t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors)
+        params = tuple(slots[0][0][slots[0][1]].detach().requires_grad_(True) for slots in call.slots)
+        outputs = call.run(args, params, False)
+        _check_reached(call, outputs, traced=True)
+    call.checked = True
 
 
 def checkpoint_region(args: tuple, kwargs: dict) -> Any:
@@ -416,5 +434,23 @@ def checkpoint_region(args: tuple, kwargs: dict) -> Any:
         tensor_positions=positions,
         slots=[slots for _, slots in params],
     )
+    if torch._C._get_tracing_state() is not None:  # the TorchScript route checks now, the dynamo route at the recompute
+        _check_at_export(call, tuple(tensors))
     outputs = CheckpointRegion.apply(call, *tensors, *(p for p, _ in params))
     return call.rebuild(outputs if isinstance(outputs, tuple) else (outputs,))
+
+
+@contextlib.contextmanager
+def checkpoints_run_directly() -> Iterator[None]:
+    """Inside, on this thread, a reentrant checkpoint call runs its function directly (PyTorch's reentrant
+    checkpoint refuses ``torch.autograd.grad``, which the gradient audit's PyTorch side uses; the values and
+    gradients are the same, recomputation aside)."""
+
+    def apply(cls, original, args, kwargs):
+        if function_name(cls) == TORCH_CHECKPOINT_FUNCTION and not kwargs:
+            function, _preserve_rng_state, *rest = args
+            return function(*rest)
+        return original(cls, *args, **kwargs)
+
+    with function_apply_replaced(apply):
+        yield

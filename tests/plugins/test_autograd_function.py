@@ -360,18 +360,27 @@ def checkpoint_step(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -
     return out, ((out - data[1]) ** 2).mean()
 
 
-def test_reentrant_checkpoint_is_refused_naming_the_switch(ortcore_host):
-    ort = ORTModule(CheckpointNet(), host=ortcore_host(PLUGINS), fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
-    with pytest.raises(UnsupportedModelError, match="ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=1"):
+def test_reentrant_checkpoint_is_refused_when_switched_off(ortcore_host):
+    host = ortcore_host(PLUGINS, env={"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "0"})
+    ort = ORTModule(CheckpointNet(), host=host, fallback_policy=FallbackPolicy.FALLBACK_DISABLE)
+    with pytest.raises(UnsupportedModelError, match="ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=0"):
         ort(torch.randn(4, 12))
 
 
-def test_reentrant_checkpoint_allowed_matches_torch(ortcore_host, tmp_path):
-    host = ortcore_host(PLUGINS, env={"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "1"})
+def test_reentrant_checkpoint_inline_matches_torch(ortcore_host, tmp_path):
+    host = ortcore_host(PLUGINS, env={"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "inline"})
     ort, ref = ort_and_torch(CheckpointNet(), host=host, debug_options=debug(tmp_path))
     check_step_and_training(ort, ref, make_batches(batch, 6), checkpoint_step, steps=5)
     ops = saved_op_types(tmp_path)
     assert ops["com.microsoft::PythonOp"] == 0 and ops["Tanh"] == 1  # the checkpointed layers run in ORT
+
+
+@pytest.mark.parametrize("env", [{}, {"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "1"}], ids=["default", "allowed"])
+def test_reentrant_checkpoint_runs_as_a_recompute_region_matching_torch(ortcore_host, tmp_path, env):
+    ort, ref = ort_and_torch(CheckpointNet(), host=ortcore_host(PLUGINS, env=env), debug_options=debug(tmp_path))
+    check_step_and_training(ort, ref, make_batches(batch, 6), checkpoint_step, steps=5)
+    ops = saved_op_types(tmp_path)
+    assert ops["com.microsoft::PythonOp"] == 1 and ops["Tanh"] == 0  # the checkpointed layers run in PyTorch
 
 
 # -- without the plugin ---------------------------------------------------------------------------------------------

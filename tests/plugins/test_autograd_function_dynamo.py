@@ -505,22 +505,31 @@ class CheckpointNet(nn.Module):
         return self.out(h)
 
 
-def test_reentrant_checkpoint_is_refused_naming_the_switch(host):
-    ort = ORTModule(CheckpointNet(reentrant=True), host=host(), exporter="dynamo")
-    with pytest.raises(UnsupportedModelError, match="ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=1"):
+def test_reentrant_checkpoint_is_refused_when_switched_off(host):
+    ort = ORTModule(
+        CheckpointNet(reentrant=True), host=host({"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "0"}), exporter="dynamo"
+    )
+    with pytest.raises(UnsupportedModelError, match="ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=0"):
         ort(torch.randn(4, 12))
 
 
 @pytest.mark.parametrize(
     ("reentrant", "env"),
-    [(True, {"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "1"}), (False, {})],
-    ids=["reentrant-allowed", "non-reentrant"],
+    [(True, {"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": "inline"}), (False, {})],
+    ids=["reentrant-inline", "non-reentrant"],
 )
 def test_checkpoint_is_traced_through_and_matches_torch(host, reentrant, env):
     ort, ref = on_dynamo(CheckpointNet(reentrant), host(env))
     check_step_and_training(ort, ref, make_batches(batch, 4), checkpoint_step, steps=3)
     assert func_names(ort) == []  # the checkpointed layers run in ORT
     assert sum(n.op_type == "Tanh" for n in ort.state_machine.current[0].model.graph.node) == 1
+
+
+def test_reentrant_checkpoint_runs_as_a_recompute_region_matching_torch(host):
+    ort, ref = on_dynamo(CheckpointNet(True), host())
+    check_step_and_training(ort, ref, make_batches(batch, 4), checkpoint_step, steps=3)
+    assert func_names(ort) == ["ortcore_plugins.autograd_function.checkpoint.CheckpointRegion"]
+    assert sum(n.op_type == "Tanh" for n in ort.state_machine.current[0].model.graph.node) == 0
 
 
 # -- what a PythonOp cannot take ------------------------------------------------------------------------------------

@@ -36,10 +36,12 @@ class UnsupportedModelError(ORTCoreError, TypeError):
 
 
 class BufferWriteError(UnsupportedModelError):
-    """The forward writes buffers in place (``buf.mul_(0.9).add_(...)``, ``copy_``, ``out=``) other than batch
-    norm's statistics: the exported graph computes the new values but nothing writes them back to the model, so
-    every later step would read stale buffers. ``buffers`` names them, ``modules`` their owners (the modules a repair
-    runs in PyTorch, where the writes happen as in eager)."""
+    """The forward writes buffers in place in a way the exported graph does not compute: ortcore returns the new
+    value of every buffer the forward writes (``buf.mul_(0.9).add_(...)``, ``copy_``, ``+=``, ``index_add_``, ``out=``)
+    as a graph output and writes it back after each run, but here the graph's value is the buffer's old one (the
+    exporter dropped the write, or it happened in code the exporter did not trace), so every later step would read a
+    stale buffer. ``buffers`` names them, ``modules`` their owners (the modules a repair runs in PyTorch, where the
+    writes happen as in eager)."""
 
     def __init__(self, buffers: list[str], modules: list[str], exporter: str):
         self.buffers = list(buffers)
@@ -47,9 +49,10 @@ class BufferWriteError(UnsupportedModelError):
         owners = ", ".join(repr(m) if m else "the model itself" for m in self.modules)
         super().__init__(
             f"the {exporter} exporter traced a forward that writes buffer(s) {', '.join(map(repr, self.buffers))} in "
-            f"place (in module {owners}); ONNX Runtime's graph cannot write them back, so later steps would read "
-            "stale values. ortcore runs such a module in PyTorch (region_routing) when it can; otherwise move the "
-            "update out of forward (into a training-loop hook) or wrap the model only below that module"
+            f"place (in module {owners}), but its graph does not compute the new value(s), so they cannot be written "
+            "back and later steps would read stale values. ortcore runs such a module in PyTorch (region_routing) "
+            "when it can; otherwise write the buffer with ops the exporter traces (in-place tensor ops, not .data or "
+            "numpy), move the update out of forward, or wrap the model only below that module"
         )
 
 

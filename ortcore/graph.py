@@ -30,6 +30,7 @@ from .schema import Constant, InputSchema, OutputSchema, TensorConstant, flatten
 logger = logging.getLogger("ortcore")
 
 BN_INPUT_PREFIX = "ortcore.batch_norm_input::"
+BUFFER_WRITE_PREFIX = "ortcore.buffer_write::"
 TAP_OUTPUT_PREFIX = "ortcore.tap::"
 # Metadata an exporter may write: the sizes each input dimension may take in the graph, JSON
 # {input name: [[dim, low, high or null], ...]} (a dimension it fixed has low == high). The dynamo route writes it
@@ -51,15 +52,25 @@ class _FlatModule(torch.nn.Module):
         self.schema = schema
         self.tapper = tapper  # collects a subscribed model's activations (ortcore.hooks), which become outputs too
         self.output_schema: OutputSchema | None = None
+        self.written: list[str] = []  # the buffers the last call wrote in place, returned last (their new values)
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.tapper is not None:
             self.tapper.reset()
         args, kwargs = self.schema.rebuild(tensors)
+        # The buffers as this call sees them: on the dynamo route the exporter substitutes its own tensors, whose
+        # version counters move as the real ones would.
+        skipped = _batch_norm_statistics(self.module)
+        buffers = {n: b for n, b in self.module.named_buffers() if n not in skipped}
+        versions = {n: v for n, b in buffers.items() if (v := _version(b)) is not None}
         self.output_schema, flat = flatten_outputs(self.module(*args, **kwargs))
         if not flat:
             raise UnsupportedDataError(f"{type(self.module).__name__}.forward returned no tensor; nothing to train")
-        return tuple(flat) + (tuple(self.tapper.tensors) if self.tapper is not None else ())
+        # A buffer written in place (an EMA, a counter, a codebook) is returned after everything else: the traced
+        # value after the last write is the new value, which ortcore writes back after each run (BufferWrite).
+        self.written = [n for n, v in versions.items() if _version(buffers[n]) != v]
+        taps = tuple(self.tapper.tensors) if self.tapper is not None else ()
+        return tuple(flat) + taps + tuple(buffers[n] for n in self.written)
 
 
 @attrs.define(eq=False)
@@ -71,6 +82,15 @@ class BatchNormStats:
     # ORT's training-mode kernel writes into its running-statistics inputs; these are fed as copies.
     buffer_names: tuple[str, str]
     module_path: str
+
+
+@attrs.frozen
+class BufferWrite:
+    """A buffer the forward writes in place: graph output ``output`` (``ortcore.buffer_write::<buffer>``) holds its
+    value after the forward, which ortcore copies into the buffer after each run, as PyTorch's forward leaves it."""
+
+    buffer: str  # the buffer's name, as named_buffers gives it
+    output: str
 
 
 @attrs.frozen
@@ -97,6 +117,13 @@ class ExportedGraph:
     export_seconds: float = 0.0
     taps: list[TapPoint] = attrs.Factory(list)  # in execution order; outputs after the batch-norm ones
     from_cache: bool = False  # an export cache served it (ortcore_load_export): no export ran
+    buffer_writes: list[BufferWrite] = attrs.Factory(list)  # buffers the forward writes in place, written back
+
+    @property
+    def buffer_write_outputs(self) -> list[int]:
+        """The graph output index of each buffer write."""
+        index = {o.name: i for i, o in enumerate(self.model.graph.output)}
+        return [index[w.output] for w in self.buffer_writes]
 
     @functools.cached_property
     def input_ranges(self) -> dict[str, list[tuple[int, int, int | None]]]:
@@ -133,6 +160,7 @@ class ExportedGraph:
                 for b in self.batch_norms
             ],
             "taps": [{"name": t.name, "value": t.value, "output": t.output} for t in self.taps],
+            "buffer_writes": [{"buffer": w.buffer, "output": w.output} for w in self.buffer_writes],
         }
         # ensure_ascii: the JSON line holds no raw newline, so the first newline ends it
         header = json.dumps(state, sort_keys=True, ensure_ascii=True, allow_nan=True).encode()
@@ -163,6 +191,13 @@ class ExportedGraph:
         taps = []
         for entry in _records(state.get("taps"), "taps", ("name", "value", "output")):
             taps.append(TapPoint(*_strings([entry["name"], entry["value"], entry["output"]], "taps")))
+        buffers = dict(module.named_buffers())
+        writes = []
+        for entry in _records(state.get("buffer_writes", []), "buffer_writes", ("buffer", "output")):
+            buffer, output = _strings([entry["buffer"], entry["output"]], "buffer_writes")
+            if buffer not in buffers:
+                raise ValueError(f"the model has no buffer {buffer!r}")
+            writes.append(BufferWrite(buffer, output))
         try:
             model = onnx.load_model_from_string(model_bytes)
         except Exception as e:  # protobuf's DecodeError, whatever the garbling
@@ -176,6 +211,7 @@ class ExportedGraph:
             training=state["training"],
             batch_norms=batch_norms,
             taps=taps,
+            buffer_writes=writes,
         )
 
 
@@ -209,15 +245,20 @@ def _preserved_state(module: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def written_buffers(module: torch.nn.Module, versions: dict[str, int]) -> list[str]:
-    """The buffers of ``module`` whose version counter moved since ``versions`` was taken (written in place), less
-    batch norm's running statistics, which ortcore updates itself (:class:`BatchNormStats`)."""
-    batch_norm = {
+def _batch_norm_statistics(module: torch.nn.Module) -> set[str]:
+    """The names of the batch norms' buffers (running statistics, batch counter), which ortcore updates itself."""
+    return {
         f"{path}.{name}" if path else name
         for path, m in module.named_modules()
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
         for name, _ in m.named_buffers(recurse=False)
     }
+
+
+def written_buffers(module: torch.nn.Module, versions: dict[str, int]) -> list[str]:
+    """The buffers of ``module`` whose version counter moved since ``versions`` was taken (written in place), less
+    batch norm's running statistics, which ortcore updates itself (:class:`BatchNormStats`)."""
+    batch_norm = _batch_norm_statistics(module)
     return [
         name
         for name, b in module.named_buffers()
@@ -319,6 +360,46 @@ def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> 
         path = node.input[3].rpartition(".")[0]
         found.append(BatchNormStats(owner, name, (node.input[3], node.input[4]), path))
     return found
+
+
+def _take_buffer_writes(
+    model: onnx.ModelProto, written: list[str], exporter: str
+) -> list[tuple[str, onnx.ValueInfoProto]]:
+    """Take the outputs holding the new values of the buffers ``written`` (the flat module returns them last) out of
+    the graph's outputs, to be put back last (:func:`_add_buffer_write_outputs`), after the core's other outputs.
+
+    A write the graph does not compute (the value after the forward is the buffer's own input: the exporter dropped
+    the write, or it happened in code it did not trace) is refused, naming the buffers and their modules
+    (:class:`BufferWriteError`): written back, the stale value would undo it.
+    """
+    if not written:
+        return []
+    graph = model.graph
+    extras = list(graph.output[len(graph.output) - len(written) :])
+    del graph.output[len(graph.output) - len(written) :]
+    producer = {o: node for node in graph.node for o in node.output if o}
+    lost = [n for n, info in zip(written, extras) if through_identities(producer, info.name) == f"module.{n}"]
+    if lost:
+        raise BufferWriteError(lost, buffer_owners(lost), exporter)
+    # Each new value gets ``Identity(value) -> ortcore.buffer_write::<buffer>`` now, so that the renames to come
+    # (arguments, state, user outputs: the value may be one) reach the node's input.
+    taken = []
+    for name, info in zip(written, extras):
+        output = BUFFER_WRITE_PREFIX + name
+        graph.node.append(onnx.helper.make_node("Identity", [info.name], [output], name=output))
+        value = onnx.ValueInfoProto()
+        value.CopyFrom(info)
+        value.name = output
+        taken.append((name, value))
+    return taken
+
+
+def _add_buffer_write_outputs(
+    model: onnx.ModelProto, written: list[tuple[str, onnx.ValueInfoProto]]
+) -> list[BufferWrite]:
+    """The new values of written buffers (:func:`_take_buffer_writes`) as the graph's last outputs, one each."""
+    model.graph.output.extend(value for _, value in written)
+    return [BufferWrite(name, value.name) for name, value in written]
 
 
 def through_identities(producer: dict[str, onnx.NodeProto], value: str) -> str:
@@ -563,6 +644,20 @@ def update_batch_norm(stats: BatchNormStats, x: torch.Tensor) -> None:
         bn.running_var.mul_(1 - factor).add_(var, alpha=factor)
 
 
+def write_back_buffers(graph: ExportedGraph, values: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    """Copy the new values ``values`` of the buffers the forward writes (``graph.buffer_writes``, in order) into the
+    model's buffers ``buffers`` (by name), as PyTorch's forward leaves them."""
+    with torch.no_grad():
+        for write, value in zip(graph.buffer_writes, values):
+            buffer = buffers[write.buffer]
+            if value.shape != buffer.shape:
+                raise UnsupportedModelError(
+                    f"the forward's new value of buffer {write.buffer!r} has shape {list(value.shape)}, the buffer "
+                    f"{list(buffer.shape)}: ortcore writes buffers back in place and cannot resize one"
+                )
+            buffer.copy_(value)
+
+
 def _log_constant_inputs(schema: InputSchema) -> None:
     """One INFO line per non-tensor input the graph bakes in: another value is another graph, so a string that changes
     every step exports every step. Worded as upstream's ORTModule logs it, which code written for it looks for."""
@@ -637,9 +732,11 @@ def export_graph(
             raise UnsupportedModelError(
                 str(e).replace("_FlatModule", type(module).__name__), raised_in_forward=e.raised_in_forward
             ) from e.__cause__
-        written = written_buffers(target, versions)
-        if written:
-            raise BufferWriteError(written, buffer_owners(written), exporter.name)
+        # What the forward wrote outside the traced call (nothing the flat module returned): refused as before.
+        unseen = [n for n in written_buffers(target, versions) if n not in flat.written]
+        if unseen:
+            raise BufferWriteError(unseen, buffer_owners(unseen), exporter.name)
+    written_values = _take_buffer_writes(model, flat.written, exporter.name)
     output_schema = flat.output_schema
     raw_model = onnx.ModelProto.FromString(model.SerializeToString()) if keep_raw else None
     # Outputs get the user's names; parameters and buffers lose the wrapper's "module." prefix.
@@ -658,6 +755,7 @@ def export_graph(
     n_user = len(output_schema.names)
     taps = _expose_taps(model, n_user, list(tapper.names)) if tapper is not None and tapper.names else []
     batch_norms = _add_batch_norm_outputs(model, module) if training else []
+    buffer_writes = _add_buffer_write_outputs(model, written_values)
     context = PassContext(module=module, training=training, config=config)
     for graph_pass in graph_passes:
         graph_pass.run(model, context)
@@ -670,6 +768,7 @@ def export_graph(
         output_schema=output_schema,
         training=training,
         batch_norms=batch_norms,
+        buffer_writes=buffer_writes,
         raw_model=raw_model,
         export_seconds=time.perf_counter() - start,
         taps=taps,

@@ -28,7 +28,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .exporter import Exporter
-from .graph import ExportedGraph, range_violations, update_batch_norm
+from .graph import ExportedGraph, range_violations, update_batch_norm, write_back_buffers
 from .host import Hooks, PluginHost, get_host
 from .inspectors import FirstStep, ForwardInputs, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
@@ -662,6 +662,9 @@ class ORTModule(torch.nn.Module):
         for stats in graph.batch_norms:
             for name in stats.buffer_names:
                 by_name[name] = by_name[name].clone()
+        for write in graph.buffer_writes:  # written back after the forward: ORT's backward reads the old value
+            if write.buffer in by_name:
+                by_name[write.buffer] = by_name[write.buffer].clone()
         feeds = [by_name[name] for name in session.feed_names]
         rt = self._ortcore
         if rt.phases["pre_forward"]:
@@ -687,8 +690,11 @@ class ORTModule(torch.nn.Module):
             inspect_call(rt.step, outputs[:n])  # the model's outputs; not the core's extra ones
         if session.request.build_gradient:
             rt.step += 1
-        for stats, x in zip(graph.batch_norms, outputs[n:]):
-            update_batch_norm(stats, x)
+        if graph.batch_norms or graph.buffer_writes:
+            index = {o.name: i for i, o in enumerate(graph.model.graph.output)}  # the core's extra outputs, by name
+            for stats in graph.batch_norms:
+                update_batch_norm(stats, outputs[index[stats.output_name]])
+            write_back_buffers(graph, [outputs[index[w.output]] for w in graph.buffer_writes], buffers)
         if recording is not None:
             recorder, step_state, _ = recording
             for tap, i in zip(graph.taps, graph.tap_outputs):

@@ -830,7 +830,9 @@ class DynamoExporter:
                         wrapper, tuple(args) + values, (dims + (None,) * len(values),), self.value_branches
                     )
                 captured = time.perf_counter()
-                written = _written_buffers(getattr(wrapper, "written", []), module)
+                # The buffers the flat module returns (the core writes their new values back) are not refused.
+                returned = {f"module.{n}" for n in getattr(module, "written", ())}
+                written = _written_buffers([n for n in getattr(wrapper, "written", []) if n not in returned], module)
                 if written:
                     owners = buffer_owners(written)
                     raise BufferWriteError(written, [o.removeprefix("module.") for o in owners], DYNAMO)

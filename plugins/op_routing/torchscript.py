@@ -431,6 +431,17 @@ def symbolics_for_failure(error: UnsupportedModelError, symbolics: dict[str, Any
     run by PyTorch (:func:`routed_on_failure`); None when the failure names no such op, or the op was routed on
     failure already (the core then raises)."""
     op = failed_op(error)
+    if op in PRIM_AS_ATEN:  # a prim node the tracer wrote for an aten call (chunk): routed as that call
+        if getattr(symbolics.get(op), "routes_failures", False):
+            return None
+        logger.info(
+            "the TorchScript exporter failed on %s (%s): exporting it as aten::%s on PyTorch's kernel",
+            op,
+            str(error.__cause__ or error).strip().splitlines()[0][:200],
+            PRIM_AS_ATEN[op],
+        )
+        previous = symbolics.get(op) or _registered_symbolic(op)
+        return {op: routed_on_failure(PRIM_AS_ATEN[op], previous, constants=True)}
     if op is not None and "::" in op:  # another library's op (a torch.library custom op): no symbolic anywhere
         if not _is_torch_op(op) or getattr(symbolics.get(op), "routes_failures", False):
             return None
@@ -481,6 +492,9 @@ _NAMED = {
     "__rshift__": "bitwise_right_shift",
 }
 EXPORTER_FAILED = "the TorchScript exporter fails on this call (its symbolic refuses the arguments)"
+# Nodes the tracer writes for an aten call, whose symbolic takes the call's int arguments as Python ints: the aten op
+# each is routed as when its symbolic fails (torch.chunk traces as prim::ConstantChunk).
+PRIM_AS_ATEN = {"prim::ConstantChunk": "chunk"}
 
 
 def failed_op(error: BaseException) -> str | None:
@@ -501,15 +515,18 @@ def failed_op(error: BaseException) -> str | None:
             tb = tb.tb_next
         if kind is not None and kind.startswith("aten::"):
             return kind.removeprefix("aten::")
+        if kind in PRIM_AS_ATEN:
+            return kind
         if kind is not None and "::" in kind and not kind.startswith(("prim::", "onnx::")):
             return kind
     return None
 
 
 def _registered_symbolic(op: str) -> Callable[..., Any] | None:
+    """The exporter's registered symbolic of ``aten::<op>`` (of ``op`` itself when it names a namespace)."""
     from torch.onnx._internal.torchscript_exporter import registration
 
-    group = registration.registry.get_function_group(f"aten::{op}")
+    group = registration.registry.get_function_group(op if "::" in op else f"aten::{op}")
     return None if group is None else lambda g, *args, **kwargs: group.get(g.opset)(g, *args, **kwargs)
 
 
@@ -534,10 +551,11 @@ def _functional_call(op: str, args: tuple) -> tuple[Any, tuple]:
     return None, args
 
 
-def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[..., Any]:
+def routed_on_failure(op: str, previous: Callable[..., Any] | None, constants: bool = False) -> Callable[..., Any]:
     """The symbolic of ``aten::<op>`` after the exporter failed on it: ``previous`` (the symbolic that failed) where
     it succeeds, else one ATen node run by PyTorch (calls the exporter writes stay in ORT). Without a ``previous``
-    (the exporter has no symbolic for the op) every call is routed, for that reason."""
+    (the exporter has no symbolic for the op) every call is routed, for that reason. With ``constants``, the symbolic
+    serves a prim node whose int arguments come as Python ints (:data:`PRIM_AS_ATEN`): they become constants."""
 
     def symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
         if previous is not None:
@@ -545,7 +563,13 @@ def routed_on_failure(op: str, previous: Callable[..., Any] | None) -> Callable[
                 return previous(g, *args, **kwargs)
             except Exception:  # noqa: BLE001 (any failure of the exporter's symbolic: the call is routed)
                 pass
-        schema = match_overload(op, args, g.original_node)
+        if constants:  # a prim node's attributes come as keywords, named as the aten op's arguments
+            names = [a.name for a in getattr(torch.ops.aten, op).default._schema.arguments]
+            args = (*args, *(kwargs[n] for n in names[len(args) :] if n in kwargs))
+            args = tuple(
+                a if isinstance(a, torch._C.Value) else g.op("Constant", value_t=torch.tensor(a)) for a in args
+            )
+        schema = match_overload(op, args, None if constants else g.original_node)
         if schema is None:
             schema, args = _functional_call(op, args)
         if schema is None:

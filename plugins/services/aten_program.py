@@ -357,8 +357,13 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
     schema = target._schema
     if schema.is_mutable:
         raise Unroutable("it updates its inputs in place")
-    if any(r.type.kind() != "TensorType" for r in schema.returns):
-        raise Unroutable("it returns non-tensors")
+    val = _val(node)
+    # A tensor list (split, unbind, meshgrid, broadcast_tensors): one ATen output per item, as many as the program's
+    # call returns (the wrapper returns them as a tuple, which the program's getitem calls read as they read the list).
+    list_results = len(val) if _is_tensor_list(schema.returns[0].type) and len(schema.returns) == 1 else None
+    if list_results is None and any(r.type.kind() != "TensorType" for r in schema.returns):
+        raise Unroutable(f"it returns {', '.join(str(r.type) for r in schema.returns)}")
+    n_results = list_results if list_results is not None else len(schema.returns)
     values = bind(node)
     # The ATen node's inputs: (kind, value, places), places being the (argument, list item) pairs the input fills.
     inputs: list[tuple[str, Any, list[tuple[int, int | None]]]] = []
@@ -409,9 +414,8 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
     float_inputs = tuple(
         j for j, (kind, v, _) in enumerate(inputs) if kind == "Tensor" and v in floats and reach.can_carry(v)
     )
-    val = _val(node)
     results = list(val) if isinstance(val, tuple | list) else [val]
-    used = _used_outputs(node, len(schema.returns))
+    used = _used_outputs(node, n_results)
     differentiable = tuple(
         j for j, r in enumerate(results) if isinstance(r, torch.Tensor) and r.dtype in FLOAT_DTYPES and j in used
     )
@@ -420,15 +424,23 @@ def route_call(node: torch.fx.Node, reach: GradientReach, prepare_runtime: Calla
     signature = f"{target.name()}|{list(zip(kinds, placement, strict=True))}|{differentiable}|{float_inputs}"
     if any(lengths[k] != sum(1 for places in placement for a, _ in places if a == k) for k in lengths):
         signature += f"|{lengths}"  # None items: the list is longer than its inputs
-    name = define_wrapper(schema.name, target._overloadname, schema, kinds, placement, signature, lengths)
+    if list_results is not None:
+        signature += f"|list:{list_results}"
+    name = define_wrapper(schema.name, target._overloadname, schema, kinds, placement, signature, lengths, list_results)
     wrapper = op_packet(name).default
     register_vjp_gradient(name, "", wrapper._schema, differentiable, float_inputs, prepare_runtime)
     with _lock:
         if wrapper not in _translations:
-            _translations[wrapper] = _translation(name, kinds, len(schema.returns))
+            _translations[wrapper] = _translation(name, kinds, n_results)
     node.target = wrapper
     node.args = tuple(v for _, v, _ in inputs)
     node.kwargs = {}
+    if list_results == 1:  # the wrapper returns the one tensor itself: its readers read the node
+        for user in list(node.users):
+            if user.target is operator.getitem and user.args[1] == 0:
+                user.replace_all_uses_with(node)
+                user.graph.erase_node(user)
+        node.meta["val"] = val[0]
     return name
 
 

@@ -27,6 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 from .errors import GraphBuildError, PluginError, UnsupportedModelError
 from .graph import StopGradientLowering, through_identities, value_dependencies
 from .options import LogLevel, write_executed_graph
+from .output_integrity import outputs_at_risk
 
 logger = logging.getLogger("ortcore")
 
@@ -333,31 +334,6 @@ class _GraphBuild:
             logger.debug("no gradient in the backward graph for %d tapped values: %s", len(missing), missing)
 
 
-# ORT's CPU kernels whose output is a view of their input's buffer (KernelDefBuilder().Alias(0, 0)).
-_VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "ExpandDims", "View", "PassThrough"})
-
-
-def _views_yielded(executed: onnx.ModelProto) -> tuple[int, ...]:
-    """The forward outputs of a training graph, as ORT runs it, that a view op makes (``logits.squeeze(-1)``, a
-    ``Reshape`` ORT's fusions put before an output).
-
-    Such an output is handed to torch as a view of a buffer ORT owns elsewhere and frees after the forward, while the
-    output lives on: the backward's allocations then overwrite it (a user who keeps the logits past ``backward()``
-    reads gradients). ORT 1.19's YieldOp does not keep the viewed buffer alive, so the core hands out a copy of
-    these outputs instead."""
-    producers = {name: node for node in executed.graph.node for name in node.output}
-    yielded = next((n for n in executed.graph.node if n.op_type == "YieldOp"), None)
-    if yielded is None:
-        return ()
-    return tuple(
-        i
-        for i, name in enumerate(yielded.input)
-        if (node := producers.get(name)) is not None
-        and node.op_type in _VIEW_OPS
-        and node.domain in ("", "ai.onnx", "com.microsoft")
-    )
-
-
 class TrainingSession:
     """One built graph and its ORT session: a training graph (forward + backward) or an inference graph.
 
@@ -397,7 +373,8 @@ class TrainingSession:
             set_("_grad_producers", _grad_producers(built.model, feed_names, grad_index))
         set_("run_wrappers", tuple(name for name, _ in plan.run_wrappers))
         set_("_wrappers", tuple(wrapper for _, wrapper in plan.run_wrappers))
-        # The graph ORT runs is read back once to find forward outputs that are views (see _views_yielded): from
+        # The graph ORT runs is read back once to find forward outputs ORT could write after handing them over
+        # (ortcore.output_integrity: views, outputs computed in place, outputs a backward kernel may overwrite): from
         # where the plan (or a plugin's session-option setter) has ORT write it, else from a temporary file.
         executed_path = kept_path = None
         try:
@@ -418,9 +395,12 @@ class TrainingSession:
             )
             if built.request.build_gradient:
                 executed = plan.prepared_model if executed_path is None else pathlib.Path(executed_path).read_bytes()
-                set_("copied_outputs", _views_yielded(onnx.ModelProto.FromString(executed)))
+                at_risk = outputs_at_risk(onnx.ModelProto.FromString(executed))
             else:
-                set_("copied_outputs", ())
+                at_risk = {}
+            # Forward output index -> why the forward hands out a copy of it (see ortcore.output_integrity).
+            set_("copy_reasons", types.MappingProxyType(at_risk))
+            set_("copied_outputs", tuple(sorted(at_risk)))
         except Exception as e:
             raise GraphBuildError(
                 f"ONNX Runtime could not create the {self.kind} session: {explain_ort_error(e)}"

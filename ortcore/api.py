@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (3, 4)
+API_VERSION = (3, 5)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -81,6 +81,7 @@ _NAMES: dict[str, str] = {
     "value_dependencies": "ortcore.graph",
     "BuiltGraph": "ortcore.session",
     "TrainingSession": "ortcore.session",
+    "copied_outputs": "ortcore.output_integrity",
     "measurement_session": "ortcore.pipeline",
     "measurement_sessions": "ortcore.pipeline",
     "probe_session": "ortcore.pipeline",

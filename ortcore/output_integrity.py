@@ -256,3 +256,11 @@ def describe(at_risk: dict[int, str], names: Iterable[str]) -> dict[str, str]:
     """``outputs_at_risk``'s result keyed by output name (``names``: the graph's forward output names in order)."""
     names = list(names)
     return {names[k] if k < len(names) else f"forward output {k}": why for k, why in at_risk.items()}
+
+
+def copied_outputs(session: object) -> dict[str, str]:
+    """The forward outputs a training session hands out as copies, by output name, each with why ORT could have
+    written it after the call (the reasons of :func:`outputs_at_risk`); empty for an inference session. What is not
+    listed is handed out as ORT's own buffer: a tool that finds such an output changed after the call has found a
+    case this analysis misses."""
+    return describe(getattr(session, "copy_reasons", {}), getattr(session, "user_output_names", ()))

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,6 +52,7 @@ class _Origin:
         self.memo: dict | None = None
         self._state: list | None = None
         self._users: dict[int, torch.Tensor] | None = None
+        self._modules: dict[int, torch.nn.Module] | None = None
 
     def __deepcopy__(self, memo: dict) -> _Origin:
         self.memo = memo
@@ -61,6 +63,45 @@ class _Origin:
 
     def _copy_of(self, obj: Any) -> Any:
         return obj if self.memo is None else self.memo.get(id(obj), obj)
+
+    def user_module(self, traced: torch.nn.Module) -> torch.nn.Module:
+        if self.memo is None:
+            return traced
+        if self._modules is None:
+            self._modules = {id(self._copy_of(m)): m for m in self.module.modules()}
+        return self._modules.get(id(traced), traced)
+
+    def to_user(self, obj: Any, depth: int = 0) -> Any:
+        """``obj`` (the checkpointed function, or what it holds) with the traced copy's modules replaced by the
+        user's: a module, a bound method's object, a ``functools.partial``'s function and arguments, a closure's
+        cells, lists and tuples of these. What it cannot rebind keeps the copy's modules, which run on the user's
+        state (:meth:`state`)."""
+        if self.memo is None or depth > 6:
+            return obj
+        if isinstance(obj, torch.nn.Module):
+            return self.user_module(obj)
+        if isinstance(obj, types.MethodType):
+            return types.MethodType(obj.__func__, self.to_user(obj.__self__, depth + 1))
+        if isinstance(obj, functools.partial):
+            return functools.partial(
+                self.to_user(obj.func, depth + 1),
+                *(self.to_user(a, depth + 1) for a in obj.args),
+                **{k: self.to_user(v, depth + 1) for k, v in obj.keywords.items()},
+            )
+        if isinstance(obj, types.FunctionType) and obj.__closure__:
+            cells = []
+            for cell in obj.__closure__:
+                try:
+                    cells.append(types.CellType(self.to_user(cell.cell_contents, depth + 1)))
+                except ValueError:  # an empty cell
+                    cells.append(cell)
+            function = types.FunctionType(obj.__code__, obj.__globals__, obj.__name__, obj.__defaults__, tuple(cells))
+            function.__kwdefaults__ = obj.__kwdefaults__
+            function.__dict__.update(obj.__dict__)
+            return function
+        if type(obj) in (list, tuple):
+            return type(obj)(self.to_user(item, depth + 1) for item in obj)
+        return obj
 
     def state(self) -> list[tuple[dict, str, torch.Tensor]]:
         """Every parameter and buffer slot of the traced copy, with the user's tensor for it."""
@@ -169,15 +210,15 @@ def reached_modules(function: Any, extra: tuple = ()) -> list[torch.nn.Module]:
     return list(found.values())
 
 
-def _parameters(modules: list[torch.nn.Module]) -> list[tuple[torch.Tensor, list[tuple[dict, str]]]]:
+def _parameters(modules: list[torch.nn.Module]) -> list[tuple[torch.Tensor, list[tuple[torch.nn.Module, str]]]]:
     """The parameters of ``modules`` and their submodules, once each, with every slot naming it (frozen ones too:
     whether one requires grad is not known while torch.export traces; ORT says which gradients it needs)."""
-    owners: dict[int, tuple[torch.Tensor, list[tuple[dict, str]]]] = {}
+    owners: dict[int, tuple[torch.Tensor, list[tuple[torch.nn.Module, str]]]] = {}
     for module in modules:
         for sub in module.modules():
             for name, param in sub._parameters.items():
                 if param is not None:
-                    owners.setdefault(id(param), (param, []))[1].append((sub._parameters, name))
+                    owners.setdefault(id(param), (param, []))[1].append((sub, name))
     return list(owners.values())
 
 
@@ -193,12 +234,13 @@ class CheckpointCall:
     in_spec: Any
     leaves: list  # non-tensor arguments in place; tensors are None here
     tensor_positions: list[int]
-    slots: list[list[tuple[dict, str]]]  # per parameter input, the traced copy's slots it fills
+    slots: list[list[tuple[torch.nn.Module, str]]]  # per parameter input, the traced copy's slots it fills
     out_spec: Any = None
     out_leaves: list | None = None
     out_positions: list[int] = attrs.field(factory=list)
     warned: bool = False  # no tensor argument required grad: said once
     checked: bool = False  # the first recompute checked that no other parameter of the model is reached
+    user_function: Callable[..., Any] | None = None  # the function on the user's modules (at a step)
 
     def arguments(self, tensors: tuple) -> tuple:
         leaves = list(self.leaves)
@@ -208,15 +250,28 @@ class CheckpointCall:
         return args
 
     def state(self, params: tuple, running: bool) -> list[tuple[dict, str, torch.Tensor]]:
-        """The slots to fill for one run: the user's state (at a step, not while exporting), then ``params``."""
+        """The slots to fill for one run: at a step, the traced copy's with the user's state and the parameter
+        inputs' slots in both the copy and the user's model; while exporting, the copy's parameter inputs."""
         entries = list(self.origin.state()) if running else []
         for slots, tensor in zip(self.slots, params):
-            entries.extend((table, name, tensor) for table, name in slots)
+            for module, name in slots:
+                entries.append((module._parameters, name, tensor))
+                if running:
+                    entries.append((self.origin.user_module(module)._parameters, name, tensor))
         return entries
 
+    def traced_parameter(self, k: int) -> torch.Tensor:
+        module, name = self.slots[k][0]
+        return module._parameters[name]
+
     def run(self, tensors: tuple, params: tuple, running: bool) -> list[torch.Tensor]:
+        function = self.function
+        if running:
+            if self.user_function is None:
+                self.user_function = self.origin.to_user(self.function)
+            function = self.user_function
         with _slots(self.state(params, running)), graph_autocast():
-            output = self.function(*self.arguments(tensors))
+            output = function(*self.arguments(tensors))
         out_leaves, out_spec = pytree.tree_flatten(output)
         positions = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         if self.out_spec is None:
@@ -338,10 +393,11 @@ class CheckpointRegion(torch.autograd.Function):
                 "checkpoint) its parameters get no gradient from it",
                 _name(call.function),
             )
-        traced = [slots[0][0][slots[0][1]] for slots in call.slots]
         params = tuple(
-            call.origin.user_tensor(t).detach().requires_grad_(differentiable and ctx.needs_input_grad[1 + n + k])
-            for k, t in enumerate(traced)
+            call.origin.user_tensor(call.traced_parameter(k))
+            .detach()
+            .requires_grad_(differentiable and ctx.needs_input_grad[1 + n + k])
+            for k in range(len(call.slots))
         )
         with _rng_restored(ctx.rng), torch.enable_grad():
             outputs = call.run(args, params, True)
@@ -400,7 +456,7 @@ def _check_at_export(call: CheckpointCall, tensors: tuple) -> None:
     an input of the node before the model runs (RNG and autograd state left as they were)."""
     with _untraced(), torch.random.fork_rng(), torch.enable_grad():
         args = tuple(t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors)
-        params = tuple(slots[0][0][slots[0][1]].detach().requires_grad_(True) for slots in call.slots)
+        params = tuple(call.traced_parameter(k).detach().requires_grad_(True) for k in range(len(call.slots)))
         outputs = call.run(args, params, False)
         _check_reached(call, outputs, traced=True)
     call.checked = True
@@ -449,6 +505,9 @@ def checkpoints_run_directly() -> Iterator[None]:
     def apply(cls, original, args, kwargs):
         if function_name(cls) == TORCH_CHECKPOINT_FUNCTION and not kwargs:
             function, _preserve_rng_state, *rest = args
+            if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(rest)):
+                with torch.no_grad():  # as the reentrant checkpoint: nothing differentiated
+                    return function(*rest)
             return function(*rest)
         return original(cls, *args, **kwargs)
 

@@ -1,0 +1,315 @@
+"""Activation checkpointing (``torch.utils.checkpoint``) under ORTModule, against eager PyTorch.
+
+Reentrant checkpointing (``use_reentrant=True``, the older default without it, ``checkpoint_sequential``, Hugging
+Face's ``gradient_checkpointing_enable``) runs each checkpointed function in PyTorch as one PythonOp node that keeps
+only its inputs and recomputes in backward (the ``autograd_function`` plugin's checkpoint regions); non-reentrant
+checkpointing is traced into the graph. Every test runs with ``FALLBACK_DISABLE`` and compares the outputs, the loss,
+every parameter's gradient and a 3-step AdamW curve with the model in PyTorch (tolerances of ``tests/models.py``:
+rtol 1e-4 / atol 1e-5 for outputs and gradients, rtol 1e-4 for losses).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from models import (
+    adamw,
+    assert_grads_match,
+    assert_losses_match,
+    assert_ran_in_ort,
+    bert_batch,
+    check_step_and_training,
+    hf_step,
+    make_batches,
+    ort_and_torch,
+    tiny_bert,
+)
+from torch import nn
+
+from ortcore import ORTModule
+from ortcore.errors import OptionError, UnsupportedModelError
+
+REGION = "ortcore_plugins.autograd_function.checkpoint.CheckpointRegion"
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def no_fallback(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+
+class GradModeProbe(nn.Module):
+    """Records whether autograd was on at each call: a checkpointed forward runs it without, the recompute with."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[bool] = []
+
+    def forward(self, x):
+        self.calls.append(torch.is_grad_enabled())
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, p: float = 0.0, norm: str = "layer"):
+        super().__init__()
+        self.norm = nn.LayerNorm(width) if norm == "layer" else nn.BatchNorm1d(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.probe = GradModeProbe()
+
+    def forward(self, x):
+        return x + self.probe(self.fc2(self.drop(F.gelu(self.fc1(self.norm(x))))))
+
+
+class Net(nn.Module):
+    """Linear in, three blocks checkpointed as ``mode`` says, Linear out."""
+
+    def __init__(self, mode: str, width: int = 16, p: float = 0.0, norm: str = "layer"):
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(10, width)
+        self.blocks = nn.Sequential(*(Block(width, p, norm) for _ in range(3)))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.mode == "sequential":
+            h = cp.checkpoint_sequential(self.blocks, 2, h, use_reentrant=True)
+        elif self.mode == "closure":  # a lambda over the model: the function reaches it through its closure
+            for i in range(len(self.blocks)):
+                h = cp.checkpoint(lambda t, i=i: self.blocks[i](t) * 1.0, h, use_reentrant=True)
+        else:
+            for block in self.blocks:
+                if self.mode == "default":  # no use_reentrant: PyTorch warns and checkpoints reentrantly
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)
+                        h = cp.checkpoint(block, h)
+                else:
+                    h = cp.checkpoint(block, h, use_reentrant=self.mode == "reentrant")
+        return self.out(h)
+
+
+def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 10, generator=gen), torch.randn(8, 4, generator=gen)
+
+
+def step(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    out = model(data[0])
+    return out, F.mse_loss(out, data[1])
+
+
+def python_ops(ort: ORTModule) -> list[str]:
+    """The Functions of the graph's PythonOp nodes (without the ``#k`` the registry appends to tell apart calls of
+    one class with other boolean or size inputs)."""
+    graph = ort.state_machine.current[0].model.graph
+    return [
+        next(a.s.decode() for a in n.attribute if a.name == "func_name").partition("#")[0]
+        for n in graph.node
+        if n.op_type == "PythonOp"
+    ]
+
+
+def graph_ops(ort: ORTModule) -> list[str]:
+    return [n.op_type for n in ort.state_machine.current[0].model.graph.node]
+
+
+def probes(model: nn.Module) -> list[list[bool]]:
+    inner = getattr(model, "module", model)
+    return [block.probe.calls for block in inner.blocks]
+
+
+# -- reentrant: a recompute region in PyTorch -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("mode", "exporter"),
+    [
+        ("reentrant", "torchscript"),
+        ("reentrant", "dynamo"),
+        ("default", "torchscript"),
+        ("sequential", "torchscript"),
+        ("sequential", "dynamo"),
+        ("closure", "torchscript"),
+    ],
+)
+def test_reentrant_checkpoint_trains_by_default_as_pytorch(mode, exporter):
+    ort, ref = ort_and_torch(Net(mode), exporter=exporter)
+    check_step_and_training(ort, ref, make_batches(batch, STEPS + 1), step, steps=STEPS)
+    # checkpoint_sequential(3 blocks, 2 segments): segments of 3 // 2 = 1 block; the first is checkpointed, the last
+    # segment (blocks 1 and 2) runs plainly.
+    regions = 1 if mode == "sequential" else 3
+    assert python_ops(ort) == [REGION] * regions
+    # The graph's own Gemms: the input and output layers, and the two of each block left out of a region.
+    assert graph_ops(ort).count("Gemm") == 2 + (4 if mode == "sequential" else 0)
+    for block in ort.module.blocks:
+        block.probe.calls.clear()
+    _, loss = step(ort, make_batches(batch, 1, seed=5)[0])
+    loss.backward()
+    # Each checkpointed block ran without autograd in the forward, then again with it in backward: its activations
+    # were not kept, as in PyTorch.
+    # (Blocks left out of the region run in ORT's graph: their probe, an identity, is no PyTorch call there.)
+    expected = [[False, True], [], []] if mode == "sequential" else [[False, True]] * 3
+    assert probes(ort) == expected
+
+
+def test_non_reentrant_checkpoint_is_traced_into_the_graph():
+    ort, ref = ort_and_torch(Net("non_reentrant"))
+    check_step_and_training(ort, ref, make_batches(batch, STEPS + 1), step, steps=STEPS)
+    assert python_ops(ort) == []
+    assert graph_ops(ort).count("Gemm") == 8
+
+
+# -- dropout inside: the recompute draws the forward's masks ---------------------------------------------------------
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_dropout_inside_the_checkpointed_function_matches_pytorch(exporter):
+    """Dropout draws from torch's generator inside a region, in the order eager PyTorch draws (ORT's own ops use
+    ORT's generator): with the same seed before each step, the masks are PyTorch's, and the recompute restores the
+    forward's RNG state, so loss, gradients and curve match PyTorch exactly as without dropout."""
+    ort, ref = ort_and_torch(Net("reentrant", p=0.3), exporter=exporter)
+    batches = make_batches(batch, STEPS)
+    optimizers = adamw(ort), adamw(ref)
+    curves: tuple[list[float], list[float]] = ([], [])
+    for k, data in enumerate(batches):
+        losses = []
+        for model in (ort, ref):
+            torch.manual_seed(100 + k)
+            _, loss = step(model, data)
+            loss.backward()
+            losses.append(loss)
+        assert_losses_match(*losses)
+        assert_grads_match(ort, ref)
+        for side, optimizer in enumerate(optimizers):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            curves[side].append(losses[side].item())
+    assert curves[0] == pytest.approx(curves[1], rel=1e-4)
+    assert_ran_in_ort(ort)
+    # Dropout really dropped: the same step without the seed reset draws other masks and another loss.
+    torch.manual_seed(1)
+    a = step(ref, batches[0])[1].item()
+    b = step(ref, batches[0])[1].item()
+    assert a != b
+
+
+# -- buffers written in the checkpointed function ---------------------------------------------------------------------
+def test_batch_norm_statistics_inside_a_region_are_the_models_after_each_step():
+    """The region runs on the user's buffers: batch norm's running statistics move in forward and again in the
+    recompute, as in PyTorch's reentrant checkpoint."""
+    ort, ref = ort_and_torch(Net("reentrant", norm="batch"))
+    batches = make_batches(batch, STEPS)
+    optimizers = adamw(ort), adamw(ref)
+    for data in batches:
+        for model, optimizer in zip((ort, ref), optimizers):
+            step(model, data)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for (name, mine), theirs in zip(ort.module.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert int(ort.module.blocks[0].norm.num_batches_tracked) == 2 * STEPS  # forward and recompute, per step
+    assert_ran_in_ort(ort)
+
+
+# -- Hugging Face's gradient checkpointing ----------------------------------------------------------------------------
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
+def test_hf_bert_gradient_checkpointing_reentrant_matches_pytorch(exporter):
+    model = tiny_bert()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ort, ref = ort_and_torch(model, exporter=exporter)
+    check_step_and_training(ort, ref, make_batches(bert_batch, STEPS + 1), hf_step, steps=STEPS)
+    assert python_ops(ort) == [REGION] * model.config.num_hidden_layers
+
+
+# -- the switch -------------------------------------------------------------------------------------------------------
+def test_switch_off_refuses_naming_it(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "0")
+    with pytest.raises(UnsupportedModelError, match="ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT=0"):
+        ORTModule(Net("reentrant"))(torch.randn(2, 10))
+
+
+def test_switch_inline_exports_the_layers_into_the_graph(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "inline")
+    ort, ref = ort_and_torch(Net("reentrant"))
+    check_step_and_training(ort, ref, make_batches(batch, STEPS + 1), step, steps=STEPS)
+    assert python_ops(ort) == []
+    assert graph_ops(ort).count("Gemm") == 8
+
+
+@pytest.mark.parametrize("value", ["1", "true", "region"])
+def test_switch_on_is_the_region(monkeypatch, value):
+    monkeypatch.setenv("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", value)
+    ort = ORTModule(Net("reentrant"))
+    ort(torch.randn(2, 10))
+    assert python_ops(ort) == [REGION] * 3
+
+
+def test_bad_switch_value_is_named(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "sometimes")
+    with pytest.raises(OptionError, match=r"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT='sometimes'.*region or 1.*inline"):
+        ORTModule(Net("reentrant"))(torch.randn(2, 10))
+
+
+# -- what a region cannot see -----------------------------------------------------------------------------------------
+class Registry:
+    blocks: dict[str, nn.Module] = {}
+
+
+class Hidden(nn.Module):
+    """The checkpointed function finds its module through a class attribute, out of ortcore's sight."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(10, 16)
+        self.block = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        Registry.blocks["b"] = self.block
+        return self.out(cp.checkpoint(_run_registered, self.inp(x), use_reentrant=True))
+
+
+def _run_registered(t):
+    return torch.tanh(Registry.blocks["b"](t))
+
+
+def test_a_parameter_the_region_cannot_find_is_named_not_lost():
+    model = Hidden()
+    with pytest.raises(UnsupportedModelError, match=r"uses parameters block\.bias, block\.weight that ortcore did not"):
+        ORTModule(model)(torch.randn(2, 10))
+
+
+def test_no_argument_requiring_grad_gives_the_parameters_no_gradient_as_pytorch():
+    """PyTorch's reentrant checkpoint does not differentiate a call none of whose tensor arguments requires grad."""
+
+    class FirstLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Linear(10, 16)
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.out(cp.checkpoint(self.block, x, use_reentrant=True))
+
+    ort, ref = ort_and_torch(FirstLayer())
+    x = torch.randn(3, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for model in (ort, ref):
+            model(x).sum().backward()
+    assert ref.block.weight.grad is None
+    assert ort.module.block.weight.grad is None or not ort.module.block.weight.grad.any()
+    torch.testing.assert_close(ort.module.out.weight.grad, ref.out.weight.grad)
+
+
+def test_the_users_model_is_unchanged_by_export():
+    model = Net("reentrant")
+    before = copy.deepcopy(model.state_dict())
+    ORTModule(model)(torch.randn(2, 10))
+    assert set(vars(model)) == set(vars(Net("reentrant")))  # nothing left in the module's __dict__
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name

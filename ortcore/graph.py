@@ -363,14 +363,15 @@ def _add_batch_norm_outputs(model: onnx.ModelProto, module: torch.nn.Module) -> 
 
 
 def _take_buffer_writes(
-    model: onnx.ModelProto, written: list[str], exporter: str
+    model: onnx.ModelProto, written: list[str], exporter: str, unchanged: set[str], module: torch.nn.Module
 ) -> list[tuple[str, onnx.ValueInfoProto]]:
     """Take the outputs holding the new values of the buffers ``written`` (the flat module returns them last) out of
     the graph's outputs, to be put back last (:func:`_add_buffer_write_outputs`), after the core's other outputs.
 
     A write the graph does not compute (the value after the forward is the buffer's own input: the exporter dropped
     the write, or it happened in code it did not trace) is refused, naming the buffers and their modules
-    (:class:`BufferWriteError`): written back, the stale value would undo it.
+    (:class:`BufferWriteError`): written back, the stale value would undo it. Less the buffers in ``unchanged``,
+    whose traced write left the value as it was: nothing to write back.
     """
     if not written:
         return []
@@ -378,20 +379,90 @@ def _take_buffer_writes(
     extras = list(graph.output[len(graph.output) - len(written) :])
     del graph.output[len(graph.output) - len(written) :]
     producer = {o: node for node in graph.node for o in node.output if o}
-    lost = [n for n, info in zip(written, extras) if through_identities(producer, info.name) == f"module.{n}"]
+    own = {n: through_identities(producer, info.name) == f"module.{n}" for n, info in zip(written, extras)}
+    lost = [n for n in written if own[n] and n not in unchanged]
     if lost:
         raise BufferWriteError(lost, buffer_owners(lost), exporter)
+    inputs = {i.name for i in graph.input}
+    buffers = dict(module.named_buffers())
     # Each new value gets ``Identity(value) -> ortcore.buffer_write::<buffer>`` now, so that the renames to come
     # (arguments, state, user outputs: the value may be one) reach the node's input.
     taken = []
     for name, info in zip(written, extras):
+        if own[name]:
+            continue
         output = BUFFER_WRITE_PREFIX + name
-        graph.node.append(onnx.helper.make_node("Identity", [info.name], [output], name=output))
+        if _computed_from(producer, info.name, inputs):
+            graph.node.append(onnx.helper.make_node("Identity", [info.name], [output], name=output))
+        else:
+            # A value no input's data reaches (``fill_``, ``zero_``, a copy of a constant): ONNX Runtime would fold
+            # it into an initializer and refuse it as a graph output ("couldn't find the producer node"). Chosen
+            # against the buffer's own input under a false condition, it stays a node's output.
+            source = f"module.{name}"
+            if source not in inputs:
+                buffer = buffers[name]
+                graph.input.append(
+                    onnx.helper.make_tensor_value_info(
+                        source, _ONNX_TYPES[buffer.dtype], [int(d) for d in buffer.shape]
+                    )
+                )
+                inputs.add(source)
+            condition = f"{output}::keep"
+            graph.node.append(
+                onnx.helper.make_node(
+                    "Constant",
+                    [],
+                    [condition],
+                    name=condition,
+                    value=onnx.helper.make_tensor(condition, onnx.TensorProto.BOOL, [], [False]),
+                )
+            )
+            graph.node.append(onnx.helper.make_node("Where", [condition, source, info.name], [output], name=output))
         value = onnx.ValueInfoProto()
         value.CopyFrom(info)
         value.name = output
         taken.append((name, value))
     return taken
+
+
+def _computed_from(producer: dict[str, onnx.NodeProto], value: str, inputs: set[str]) -> bool:
+    """Whether the data of some graph input in ``inputs`` reaches ``value`` (not only its shape)."""
+    seen, stack = set(), [value]
+    while stack:
+        name = stack.pop()
+        if name in inputs:
+            return True
+        node = producer.get(name)
+        if name in seen or node is None or node.op_type in ("Shape", "Size"):
+            continue
+        seen.add(name)
+        stack.extend(n for n in node.input if n)
+    return False
+
+
+_ONNX_TYPES = {
+    torch.float32: onnx.TensorProto.FLOAT,
+    torch.float64: onnx.TensorProto.DOUBLE,
+    torch.float16: onnx.TensorProto.FLOAT16,
+    torch.bfloat16: onnx.TensorProto.BFLOAT16,
+    torch.int64: onnx.TensorProto.INT64,
+    torch.int32: onnx.TensorProto.INT32,
+    torch.int16: onnx.TensorProto.INT16,
+    torch.int8: onnx.TensorProto.INT8,
+    torch.uint8: onnx.TensorProto.UINT8,
+    torch.bool: onnx.TensorProto.BOOL,
+}
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaNs in the same places counting as equal."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _add_buffer_write_outputs(
@@ -706,6 +777,8 @@ def export_graph(
     with _preserved_state(module):
         target = copy.deepcopy(module) if deepcopy else module
         versions = {name: v for name, b in target.named_buffers() if (v := _version(b)) is not None}
+        written_candidates = set(versions) - _batch_norm_statistics(target)
+        before = {name: b.detach().clone() for name, b in target.named_buffers() if name in written_candidates}
         flat = _FlatModule(target, schema, tapper)
         flat.training = training  # not .train(): submodules keep their own modes (a frozen batch norm, say)
         example = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
@@ -732,11 +805,18 @@ def export_graph(
             raise UnsupportedModelError(
                 str(e).replace("_FlatModule", type(module).__name__), raised_in_forward=e.raised_in_forward
             ) from e.__cause__
-        # What the forward wrote outside the traced call (nothing the flat module returned): refused as before.
-        unseen = [n for n in written_buffers(target, versions) if n not in flat.written]
+        # Buffers whose values moved without their version counters (written through .data or numpy, which
+        # nothing traces) or outside the call the flat module saw: the graph does not write them.
+        moved = [n for n, b in target.named_buffers() if n in before and not _same_values(before[n], b)]
+        in_place = written_buffers(target, versions)
+        unseen = [n for n in dict.fromkeys(moved + in_place) if n not in flat.written and n in written_candidates]
         if unseen:
             raise BufferWriteError(unseen, buffer_owners(unseen), exporter.name)
-    written_values = _take_buffer_writes(model, flat.written, exporter.name)
+        # A write the graph leaves at the buffer's own input is lost when the traced buffer moved, or when nothing
+        # tells (the dynamo route traces substituted tensors); a traced write that left the value as it was
+        # (``copy_`` of itself) needs nothing written back.
+        unchanged = {n for n in in_place if n not in moved}
+        written_values = _take_buffer_writes(model, flat.written, exporter.name, unchanged, target)
     output_schema = flat.output_schema
     raw_model = onnx.ModelProto.FromString(model.SerializeToString()) if keep_raw else None
     # Outputs get the user's names; parameters and buffers lose the wrapper's "module." prefix.

@@ -1,8 +1,12 @@
-"""A forward that writes buffers in place (an exponential moving average, a counter, spectral norm's power
-iteration): ONNX Runtime's graph computes the new values but cannot write them back, so ortcore refuses such a graph
-(``BufferWriteError``, naming buffers and modules) and its repair runs the owning module in PyTorch, where the writes
-happen as in eager. Before, the writes were silently lost: the buffers never moved, outputs left eager's from the
-second step and gradients from the first that read a stale buffer."""
+"""A forward that writes buffers in place (an EMA codebook, a step counter, a running mean, a histogram) trains in
+ONNX Runtime with PyTorch's values: the flat module returns each written buffer after the forward, the graph exposes
+its new value as an output (``ortcore.buffer_write::<name>``) and ortcore copies it into the buffer after each run,
+in training and in eval mode, as batch norm's running statistics are. The rest of the forward reads the updated
+value where PyTorch does, and a write under ``torch.no_grad()`` passes no gradient, as in PyTorch.
+
+Every test compares against eager PyTorch after several optimizer steps: outputs, loss, every parameter's gradient
+and every buffer (integer buffers exactly), and ``state_dict()``. A write the graph cannot compute (through ``.data``,
+which nothing traces) is refused naming buffer and module, and repaired by running that module in PyTorch."""
 
 from __future__ import annotations
 
@@ -10,16 +14,78 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from models import assert_grads_match
 from torch import nn
 
 from ortcore import ORTModule
 from ortcore.errors import BufferWriteError
+from ortcore.graph import BUFFER_WRITE_PREFIX, ExportedGraph
 
 RTOL, ATOL = 1e-5, 1e-6
+STEPS = 5
+EXPORTERS = ["torchscript", "dynamo"]
+
+
+@pytest.fixture(autouse=True)
+def _no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that ran in PyTorch instead would match eager trivially: every test here must run in ORT."""
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+
+# -- the models ---------------------------------------------------------------------------------------------------
+
+
+class EMACodebookVQ(nn.Module):
+    """A VQ-VAE bottleneck with an exponential-moving-average codebook (van den Oord et al., appendix), all in the
+    top module: the codebook, the cluster sizes and the summed embeddings are buffers updated under no_grad, the
+    quantized vector passes the decoder's gradient to the encoder straight through."""
+
+    def __init__(self, codes: int = 6, dim: int = 4, decay: float = 0.8, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.decay, self.eps = decay, eps
+        self.encoder = nn.Linear(5, dim)
+        self.decoder = nn.Linear(dim, 5)
+        codebook = torch.randn(codes, dim)
+        self.register_buffer("codebook", codebook)
+        self.register_buffer("cluster_size", torch.ones(codes))
+        self.register_buffer("embed_avg", codebook.clone())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.encoder(x)
+        distances = z.pow(2).sum(1, keepdim=True) - 2 * z @ self.codebook.t() + self.codebook.pow(2).sum(1)[None, :]
+        codes = distances.argmin(1)
+        onehot = F.one_hot(codes, self.codebook.shape[0]).to(z.dtype)
+        quantized = F.embedding(codes, self.codebook)
+        if self.training:
+            with torch.no_grad():
+                self.cluster_size.mul_(self.decay).add_(onehot.sum(0), alpha=1 - self.decay)
+                self.embed_avg.mul_(self.decay).add_(onehot.t() @ z, alpha=1 - self.decay)
+                n = self.cluster_size.sum()
+                size = (self.cluster_size + self.eps) / (n + self.codebook.shape[0] * self.eps) * n
+                self.codebook.copy_(self.embed_avg / size[:, None])
+        commitment = F.mse_loss(z, quantized.detach())
+        straight_through = z + (quantized - z).detach()
+        return self.decoder(straight_through), commitment
+
+
+class StepCounter(nn.Module):
+    """An integer step counter incremented by ``+=`` and read right after: a warm-up scale of the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        return self.lin(x) * torch.clamp(self.step.to(x.dtype) / 3, max=1.0)
 
 
 class MovingAverage(nn.Module):
+    """A running mean of its activations under no_grad, subtracted right after the update: with the update's
+    gradient blocked as in PyTorch, ``h``'s gradient is the identity; through it, it would not be."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3)
@@ -36,70 +102,215 @@ class MovingAverage(nn.Module):
 
 
 class Net(nn.Module):
+    """The running mean in a submodule, next to a batch norm (whose statistics ortcore updates as before)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ema = MovingAverage()
-        self.bn = nn.BatchNorm1d(3)  # its running statistics are ortcore's to update: not a buffer write
+        self.bn = nn.BatchNorm1d(3)
         self.out = nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.bn(self.ema(x)))
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_buffer_writes_run_the_module_in_pytorch_and_match_eager(
-    exporter: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+class PeakAndHistogram(nn.Module):
+    """Writes without no_grad, from detached values: a running maximum (``copy_``) read right after, and a histogram
+    of token ids by ``index_add_``; a constant write (``fill_``) of a flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 3)
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("peak", torch.full((3,), 1e-3))
+        self.register_buffer("histogram", torch.zeros(7))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(ids))
+        self.peak.copy_(torch.maximum(self.peak, h.detach().abs().amax((0, 1))))
+        self.histogram.index_add_(0, ids.flatten(), torch.ones(ids.numel()))
+        self.seen.fill_(1)
+        return h / self.peak + self.histogram[ids][..., None] / ids.numel()
+
+
+class CountsEveryCall(nn.Module):
+    """Writes in eval mode too: a call counter always, a running mean in training only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.calls.add_(1)
+        if self.training:
+            with torch.no_grad():
+                self.mean.lerp_(h.mean(0), 0.5)
+        return h - self.mean
+
+
+# -- the judge ------------------------------------------------------------------------------------------------------
+
+
+def _assert_buffers_equal(model: nn.Module, reference: nn.Module, when: str) -> None:
+    buffers, expected = dict(model.named_buffers()), dict(reference.named_buffers())
+    assert list(buffers) == list(expected)
+    for name, e in expected.items():
+        a = buffers[name]
+        assert a.dtype == e.dtype and a.shape == e.shape, f"{name} ({when}): {a.dtype}{list(a.shape)}"
+        if e.is_floating_point():
+            torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n} ({when}): {m}")
+        else:
+            assert torch.equal(a, e), f"{name} ({when}): {a.tolist()} != {e.tolist()}"
+
+
+def _loss(out: object) -> torch.Tensor:
+    if isinstance(out, tuple):
+        return out[0].square().mean() + 0.25 * out[1]
+    return out.square().mean()
+
+
+def _train_against_eager(make: type, exporter: str, batch, steps: int = STEPS) -> ORTModule:
+    """``steps`` SGD steps of ``make()`` under ORTModule and in eager PyTorch on the same batches, comparing outputs,
+    loss, gradients and buffers after every forward and every step, and ``state_dict()`` at the end."""
     torch.manual_seed(0)
-    model = Net()
+    model = make()
     reference = copy.deepcopy(model)
     ort = ORTModule(model, exporter=exporter)
-    # SGD, not Adam: the batch norm cancels ema.lin's bias, whose gradient is then rounding noise around 0, which
-    # Adam would turn into steps of size lr in either direction.
-    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(4):
-        x = torch.randn(8, 3)
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(reference.parameters(), lr=0.05)
+    for step in range(steps):
+        x = batch()
         out, out_ref = ort(x), reference(x)
-        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
-        for (name, b), (_, b_ref) in zip(model.named_buffers(), reference.named_buffers()):
-            torch.testing.assert_close(b, b_ref, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
-        out.square().sum().backward()
-        out_ref.square().sum().backward()
+        flat, flat_ref = (out, out_ref) if isinstance(out, tuple) else ((out,), (out_ref,))
+        for a, e in zip(flat, flat_ref, strict=True):
+            torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+        _assert_buffers_equal(model, reference, f"after forward {step}")
+        loss, loss_ref = _loss(out), _loss(out_ref)
+        torch.testing.assert_close(loss, loss_ref, rtol=RTOL, atol=ATOL)
+        loss.backward()
+        loss_ref.backward()
         assert_grads_match(model, reference, rtol=RTOL, atol=ATOL)
         opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
-    assert [r.region for r in ort.repairs] == ["ema"]
-    assert "BufferWriteError" in ort.repairs[0].reason and "'ema.avg'" in ort.repairs[0].reason
-    assert ort.state_machine.counters.fallbacks == 0
+        _assert_buffers_equal(model, reference, f"after step {step}")
+    state, state_ref = ort.state_dict(), reference.state_dict()
+    assert list(state) == list(state_ref)
+    for name, value in state_ref.items():
+        torch.testing.assert_close(state[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    # Trained in ORT: nothing routed to PyTorch, no fallback, and the graph writes the buffers back.
+    assert ort.repairs == [] and ort.state_machine.counters.fallbacks == 0
+    return ort
 
 
-class WritesItsOwnBuffer(nn.Module):
+def _written(ort: ORTModule) -> list[str]:
+    graph, _ = ort.state_machine.current
+    outputs = {o.name for o in graph.model.graph.output}
+    assert all(w.output in outputs and w.output == BUFFER_WRITE_PREFIX + w.buffer for w in graph.buffer_writes)
+    return sorted(w.buffer for w in graph.buffer_writes)
+
+
+# -- the tests ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_ema_codebook_of_the_top_module_trains_in_ort(exporter: str) -> None:
+    ort = _train_against_eager(EMACodebookVQ, exporter, lambda: torch.randn(16, 5))
+    assert _written(ort) == ["cluster_size", "codebook", "embed_avg"]
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_step_counter_read_after_its_increment(exporter: str) -> None:
+    ort = _train_against_eager(StepCounter, exporter, lambda: torch.randn(6, 4))
+    assert ort.module.step.item() == STEPS and _written(ort) == ["step"]
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_running_mean_in_a_submodule_next_to_batch_norm(exporter: str) -> None:
+    ort = _train_against_eager(Net, exporter, lambda: torch.randn(8, 3))
+    assert _written(ort) == ["ema.avg", "ema.count"]  # the batch norm's statistics are not among them
+    assert ort.module.bn.num_batches_tracked.item() == STEPS
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_writes_without_no_grad_copy_index_add_and_fill(exporter: str) -> None:
+    ort = _train_against_eager(PeakAndHistogram, exporter, lambda: torch.randint(0, 7, (4, 5)))
+    assert _written(ort) == ["histogram", "peak", "seen"]
+    assert ort.module.histogram.sum().item() == STEPS * 20
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_eval_mode_writes_what_pytorch_writes(exporter: str) -> None:
+    torch.manual_seed(0)
+    model = CountsEveryCall()
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, exporter=exporter)
+    x = torch.randn(5, 3)
+    for train, grad in [(True, True), (False, False), (False, True), (True, True), (False, False)]:
+        ort.train(train), reference.train(train)
+        with torch.set_grad_enabled(grad):
+            out, out_ref = ort(x), reference(x)
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
+        _assert_buffers_equal(model, reference, f"train={train} grad={grad}")
+        if train:
+            out.sum().backward(), out_ref.sum().backward()
+            assert_grads_match(model, reference, rtol=RTOL, atol=ATOL)
+    assert model.calls.item() == 5
+    assert _written(ort) == ["calls"]  # the last call, in eval mode: the counter only
+    assert ort.repairs == [] and ort.state_machine.counters.fallbacks == 0
+
+
+def test_the_written_buffers_survive_an_export_cache_round_trip() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    ort = ORTModule(model)
+    ort(torch.randn(4, 3)).sum().backward()
+    graph, _ = ort.state_machine.current
+    again = ExportedGraph.from_bytes(graph.to_bytes(), model)
+    assert again.buffer_writes == graph.buffer_writes and again.buffer_write_outputs == graph.buffer_write_outputs
+    with pytest.raises(ValueError, match="no buffer 'ema.avg'"):
+        ExportedGraph.from_bytes(graph.to_bytes(), nn.Sequential(nn.Linear(3, 3)))
+
+
+class WritesThroughData(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3)
         self.register_buffer("seen", torch.zeros(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.copy_(x.detach().amax(0))
+        self.seen.data.copy_(x.detach().amax(0))  # .data: no version counter moves, nothing is traced
         return self.lin(x) * self.seen
 
 
-def test_a_buffer_of_the_model_itself_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No module below the model holds the write, so nothing can be routed: the error names the buffer."""
-    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
-    ort = ORTModule(WritesItsOwnBuffer())
-    with pytest.raises(BufferWriteError, match="'seen'.*the model itself"):
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = WritesThroughData()
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+def test_a_write_the_graph_does_not_compute_is_refused_naming_buffer_and_module() -> None:
+    ort = ORTModule(WritesThroughData())
+    with pytest.raises(BufferWriteError, match="'seen'.*the model itself.*does not compute"):
         ort(torch.randn(4, 3))
 
 
-def test_with_fallback_a_buffer_of_the_model_itself_trains_in_pytorch() -> None:
+def test_a_write_the_graph_does_not_compute_in_a_submodule_runs_that_module_in_pytorch() -> None:
     torch.manual_seed(0)
-    model = WritesItsOwnBuffer()
+    model = Wrapper()
     reference = copy.deepcopy(model)
     ort = ORTModule(model)
-    x = torch.randn(4, 3)
-    with pytest.warns(RuntimeWarning, match="writes buffer"):
-        out = ort(x)
-    torch.testing.assert_close(out, reference(x))
-    torch.testing.assert_close(model.seen, reference.seen)
-    assert ort.state_machine.counters.fallbacks == 1
+    for _ in range(3):
+        x = torch.randn(4, 3)
+        out, out_ref = ort(x), reference(x)
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
+        out.sum().backward(), out_ref.sum().backward()
+        assert_grads_match(model, reference, rtol=RTOL, atol=ATOL)
+        _assert_buffers_equal(model, reference, "routed")
+    assert [r.region for r in ort.repairs] == ["inner"]
+    assert "BufferWriteError" in ort.repairs[0].reason and "'inner.seen'" in ort.repairs[0].reason

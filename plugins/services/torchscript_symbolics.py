@@ -205,6 +205,20 @@ def _detach(g, input):
     return g.op(f"{STOP_GRADIENT_DOMAIN}::{STOP_GRADIENT}", input)
 
 
+def _copy(g, self, src, non_blocking=None):
+    # ``buf.copy_(src)`` on a graph input (a buffer the forward writes): the exporter removes the mutation and leaves
+    # aten::copy, which it has no symbolic for. The value is src in self's type, broadcast to self's shape.
+    # (Cast, not CastLike: ORT has no gradient for CastLike, and src may carry one.)
+    from torch.onnx._internal.torchscript_exporter import _type_utils
+
+    target = _type_utils.JitScalarType.from_value(self, _type_utils.JitScalarType.UNDEFINED)
+    if target != _type_utils.JitScalarType.UNDEFINED and target != _type_utils.JitScalarType.from_value(
+        src, _type_utils.JitScalarType.UNDEFINED
+    ):
+        src = g.op("Cast", src, to_i=target.onnx_type())
+    return g.op("Expand", src, g.op("Shape", self))
+
+
 def _cumsum(g, input, dim, dtype=None):
     # torch sums booleans as int64 (Hugging Face's mask code does); ONNX CumSum has no bool type.
     from torch.onnx import symbolic_opset11
@@ -345,8 +359,25 @@ _PROMOTED_OPERANDS = {
     **{
         op: (0, 1)
         for op in (
-            "add", "sub", "rsub", "mul", "div", "true_divide", "pow", "minimum", "maximum", "remainder", "fmod",
-            "atan2", "floor_divide", "eq", "ne", "lt", "le", "gt", "ge",
+            "add",
+            "sub",
+            "rsub",
+            "mul",
+            "div",
+            "true_divide",
+            "pow",
+            "minimum",
+            "maximum",
+            "remainder",
+            "fmod",
+            "atan2",
+            "floor_divide",
+            "eq",
+            "ne",
+            "lt",
+            "le",
+            "gt",
+            "ge",
         )
     },
     "where": (1, 2),
@@ -402,6 +433,7 @@ SYMBOLICS = {
     "::batch_norm": _batch_norm,
     "::detach": _detach,
     "::cumsum": _cumsum,
+    "::copy": _copy,
     "::layer_norm": layer_norm,
     "::diff": _diff,
     "::diagonal": _diagonal,

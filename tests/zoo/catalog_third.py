@@ -121,14 +121,6 @@ def siglip_batch(gen: torch.Generator) -> Batch:
     }
 
 
-def audio_features_batch(gen: torch.Generator) -> Batch:
-    """Wav2Vec2-BERT: 40 frames of 16 features, CTC targets of 4-7 characters."""
-    labels = torch.randint(1, 16, (BATCH, 7), generator=gen)
-    for row in range(BATCH):
-        labels[row, 7 - row :] = -100
-    return {"input_features": torch.randn(BATCH, 40, 16, generator=gen), "labels": labels}
-
-
 def speech_to_text_batch(gen: torch.Generator) -> Batch:
     return {"input_values": torch.randn(BATCH, 1600, generator=gen), "labels": _ids(gen, seq=8)}
 
@@ -291,12 +283,6 @@ HF_TEXT = [
         classification_batch,
     ),
     _hf(
-        "layoutlm",
-        "LayoutLMForMaskedLM (2-D position embeddings of each token's bounding box)",
-        hf("LayoutLMConfig", "LayoutLMForMaskedLM", **_ENCODER_POS, max_2d_position_embeddings=128),
-        layout_batch,
-    ),
-    _hf(
         "lilt",
         "LiltForSequenceClassification (text and layout streams, bi-directional attention complementation)",
         hf(
@@ -374,18 +360,6 @@ HF_SEQ2SEQ = [
         long_seq2seq_batch,
     ),
     _hf(
-        "umt5",
-        "UMT5ForConditionalGeneration (a relative-position bias per layer)",
-        hf("UMT5Config", "UMT5ForConditionalGeneration", **_T5),
-        seq2seq_batch,
-    ),
-    _hf(
-        "marian",
-        "MarianMTModel (static sinusoidal positions, scaled embeddings)",
-        hf("MarianConfig", "MarianMTModel", **_SEQ2SEQ),
-        seq2seq_batch,
-    ),
-    _hf(
         "nllb_moe",
         "NllbMoeForConditionalGeneration (top-2 routing with expert capacity, sparse every other layer)",
         hf(
@@ -417,17 +391,6 @@ HF_DECODERS = [
         causal_lm_batch,
     ),
     _hf(
-        "persimmon",
-        "PersimmonForCausalLM (query-key LayerNorm, squared-ReLU MLP, partial rotary)",
-        hf(
-            "PersimmonConfig",
-            "PersimmonForCausalLM",
-            **{k: v for k, v in _DECODER.items() if k != "num_key_value_heads"},
-            qk_layernorm=True,
-        ),
-        causal_lm_batch,
-    ),
-    _hf(
         "granite",
         "GraniteForCausalLM (embedding, residual, attention and logit multipliers)",
         hf(
@@ -439,12 +402,6 @@ HF_DECODERS = [
             attention_multiplier=0.1,
             logits_scaling=2.0,
         ),
-        causal_lm_batch,
-    ),
-    _hf(
-        "nemotron",
-        "NemotronForCausalLM (LayerNorm1P, squared-ReLU MLP, partial rotary)",
-        hf("NemotronConfig", "NemotronForCausalLM", **_DECODER, head_dim=16),
         causal_lm_batch,
     ),
     _hf(
@@ -548,43 +505,9 @@ HF_DECODERS = [
         ),
         causal_lm_batch,
     ),
-    _hf(
-        "xglm",
-        "XGLMForCausalLM (sinusoidal positions offset by padding, scaled embeddings)",
-        hf(
-            "XGLMConfig",
-            "XGLMForCausalLM",
-            vocab_size=VOCAB,
-            d_model=64,
-            num_layers=2,
-            attention_heads=2,
-            ffn_dim=128,
-            max_position_embeddings=64,
-        ),
-        causal_lm_batch,
-    ),
-    _hf(
-        "ctrl",
-        "CTRLLMHeadModel (sinusoidal positions, pre-LN, untied head with bias)",
-        hf("CTRLConfig", "CTRLLMHeadModel", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, dff=128, n_positions=64),
-        causal_lm_batch,
-    ),
 ]
 
 HF_VISION = [
-    _hf(
-        "convnext_hf",
-        "ConvNextForImageClassification (Hugging Face's: channels-last LayerNorm, layer scale)",
-        hf(
-            "ConvNextConfig",
-            "ConvNextForImageClassification",
-            num_stages=2,
-            hidden_sizes=[16, 32],
-            depths=[1, 1],
-            num_labels=5,
-        ),
-        image_batch,
-    ),
     _hf(
         "mobilenet_v2_deeplab",
         "MobileNetV2ForSemanticSegmentation (DeepLabV3 head: atrous convs, image pooling, batch norm)",
@@ -652,25 +575,6 @@ HF_VISION = [
         image_batch,
     ),
     _hf(
-        "pvt_v2",
-        "PvtV2ForImageClassification (overlapping patch embeddings, spatial-reduction attention, DW-conv MLP)",
-        hf(
-            "PvtV2Config",
-            "PvtV2ForImageClassification",
-            image_size=32,
-            num_encoder_blocks=2,
-            depths=[1, 1],
-            sr_ratios=[2, 1],
-            hidden_sizes=[16, 32],
-            patch_sizes=[7, 3],
-            strides=[4, 2],
-            num_attention_heads=[1, 2],
-            mlp_ratios=[2, 2],
-            num_labels=5,
-        ),
-        image_batch,
-    ),
-    _hf(
         "hiera",
         "HieraForImageClassification (mask-unit attention, unroll/reroll, query pooling)",
         hf(
@@ -690,18 +594,6 @@ HF_VISION = [
             num_labels=5,
         ),
         image_batch,
-    ),
-    _hf(
-        "mobilevitv2",
-        "MobileViTV2ForImageClassification (separable linear self-attention, unfold/fold of patches)",
-        hf(
-            "MobileViTV2Config",
-            "MobileViTV2ForImageClassification",
-            image_size=64,
-            width_multiplier=0.25,
-            num_labels=5,
-        ),
-        lambda gen: image_batch(gen, size=64),
     ),
     _hf(
         "glpn",
@@ -789,24 +681,6 @@ HF_SPEECH = [
         "SEWDForCTC (squeezed sequence, DeBERTa-style disentangled attention with position buckets)",
         hf("SEWDConfig", "SEWDForCTC", **_AUDIO, squeeze_factor=2, position_buckets=16, max_position_embeddings=64),
         ctc_batch,
-    ),
-    _hf(
-        "wav2vec2_bert",
-        "Wav2Vec2BertForCTC (filterbank features, conformer with relative-key attention)",
-        hf(
-            "Wav2Vec2BertConfig",
-            "Wav2Vec2BertForCTC",
-            vocab_size=16,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            feature_projection_input_dim=16,
-            conv_depthwise_kernel_size=7,
-            ctc_zero_infinity=True,
-            pad_token_id=0,
-        ),
-        audio_features_batch,
     ),
     _hf(
         "speecht5_asr",
@@ -1538,7 +1412,7 @@ class WaveNet(nn.Module):
             z = torch.tanh(f(p)) * torch.sigmoid(g(p))
             skip = skip + z
             h = h + r(z)
-        return self.out(torch.relu(skip))
+        return self.out(torch.relu(skip) + h)
 
 
 class SDPAMasks(nn.Module):
@@ -1562,30 +1436,6 @@ class SDPAMasks(nn.Module):
         heads = [t.transpose(1, 2).reshape(b, s, 16) for t in (causal, boolean + additive)]
         attended, _ = self.mha(x, x, x, key_padding_mask=~mask, need_weights=False)
         return self.out(torch.cat([*heads, attended], -1))
-
-
-class NeuralODE(nn.Module):
-    """A neural ODE integrated by 8 fixed steps of classical Runge-Kutta 4 in a Python loop (time as an input
-    feature), then a head."""
-
-    def __init__(self):
-        super().__init__()
-        self.f = nn.Sequential(nn.Linear(17, 32), nn.Tanh(), nn.Linear(32, 16))
-        self.head = nn.Linear(16, 8)
-
-    def _rhs(self, t: float, y: torch.Tensor) -> torch.Tensor:
-        return self.f(torch.cat([y, torch.full_like(y[..., :1], t)], -1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, dt = x, 1.0 / 8
-        for i in range(8):
-            t = i * dt
-            k1 = self._rhs(t, y)
-            k2 = self._rhs(t + dt / 2, y + dt / 2 * k1)
-            k3 = self._rhs(t + dt / 2, y + dt / 2 * k2)
-            k4 = self._rhs(t + dt, y + dt * k3)
-            y = y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
-        return self.head(y)
 
 
 class Capsules(nn.Module):
@@ -1613,28 +1463,6 @@ class Capsules(nn.Module):
         return v.norm(dim=-1)
 
 
-class Performer(nn.Module):
-    """Linear attention with fixed random features (a FAVOR+-style positive feature map from a buffer), causal by
-    cumulative sums of key-value outer products."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(16, 48)
-        self.register_buffer("features", torch.randn(16, 32, generator=torch.Generator().manual_seed(5)))
-        self.out = nn.Linear(16, 8)
-
-    def _phi(self, x: torch.Tensor) -> torch.Tensor:
-        proj = x @ self.features / 2
-        return torch.exp(proj - (x**2).sum(-1, keepdim=True) / 8 - proj.amax(-1, keepdim=True).detach()) + 1e-4
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, -1)
-        qf, kf = self._phi(q), self._phi(k)
-        kv = torch.cumsum(torch.einsum("bsf,bsd->bsfd", kf, v), 1)
-        norm = torch.einsum("bsf,bsf->bs", qf, torch.cumsum(kf, 1))
-        return self.out(torch.einsum("bsf,bsfd->bsd", qf, kv) / norm[..., None])
-
-
 class Distributions(nn.Module):
     """torch.distributions in a loss: a diagonal Gaussian (Independent(Normal)) log-likelihood, its KL to a
     standard normal, a mixture of Gaussians (MixtureSameFamily) log-likelihood and a Categorical entropy."""
@@ -1657,32 +1485,6 @@ class Distributions(nn.Module):
 
 def regression_batch(gen: torch.Generator) -> Batch:
     return {"x": torch.randn(BATCH, SEQ, 16, generator=gen), "y": torch.randn(BATCH, SEQ, 9, generator=gen)}
-
-
-class SortOps(nn.Module):
-    """Order statistics with gradients: torch.sort values, quantile (interpolated), median, kthvalue, msort, and
-    a soft-rank from pairwise sigmoid comparisons."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(16, 16)
-        self.head = nn.Linear(16 + 5, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.net(x)
-        sorted_h = torch.sort(h, -1, descending=True).values
-        stats = torch.stack(
-            [
-                torch.quantile(h, 0.25, dim=-1),
-                torch.quantile(h, 0.9, dim=-1, interpolation="midpoint"),
-                h.median(-1).values,
-                h.kthvalue(3, -1).values,
-                torch.msort(h.transpose(0, -1)).transpose(0, -1)[..., 0],
-            ],
-            -1,
-        )
-        soft_rank = torch.sigmoid((h[..., :, None] - h[..., None, :]) * 4).sum(-1)
-        return self.head(torch.cat([sorted_h + soft_rank, stats], -1))
 
 
 class SignSTE(torch.autograd.Function):
@@ -1905,7 +1707,6 @@ TORCH_MODELS = [
         SDPAMasks,
         lambda gen: {"x": torch.randn(BATCH, SEQ, 16, generator=gen), "mask": _padding_mask().bool()},
     ),
-    _torch("neural_ode", "neural ODE: 8 fixed Runge-Kutta-4 steps in a Python loop", NeuralODE, sequence_batch),
     _torch(
         "capsules",
         "capsule network: einsum predictions, 3 iterations of dynamic routing, squash",
@@ -1913,23 +1714,11 @@ TORCH_MODELS = [
         image16_batch,
     ),
     _torch(
-        "performer",
-        "linear attention with a fixed random positive feature map, causal by cumsum of outer products",
-        Performer,
-        sequence_batch,
-    ),
-    _torch(
         "distributions",
         "torch.distributions: Independent(Normal) log_prob and KL, MixtureSameFamily, Categorical entropy",
         Distributions,
         regression_batch,
         returned_loss,
-    ),
-    _torch(
-        "sort_ops",
-        "sort values, quantile (linear and midpoint), median, kthvalue, msort, pairwise soft rank",
-        SortOps,
-        sequence_batch,
     ),
     _torch(
         "binary_net",

@@ -56,6 +56,8 @@ def fallback_symbolic(op: str) -> Callable[..., Any]:
             )
         schema = str(parsed)
         operator, overload = op, parsed.overload_name
+        if routed_calls.returns_tensor_list(parsed):  # split, unbind, meshgrid: op routing's wrapper, one output each
+            return routed_calls.emit_call(g, operator, parsed, args, prepare_runtime)
         try:
             kinds = [schema_type(a.type, operator, a.name) for a in parsed.arguments]
         except TypeError as e:
@@ -66,8 +68,6 @@ def fallback_symbolic(op: str) -> Callable[..., Any]:
                 f"for the schema {schema}"
             )
         outputs_traced = list(node.outputs())
-        if routed_calls.returns_tensor_list(parsed):  # split, unbind, meshgrid: op routing's wrapper, one output each
-            return routed_calls.emit_call(g, operator, parsed, args, prepare_runtime)
         if any(r.type.kind() != "TensorType" for r in parsed.returns):
             raise UnsupportedModelError(f"the aten_fallback plugin cannot run aten::{operator}: it returns non-tensors")
         tensor_args = [k for k, kind in enumerate(kinds) if kind in ("Tensor", "Tensor?")]

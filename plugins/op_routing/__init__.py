@@ -55,8 +55,10 @@ from ortcore.api import (
     GraphPass,
     OptionError,
     PassContext,
+    aten_kind,
     exporter_name,
     hookimpl,
+    operator_of,
     option,
     parse_bool,
 )
@@ -90,6 +92,7 @@ __all__ = [
     "EXPORTER_GAP",
     "EXPORTER_GAP_DYNAMO",
     "FASTER_IN_TORCH",
+    "LISTED_REASON",
     "METADATA_PREFIX",
     "NAME",
     "PACKED_REASON",
@@ -174,11 +177,32 @@ def _route_program(program: torch.export.ExportedProgram, context: PassContext) 
 def _reasons_pass(model: onnx.ModelProto, context: PassContext | None = None) -> int:
     """After the other passes (tanh-GELU adds ATen nodes): every ATen node's op has a recorded reason."""
     before = len(model.metadata_props)
+    if context is not None:
+        _listed_reasons(model, context.config)
     if context is not None and exporter_name(context.config) == DYNAMO:
         dynamo.add_reasons(model)
     else:
         torchscript.add_reasons(model)
     return len(model.metadata_props) - before
+
+
+LISTED_REASON = "listed in aten_fallback's fallback_ops: run on PyTorch's kernel by choice"
+
+
+def _listed_reasons(model: onnx.ModelProto, config: Config) -> None:
+    """The reason of an ATen node whose op the user listed in ``aten_fallback``'s ``fallback_ops`` (that plugin
+    exports it; the option is read from the configuration, no plugin is imported)."""
+    listed = {op.rpartition("::")[2] for op in getattr(config.plugin_options("aten_fallback"), "fallback_ops", ())}
+    if not listed:
+        return
+    known = {p.key for p in model.metadata_props}
+    for node in model.graph.node:
+        if node.op_type != "ATen" or node.domain != aten_nodes.ATEN_DOMAIN:
+            continue
+        op = aten_kind(operator_of(node))
+        if op in listed and METADATA_PREFIX + op not in known:
+            model.metadata_props.add(key=METADATA_PREFIX + op, value=LISTED_REASON)
+            known.add(METADATA_PREFIX + op)
 
 
 # -- hooks ----------------------------------------------------------------------------------------------------------

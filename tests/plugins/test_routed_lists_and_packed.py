@@ -285,6 +285,7 @@ def test_a_listed_op_with_a_list_result_runs_on_pytorch(op: str, exporter: str):
     host = _host({"plugins": {"aten_fallback": {"fallback_ops": [op]}}})
     wrapped = _train(LISTED[op](), _batch, host, exporter=exporter)
     assert op in _aten_ops(wrapped), wrapped.explain()
+    assert wrapped.explain().routed()[op] == plugin.LISTED_REASON
 
 
 # -- packed sequences -----------------------------------------------------------------------------------------------
@@ -361,3 +362,22 @@ def test_without_routing_packed_sequences_do_not_export():
     wrapped = ORTModule(Packed("LSTM", False, True), fallback_policy="FALLBACK_DISABLE", host=host)
     with pytest.raises(Exception, match="pairs|sequence_lens|Sequence lengths|LSTM"):
         wrapped(*_sequences(True)(0))
+
+
+def test_packed_sequence_on_the_dynamo_route_is_exported_with_torchscript():
+    """torch.export cannot trace nn.LSTM over a packed sequence (it sizes the initial state from a tensor): the
+    repair exports the model with TorchScript, and it trains in ORT with PyTorch's numbers."""
+    torch.manual_seed(0)
+    model = Packed("LSTM", True, False)
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE", host=_host(), exporter="dynamo")
+    x, lengths = _sequences(False)(0)
+    out, out_ref = wrapped(x, lengths), ref(x, lengths)
+    _weighted_loss(out).backward()
+    _weighted_loss(out_ref).backward()
+    for a, b in zip(out, out_ref, strict=True):
+        _close(a, b, "output")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        _close(p.grad, q.grad, f"gradient of {name}")
+    assert [r.kind for r in wrapped.repairs] == ["exporter"], wrapped.repairs
+    assert wrapped.explain().routed().get("_pack_padded_sequence") == plugin.PACKED_REASON

@@ -312,6 +312,32 @@ def _constant_outputs(
     return schema.without_outputs(constants)
 
 
+def _free_names(model: onnx.ModelProto, renames: dict[str, str]) -> None:
+    """Rename the node outputs that already hold a name ``renames`` gives to another value: the dynamo route names
+    values after their ops (``mean``, ``add``), and a buffer called ``mean`` would be defined twice."""
+    graph = model.graph
+    wanted = {new for old, new in renames.items() if old != new}
+    clashes = {o for node in graph.node for o in node.output if o in wanted and o not in renames}
+    if not clashes:
+        return
+    taken = {o for node in graph.node for o in node.output} | {i.name for i in graph.input} | wanted
+    fresh = {}
+    for name in sorted(clashes):
+        k = 1
+        while f"{name}.{k}" in taken:
+            k += 1
+        fresh[name] = f"{name}.{k}"
+        taken.add(fresh[name])
+    _rename_inputs(model, fresh)  # node inputs and graph outputs
+    for node in graph.node:
+        for i, name in enumerate(node.output):
+            if name in fresh:
+                node.output[i] = fresh[name]
+    for info in graph.value_info:
+        if info.name in fresh:
+            info.name = fresh[info.name]
+
+
 def _rename_inputs(model: onnx.ModelProto, renames: dict[str, str]) -> None:
     graph = model.graph
     for value in graph.input:
@@ -378,6 +404,12 @@ def _take_buffer_writes(
     graph = model.graph
     extras = list(graph.output[len(graph.output) - len(written) :])
     del graph.output[len(graph.output) - len(written) :]
+    # Their types stay known (ORT cannot infer an ATen node's output types from its inputs).
+    typed = {i.name for i in graph.value_info} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    for info in extras:
+        if info.type.HasField("tensor_type") and info.name not in typed:
+            graph.value_info.append(info)
+            typed.add(info.name)
     producer = {o: node for node in graph.node for o in node.output if o}
     own = {n: through_identities(producer, info.name) == f"module.{n}" for n, info in zip(written, extras)}
     lost = [n for n in written if own[n] and n not in unchanged]
@@ -826,6 +858,7 @@ def export_graph(
     renames.update(
         {o.name: name for o, name in zip(model.graph.output, output_schema.names) if o.name not in graph_inputs}
     )
+    _free_names(model, renames)
     _rename_inputs(model, renames)
     for node in model.graph.node:
         for i, name in enumerate(node.output):

@@ -381,3 +381,50 @@ def test_packed_sequence_on_the_dynamo_route_is_exported_with_torchscript():
         _close(p.grad, q.grad, f"gradient of {name}")
     assert [r.kind for r in wrapped.repairs] == ["exporter"], wrapped.repairs
     assert wrapped.explain().routed().get("_pack_padded_sequence") == plugin.PACKED_REASON
+
+
+class PackedRNN(nn.Module):
+    """nn.RNN (relu, two layers, sequence first) over a packed sequence, with an initial state the model passes, and
+    pad_packed_sequence without total_length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(3, 4, num_layers=2, nonlinearity="relu")
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = pack_padded_sequence(x * 2, lengths, enforce_sorted=False)
+        out, state = self.rnn(packed, torch.zeros(2, x.shape[1], 4) + 0.1)
+        out, _ = pad_packed_sequence(out)
+        return self.head(out), state
+
+
+def test_packed_sequence_through_a_plain_rnn_with_an_initial_state():
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(6, 4, 3, generator=torch.Generator().manual_seed(step))
+        return x, torch.tensor([[3, 6, 2, 5], [6, 1, 2, 4], [2, 2, 6, 6]][step])
+
+    torch.manual_seed(0)
+    wrapped = _train(PackedRNN(), inputs, _host())
+    assert wrapped.explain().routed().get("rnn_relu") == plugin.PACKED_REASON
+
+
+class StackedMeshgrid(nn.Module):
+    """A list result the model reads whole (torch.stack of meshgrid's list)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grids = torch.meshgrid(self.a(x).mean(0), self.b(x).mean(0), indexing="ij")
+        return torch.stack(grids).sin()
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_list_result_read_whole(exporter: str):
+    torch.manual_seed(0)
+    host = _host({"plugins": {"aten_fallback": {"fallback_ops": ["meshgrid"]}}})
+    wrapped = _train(StackedMeshgrid(), _batch, host, exporter=exporter)
+    assert "meshgrid" in _aten_ops(wrapped), wrapped.explain()

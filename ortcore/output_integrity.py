@@ -108,6 +108,9 @@ NOT_IN_PLACE = frozenset(
 VIEW = "a view of a buffer ORT frees after the forward"
 IN_PLACE = "computed in place in another value's buffer, which ORT frees after the forward"
 WRITTEN_IN_BACKWARD = "read by a backward kernel that may write its result into the same buffer"
+REUSED = "in a buffer ORT's memory reuse (enable_mem_reuse) may give to a later value"
+# Kernels whose outputs PyTorch allocates: ORT plans them as external outputs, never freed or reused.
+_EXTERNAL_OUTPUTS = frozenset({"ATen", "PythonOp", "PythonOpGrad"})
 
 
 def _is_view(node: onnx.NodeProto) -> bool:
@@ -167,10 +170,13 @@ def _ancestors(node_index: int, producer_index: dict[str, int], nodes: list[onnx
     return seen
 
 
-def outputs_at_risk(executed: onnx.ModelProto) -> dict[int, str]:
+def outputs_at_risk(executed: onnx.ModelProto, memory_reuse: bool = False) -> dict[int, str]:
     """The forward outputs of a training graph, as ORT runs it (YieldOp's inputs, by position), that ORT could write
     after the forward returned them, each with the reason (:data:`VIEW`, :data:`IN_PLACE`,
-    :data:`WRITTEN_IN_BACKWARD`). Empty for a graph without a YieldOp (an inference graph)."""
+    :data:`WRITTEN_IN_BACKWARD`, :data:`REUSED`). Empty for a graph without a YieldOp (an inference graph).
+
+    ``memory_reuse``: the session's ``enable_mem_reuse`` (off in ortcore's plan). With it, ORT's planner gives a
+    buffer whose last reader ran to a later value, an output's too, so every output ORT allocated is at risk."""
     nodes = list(executed.graph.node)
     yield_at = next((i for i, n in enumerate(nodes) if n.op_type == "YieldOp"), None)
     if yield_at is None:
@@ -224,6 +230,9 @@ def outputs_at_risk(executed: onnx.ModelProto) -> dict[int, str]:
         producer = nodes[j]
         if _is_view(producer):
             at_risk[k] = VIEW
+            continue
+        if memory_reuse and producer.op_type not in _EXTERNAL_OUTPUTS:
+            at_risk[k] = REUSED
             continue
         # In place at its producer: ORT's guard spares a node whose first consumer is the YieldOp; with no other
         # consumer of any of its outputs, the YieldOp is that first one.

@@ -395,7 +395,7 @@ class TrainingSession:
             )
             if built.request.build_gradient:
                 executed = plan.prepared_model if executed_path is None else pathlib.Path(executed_path).read_bytes()
-                at_risk = outputs_at_risk(onnx.ModelProto.FromString(executed))
+                at_risk = outputs_at_risk(onnx.ModelProto.FromString(executed), options.enable_mem_reuse)
             else:
                 at_risk = {}
             # Forward output index -> why the forward hands out a copy of it (see ortcore.output_integrity).

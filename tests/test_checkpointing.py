@@ -11,6 +11,7 @@ rtol 1e-4 / atol 1e-5 for outputs and gradients, rtol 1e-4 for losses).
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 from typing import Any
 
@@ -313,3 +314,47 @@ def test_the_users_model_is_unchanged_by_export():
     assert set(vars(model)) == set(vars(Net("reentrant")))  # nothing left in the module's __dict__
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+# -- the traced copy --------------------------------------------------------------------------------------------------
+class Runner:
+    """A callable object holding its module: the region cannot rebind it to the user's module, so it runs the traced
+    copy's module with the model's parameters and buffers swapped in."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, x):
+        return self.module(x)
+
+
+class RunnerNet(Net):
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = cp.checkpoint(Runner(block), h, use_reentrant=True)
+        return self.out(h)
+
+
+def test_a_function_left_on_the_traced_copy_runs_with_the_models_state():
+    ort, ref = ort_and_torch(RunnerNet("reentrant", norm="batch"))
+    check_step_and_training(ort, ref, make_batches(batch, STEPS + 1), step, steps=STEPS)
+    for (name, mine), theirs in zip(ort.module.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert python_ops(ort) == [REGION] * 3
+
+
+def test_the_traced_copy_is_let_go_after_the_export():
+    """The graph's calls live as long as the process: once rebound to the user's modules they hold no copy of the
+    model (a full copy of its weights)."""
+
+    class OwnBlock(Block):
+        pass
+
+    model = Net("reentrant")
+    model.blocks = nn.Sequential(*(OwnBlock(16) for _ in range(3)))
+    ort = ORTModule(model)
+    ort(torch.randn(4, 10)).sum().backward()
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, OwnBlock)]
+    assert sorted(map(id, alive)) == sorted(map(id, model.blocks))

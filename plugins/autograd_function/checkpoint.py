@@ -47,9 +47,13 @@ class _Origin:
     copy's memo (``id(user object) -> copy``), which maps every parameter, buffer and module of the traced copy back
     to the user's; without a deep copy (``ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT=0``) the traced model is the user's."""
 
+    # No __dict__: whatever describes the user's module while it is exported sees only the repr.
+    __slots__ = ("module", "memo", "calls", "_state", "_users", "_modules")
+
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.memo: dict | None = None
+        self.calls: list[CheckpointCall] = []  # the checkpoint calls traced in this export
         self._state: list | None = None
         self._users: dict[int, torch.Tensor] | None = None
         self._modules: dict[int, torch.nn.Module] | None = None
@@ -103,6 +107,22 @@ class _Origin:
             return type(obj)(self.to_user(item, depth + 1) for item in obj)
         return obj
 
+    def release(self) -> None:
+        """After the export: each call's function and parameter slots rebound to the user's modules. When no
+        rebound function reaches the traced copy any more, the copy is let go (the graph's calls live as long as the
+        process, and the copy holds a full copy of the weights); otherwise its slots keep the user's state
+        swapped in at each run (:meth:`state`)."""
+        if self.memo is None:
+            return
+        for call in self.calls:
+            call.rebind()
+        copies = {id(self._copy_of(m)) for m in self.module.modules()} - {id(m) for m in self.module.modules()}
+        if not any(id(m) in copies for call in self.calls for m in reached_modules(call.function)):
+            self._state = []
+            self.memo = self._users = self._modules = None
+            for call in self.calls:
+                call.copy_slots = []
+
     def state(self) -> list[tuple[dict, str, torch.Tensor]]:
         """Every parameter and buffer slot of the traced copy, with the user's tensor for it."""
         if self._state is None:
@@ -135,6 +155,7 @@ def export_origin(module: torch.nn.Module) -> Iterator[None]:
     finally:
         module.__dict__.pop(_ORIGIN_ATTRIBUTE, None)
         _current.origin = previous
+        origin.release()
 
 
 @contextlib.contextmanager
@@ -240,7 +261,8 @@ class CheckpointCall:
     out_positions: list[int] = attrs.field(factory=list)
     warned: bool = False  # no tensor argument required grad: said once
     checked: bool = False  # the first recompute checked that no other parameter of the model is reached
-    user_function: Callable[..., Any] | None = None  # the function on the user's modules (at a step)
+    rebound: bool = False  # function and slots are the user's (after the export)
+    copy_slots: list = attrs.field(factory=list)  # the traced copy's slots, while a rebound function still reaches it
 
     def arguments(self, tensors: tuple) -> tuple:
         leaves = list(self.leaves)
@@ -253,25 +275,28 @@ class CheckpointCall:
         """The slots to fill for one run: at a step, the traced copy's with the user's state and the parameter
         inputs' slots in both the copy and the user's model; while exporting, the copy's parameter inputs."""
         entries = list(self.origin.state()) if running else []
-        for slots, tensor in zip(self.slots, params):
-            for module, name in slots:
-                entries.append((module._parameters, name, tensor))
-                if running:
-                    entries.append((self.origin.user_module(module)._parameters, name, tensor))
+        for k, tensor in enumerate(params):
+            slots = self.slots[k] + (self.copy_slots[k] if running and self.copy_slots else [])
+            entries.extend((module._parameters, name, tensor) for module, name in slots)
         return entries
+
+    def rebind(self) -> None:
+        """The function and the parameter slots on the user's modules (:meth:`_Origin.release`)."""
+        if not self.rebound:
+            self.function = self.origin.to_user(self.function)
+            self.copy_slots = self.slots
+            self.slots = [[(self.origin.user_module(m), name) for m, name in slots] for slots in self.slots]
+            self.rebound = True
 
     def traced_parameter(self, k: int) -> torch.Tensor:
         module, name = self.slots[k][0]
         return module._parameters[name]
 
     def run(self, tensors: tuple, params: tuple, running: bool) -> list[torch.Tensor]:
-        function = self.function
         if running:
-            if self.user_function is None:
-                self.user_function = self.origin.to_user(self.function)
-            function = self.user_function
+            self.rebind()
         with _slots(self.state(params, running)), graph_autocast():
-            output = function(*self.arguments(tensors))
+            output = self.function(*self.arguments(tensors))
         out_leaves, out_spec = pytree.tree_flatten(output)
         positions = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         if self.out_spec is None:
@@ -490,6 +515,7 @@ def checkpoint_region(args: tuple, kwargs: dict) -> Any:
         tensor_positions=positions,
         slots=[slots for _, slots in params],
     )
+    origin.calls.append(call)
     if torch._C._get_tracing_state() is not None:  # the TorchScript route checks now, the dynamo route at the recompute
         _check_at_export(call, tuple(tensors))
     outputs = CheckpointRegion.apply(call, *tensors, *(p for p, _ in params))

@@ -169,7 +169,7 @@ TRACED_CALLS: dict[str, Callable[[tuple, Any], bool]] = {
 # -- the routing symbolic ------------------------------------------------------------------------------------------
 
 
-def _kind_fits(argument: Any, value: Any) -> bool:
+def _kind_fits(argument: Any, value: Any, strict: bool = False) -> bool:
     t = argument.type
     if t.kind() == "OptionalType":
         if is_none(value):
@@ -181,7 +181,34 @@ def _kind_fits(argument: Any, value: Any) -> bool:
         return routed_calls.is_list(value)
     if t.kind() == "StringType":
         return is_string_constant(value)
+    rank = _constant_rank(value)
+    if t.kind() in ("IntType", "SymIntType", "FloatType", "BoolType") and rank is not None and (rank > 0 or strict):
+        # A list of numbers is no number (tensor_split's indices [2, 5] or [1] are not its sections): a constant
+        # list is 1-D, a number 0-D; a one-element list fits a number only when no overload takes a list.
+        if rank > 1 or strict or _constant_numel(value) != 1:
+            return rank == 0
     return not routed_calls.is_list(value) or t.kind() == "ListType"
+
+
+def _constant_tensor(value: Any) -> torch.Tensor | None:
+    try:
+        node = value.node()
+        if node.kind() not in ("onnx::Constant", "prim::Constant") or node.kindOf("value") != "t":
+            return None
+        return node.t("value")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _constant_rank(value: Any) -> int | None:
+    """The rank of a constant traced tensor (None if the value is not one)."""
+    tensor = _constant_tensor(value)
+    return None if tensor is None else tensor.dim()
+
+
+def _constant_numel(value: Any) -> int | None:
+    tensor = _constant_tensor(value)
+    return None if tensor is None else tensor.numel()
 
 
 def match_overload(op: str, args: tuple, node: Any = None) -> Any:
@@ -191,20 +218,23 @@ def match_overload(op: str, args: tuple, node: Any = None) -> Any:
     another library's ``<namespace>::<op>``."""
     packet = op_packet(op)
 
-    def fits(schema: Any) -> bool:
+    def fits(schema: Any, strict: bool = False) -> bool:
         return (
             not schema.is_mutable
             and len(schema.arguments) == len(args)
-            and all(_kind_fits(a, v) for a, v in zip(schema.arguments, args, strict=True))
+            and all(_kind_fits(a, v, strict) for a, v in zip(schema.arguments, args, strict=True))
         )
 
     named = _node_overload(node)
     # The exporter's copy of the node may name an out= overload of the same arity (max.out for max.dim): checked too.
     if named is not None and named in packet.overloads() and fits(getattr(packet, named)._schema):
         return getattr(packet, named)._schema
-    for name in sorted(packet.overloads(), key=lambda n: n != "default"):
-        if fits(getattr(packet, name)._schema):
-            return getattr(packet, name)._schema
+    names = sorted(packet.overloads(), key=lambda n: n != "default")
+    # First an overload whose numbers are 0-D constants, then any that takes the arguments.
+    for strict in (True, False):
+        for name in names:
+            if fits(getattr(packet, name)._schema, strict):
+                return getattr(packet, name)._schema
     return None
 
 
@@ -476,11 +506,52 @@ def _is_torch_op(qualified: str) -> bool:
 @contextlib.contextmanager
 def exact_tracing(never: frozenset[str]) -> Iterator[None]:
     """Around a TorchScript export (``ortcore_export_context``): ``as_strided`` and ``F.embedding`` with
-    ``max_norm`` traced exactly (:class:`_ExactTracing`), and the ops routed on failure counted afresh."""
+    ``max_norm`` traced exactly (:class:`_ExactTracing`), an aten op whose symbolic writes control flow routed
+    (:func:`_no_control_flow`), and the ops routed on failure counted afresh."""
     _failed_ops.clear()
     _other_reasons.clear()
-    with _ExactTracing(never):
+    _control_flow_ops.clear()
+    with _ExactTracing(never), _no_control_flow():
         yield
+
+
+# -- aten ops the exporter writes as control flow ----------------------------------------------------------------------
+#
+# Some symbolics write an ONNX Loop or If for an aten call (tensor_split by indices, unfold or squeeze of a dimension
+# whose size is unknown, tile, hstack, ...). ORT aborts the process building a training graph with one, so the core
+# refuses such a graph. While a TorchScript export runs, a symbolic of an aten call that adds a Loop or If fails
+# instead: the call is then routed like any call the exporter fails on (one ATen node, the rest in ORT). The model's
+# own control flow (prim::Loop, prim::If of scripted code) is not an aten call and is left alone.
+
+_CONTROL_FLOW = frozenset({"Loop", "If", "Scan"})
+CONTROL_FLOW_REASON = "the TorchScript exporter writes it as an ONNX {}, which ORT cannot train"
+# Ops of the current export whose symbolic wrote control flow: op -> the ONNX op it wrote.
+_control_flow_ops: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def _no_control_flow() -> Iterator[None]:
+    from torch.onnx._internal.torchscript_exporter import jit_utils
+
+    original = jit_utils.add_op_with_blocks
+
+    def add_op_with_blocks(graph_context: Any, opname: str, *args: Any, **kwargs: Any) -> Any:
+        node = getattr(graph_context, "original_node", None)
+        try:
+            kind = node.kind() if node is not None else ""
+        except RuntimeError:
+            kind = ""
+        if opname in _CONTROL_FLOW and kind.startswith("aten::"):
+            op = kind.removeprefix("aten::")
+            _control_flow_ops[op] = opname
+            raise UnsupportedModelError(f"the TorchScript exporter writes aten::{op} as an ONNX {opname}")
+        return original(graph_context, opname, *args, **kwargs)
+
+    jit_utils.add_op_with_blocks = add_op_with_blocks
+    try:
+        yield
+    finally:
+        jit_utils.add_op_with_blocks = original
 
 
 # Python operators traced under their dunder names, and the ops they are (same overloads and arguments).
@@ -583,5 +654,9 @@ def routed_on_failure(op: str, previous: Callable[..., Any] | None, constants: b
 
 def add_reasons(model: onnx.ModelProto) -> None:
     """The reasons of a TorchScript export's ATen nodes (:func:`.shared.add_reasons`)."""
-    decided = {**_other_reasons, **dict.fromkeys(sorted(_failed_ops), EXPORTER_FAILED)}
+    decided = {
+        **_other_reasons,
+        **dict.fromkeys(sorted(_failed_ops), EXPORTER_FAILED),
+        **{op: CONTROL_FLOW_REASON.format(onnx_op) for op, onnx_op in _control_flow_ops.items()},
+    }
     shared.add_reasons(model, ROUTE_REASONS, EXPORTER_GAP, decided)

@@ -424,7 +424,7 @@ def _take_buffer_writes(
         if own[name]:
             continue
         output = BUFFER_WRITE_PREFIX + name
-        if _computed_from(producer, info.name, inputs):
+        if _computed_from(producer, info.name, inputs) or buffers[name].dtype not in _ONNX_TYPES:
             graph.node.append(onnx.helper.make_node("Identity", [info.name], [output], name=output))
         else:
             # A value no input's data reaches (``fill_``, ``zero_``, a copy of a constant): ONNX Runtime would fold

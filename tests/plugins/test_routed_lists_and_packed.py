@@ -428,3 +428,26 @@ def test_a_list_result_read_whole(exporter: str):
     host = _host({"plugins": {"aten_fallback": {"fallback_ops": ["meshgrid"]}}})
     wrapped = _train(StackedMeshgrid(), _batch, host, exporter=exporter)
     assert "meshgrid" in _aten_ops(wrapped), wrapped.explain()
+
+
+class TensorSplit(nn.Module):
+    """tensor_split by indices, which the TorchScript exporter writes as a Loop over a sequence (ORT cannot train a
+    Loop): the call's symbolic writing control flow routes it; [1] is a list of indices, not one section."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p, q, r = torch.tensor_split(self.a(x), [2, 5], dim=-1)
+        first, rest = torch.tensor_split(q, [1], dim=-1)
+        return p.sum(-1, keepdim=True) * rest + r.exp().mean() + first
+
+
+def test_an_op_the_exporter_writes_as_a_loop_is_routed():
+    torch.manual_seed(0)
+    wrapped = _train(TensorSplit(), _batch, _host())
+    assert wrapped.explain().routed()["tensor_split"] == (
+        "the TorchScript exporter writes it as an ONNX Loop, which ORT cannot train"
+    )
+    assert "Loop" not in {row["op"] for row in wrapped.explain()}

@@ -483,6 +483,9 @@ HF_DECODERS = [
             mamba_d_conv=4,
             mamba_expand=2,
             use_mamba_kernels=False,
+            # Its cache (HybridMambaAttentionDynamicCache, a class ortcore cannot pass through a graph) is no
+            # training output.
+            use_cache=False,
         ),
         causal_lm_batch,
     ),
@@ -795,10 +798,10 @@ def segmentation_cross_entropy(output: Any, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(output["out"], batch["target"])
 
 
-def r2plus1d() -> nn.Module:
+def mc3() -> nn.Module:
     from .deps import import_torchvision
 
-    return import_torchvision().models.video.r2plus1d_18(weights=None, num_classes=10)
+    return import_torchvision().models.video.mc3_18(weights=None, num_classes=10)
 
 
 TORCHVISION_MODELS = [
@@ -824,10 +827,10 @@ TORCHVISION_MODELS = [
         ("target",),
     ),
     ZooModel(
-        "r2plus1d_18",
+        "mc3_18",
         "torchvision",
-        "r2plus1d_18 video classifier ((2+1)-D convs: spatial then temporal Conv3d, BatchNorm3d)",
-        r2plus1d,
+        "mc3_18 video classifier (Conv3d stem and first stage, then (1,3,3) convs; BatchNorm3d, AdaptiveAvgPool3d)",
+        mc3,
         lambda gen: {
             "x": torch.randn(2, 3, 4, 32, 32, generator=gen),
             "target": torch.randint(0, 10, (2,), generator=gen),

@@ -808,35 +808,36 @@ def export_graph(
     user_names = [n if n not in state_names else f"input.{n}" for n in schema.names]
     with _preserved_state(module):
         target = copy.deepcopy(module) if deepcopy else module
-        versions = {name: v for name, b in target.named_buffers() if (v := _version(b)) is not None}
+        initial = {name: b.detach().clone() for name, b in target.named_buffers()}
+        request = ExportRequest(
+            module=_FlatModule(target, schema, tapper),
+            args=tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors),
+            input_names=user_names,
+            output_names=[],
+            dynamic_axes={
+                n: {d: f"{n}_dim{d}" for d in dims}
+                for i, (n, t) in enumerate(zip(user_names, tensors))
+                if (dims := range(t.dim()) if dynamic_dims is None else dynamic_dims.get(i, ()))
+            },
+            training=training,
+            opset=opset,
+            log_level=log_level,
+        )
+        request.module.training = training  # not .train(): submodules keep their own modes (a frozen batch norm)
+        model, versions = _export_flat(exporter, request, module)
+        flat = request.module
+        # A non-persistent buffer the forward writes must be a graph input, fed the value ortcore writes back; an
+        # exporter that made it a constant (the TorchScript route does) exports again with it persistent, from the
+        # state the first export started from.
+        constant = [n for n in flat.written if n not in state_names and f"module.{n}" not in _input_names(model)]
+        if constant:
+            with torch.no_grad():
+                for name, b in target.named_buffers():
+                    b.copy_(initial[name])
+            with _persistent(target, constant):
+                model, versions = _export_flat(exporter, request, module)
         written_candidates = set(versions) - _batch_norm_statistics(target)
-        before = {name: b.detach().clone() for name, b in target.named_buffers() if name in written_candidates}
-        flat = _FlatModule(target, schema, tapper)
-        flat.training = training  # not .train(): submodules keep their own modes (a frozen batch norm, say)
-        example = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
-        try:
-            model = exporter.export(
-                ExportRequest(
-                    module=flat,
-                    args=example,
-                    input_names=user_names,
-                    output_names=[],
-                    dynamic_axes={
-                        n: {d: f"{n}_dim{d}" for d in dims}
-                        for i, (n, t) in enumerate(zip(user_names, tensors))
-                        if (dims := range(t.dim()) if dynamic_dims is None else dynamic_dims.get(i, ()))
-                    },
-                    training=training,
-                    opset=opset,
-                    log_level=log_level,
-                )
-            )
-        except UnsupportedModelError as e:
-            if isinstance(e, BufferWriteError):
-                raise
-            raise UnsupportedModelError(
-                str(e).replace("_FlatModule", type(module).__name__), raised_in_forward=e.raised_in_forward
-            ) from e.__cause__
+        before = {n: b for n, b in initial.items() if n in written_candidates}
         # Buffers whose values moved without their version counters (written through .data or numpy, which
         # nothing traces) or outside the call the flat module saw: the graph does not write them.
         moved = [n for n, b in target.named_buffers() if n in before and not _same_values(before[n], b)]
@@ -852,6 +853,8 @@ def export_graph(
     output_schema = flat.output_schema
     raw_model = onnx.ModelProto.FromString(model.SerializeToString()) if keep_raw else None
     # Outputs get the user's names; parameters and buffers lose the wrapper's "module." prefix.
+    # A non-persistent buffer the forward writes is fed like the others (a constant would never see its new value).
+    state_names |= set(flat.written)
     renames = {f"module.{n}": n for n in state_names}
     graph_inputs = {i.name for i in model.graph.input}
     output_schema = _constant_outputs(model, output_schema, graph_inputs, tensors)
@@ -890,6 +893,42 @@ def export_graph(
     if unknown:
         raise UnsupportedModelError(f"exported graph has inputs that are neither arguments nor state: {unknown}")
     return graph
+
+
+def _export_flat(exporter: Exporter, request: ExportRequest, module: torch.nn.Module) -> tuple[onnx.ModelProto, dict]:
+    """``exporter.export(request)``, and the version counter of each buffer of the traced model before it."""
+    target = request.module.module
+    versions = {name: v for name, b in target.named_buffers() if (v := _version(b)) is not None}
+    try:
+        return exporter.export(request), versions
+    except UnsupportedModelError as e:
+        if isinstance(e, BufferWriteError):
+            raise
+        raise UnsupportedModelError(
+            str(e).replace("_FlatModule", type(module).__name__), raised_in_forward=e.raised_in_forward
+        ) from e.__cause__
+
+
+def _input_names(model: onnx.ModelProto) -> set[str]:
+    return {i.name for i in model.graph.input}
+
+
+@contextlib.contextmanager
+def _persistent(module: torch.nn.Module, names: list[str]) -> Iterator[None]:
+    """The non-persistent buffers ``names`` of ``module`` are persistent meanwhile (in ``state_dict``, so the
+    TorchScript exporter makes them graph inputs rather than constants)."""
+    changed = []
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(path)
+        if attr in owner._non_persistent_buffers_set:
+            owner._non_persistent_buffers_set.discard(attr)
+            changed.append((owner, attr))
+    try:
+        yield
+    finally:
+        for owner, attr in changed:
+            owner._non_persistent_buffers_set.add(attr)
 
 
 def _read_names(graph: onnx.GraphProto, into: set[str]) -> set[str]:

@@ -880,7 +880,8 @@ class DynamoExporter:
         gather_max_pools(model)
         separate_read_outputs(model)
         reorder_gelus(model)
-        _inputs_to_initializers(model, constants)
+        # A non-persistent buffer the forward writes stays an input: the core feeds it the value it writes back.
+        _inputs_to_initializers(model, {n: t for n, t in constants.items() if n not in returned})
         _drop_unread_inputs(model, persistent)
         added = add_required_outputs(model)
         logger.log(

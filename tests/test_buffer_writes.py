@@ -70,16 +70,19 @@ class EMACodebookVQ(nn.Module):
 
 
 class StepCounter(nn.Module):
-    """An integer step counter incremented by ``+=`` and read right after: a warm-up scale of the output."""
+    """An integer step counter incremented by ``+=`` and read right after: a warm-up scale of the output; and a
+    non-persistent float one (not in ``state_dict``: the TorchScript exporter would make it a constant)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 3)
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.step += 1
-        return self.lin(x) * torch.clamp(self.step.to(x.dtype) / 3, max=1.0)
+        self.calls.add_(0.5)
+        return self.lin(x) * torch.clamp(self.step.to(x.dtype) / 3, max=1.0) + self.calls
 
 
 class MovingAverage(nn.Module):
@@ -223,7 +226,8 @@ def test_ema_codebook_of_the_top_module_trains_in_ort(exporter: str) -> None:
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_step_counter_read_after_its_increment(exporter: str) -> None:
     ort = _train_against_eager(StepCounter, exporter, lambda: torch.randn(6, 4))
-    assert ort.module.step.item() == STEPS and _written(ort) == ["step"]
+    assert ort.module.step.item() == STEPS and ort.module.calls.item() == STEPS / 2
+    assert _written(ort) == ["calls", "step"]
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)

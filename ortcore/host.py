@@ -408,7 +408,9 @@ class PluginHost:
             start = time.perf_counter()
             try:
                 result = yield from function(*args, **kwargs)
-            except (PluginError, OptionError):
+            except (PluginError, OptionError, StepCheckError, FirstRunError):
+                # As in _guard; and an inner implementation's exception passes through a wrapper unchanged here,
+                # so a failed first step stays the answer the repair loop reads, whichever wrapper it crossed.
                 raise
             except Exception as e:
                 raise PluginError(f"plugin {plugin!r} raised in hook {hook} (wrapper): {type(e).__name__}: {e}") from e

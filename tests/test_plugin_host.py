@@ -307,6 +307,25 @@ def test_wrapper_exception_names_plugin_and_hook():
         make_host({"broken": BrokenWrapper()}).hooks.export_symbolics()
 
 
+def test_a_failed_first_step_crosses_another_plugins_wrapper_unchanged():
+    """The repair loop reads a FirstRunError (or StepCheckError) from the first-step checks: a wrapper it passes
+    through (a plugin setting up context around the checks) must not turn it into that plugin's PluginError."""
+    from ortcore.errors import FirstRunError
+
+    class Check:
+        @hookimpl
+        def ortcore_check_first_step(self, config, step):
+            raise FirstRunError("ORT failed at node X")
+
+    class Context:
+        @hookimpl(wrapper=True)
+        def ortcore_check_first_step(self, config, step):
+            return (yield)
+
+    with pytest.raises(FirstRunError, match="ORT failed at node X"):
+        make_host({"check": Check(), "context": Context()}).hooks.check_first_step(None)
+
+
 def test_subscriber_class_offered_by_two_plugins_names_both():
     class One:
         @hookimpl

@@ -1,0 +1,110 @@
+"""No false alarms on float32-ill-conditioned models: the audit judges ortcore's distance from float64 against
+float32's own (docs/gradient_audit.md, "rounding or error?"), and a planted wrong gradient is still caught.
+
+The net: a deep Inception-style batch-norm CNN (ten blocks of four branches, BatchNorm eps 1e-3, convolutions drawn
+as torchvision's Inception v3 draws them) on 19x19 images, batch 2: its last eight blocks run at 1x1, where each
+batch norm normalises two values per channel. At random init float32 eager itself is up to 12% of a gradient's
+largest value off float64 there, and ortcore's every gradient about 1% (PyTorch's step ~0.07%): the audit before this
+rule (ORT within 10x of PyTorch's float32 distance, per tensor) refused it; the model's float32 spread accepts it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from ortcore import ORTModule
+from ortcore_plugins.gradient_audit import audit
+
+BN_EPS = 1e-3
+
+
+def _conv_bn_relu(cin: int, cout: int, k: int = 3, stride: int = 1, pad: int = 1) -> nn.Sequential:
+    conv = nn.Conv2d(cin, cout, k, stride, pad, bias=False)
+    nn.init.trunc_normal_(conv.weight, std=0.1, a=-2, b=2)  # torchvision's Inception v3 init
+    return nn.Sequential(conv, nn.BatchNorm2d(cout, eps=BN_EPS), nn.ReLU(inplace=True))
+
+
+class Inception(nn.Module):
+    def __init__(self, cin: int, width: int) -> None:
+        super().__init__()
+        self.b1 = _conv_bn_relu(cin, width, 1, 1, 0)
+        self.b3 = nn.Sequential(_conv_bn_relu(cin, width, 1, 1, 0), _conv_bn_relu(width, width))
+        self.b5 = nn.Sequential(
+            _conv_bn_relu(cin, width, 1, 1, 0), _conv_bn_relu(width, width), _conv_bn_relu(width, width)
+        )
+        self.bp = nn.Sequential(nn.AvgPool2d(3, 1, 1), _conv_bn_relu(cin, width, 1, 1, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.b1(x), self.b3(x), self.b5(x), self.bp(x)], 1)
+
+
+class DeepInception(nn.Module):
+    def __init__(self, blocks: int = 10, width: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [_conv_bn_relu(3, 16, 3, 2, 0)]
+        cin = 16
+        for i in range(blocks):
+            layers.append(Inception(cin, width))
+            cin = 4 * width
+            if i in (1, 3):
+                layers.append(nn.MaxPool2d(3, 2))
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).mean((2, 3)))
+
+
+def _net_and_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = DeepInception()
+    gen = torch.Generator().manual_seed(1)
+    return model, torch.randn(2, 3, 19, 19, generator=gen), torch.randint(0, 10, (2,), generator=gen)
+
+
+def test_an_ill_conditioned_batch_norm_net_passes_and_a_planted_wrong_gradient_is_caught(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    judged = []  # the judgement's inputs: what ortcore and PyTorch computed on the audited step
+    real = audit._judged_against_float64
+
+    def spy(req, found, ort, ref, output_grads, names):
+        judged.append((req, found, ort, ref, output_grads, names))
+        return real(req, found, ort, ref, output_grads, names)
+
+    monkeypatch.setattr(audit, "_judged_against_float64", spy)
+    model, x, y = _net_and_batch()
+    wrapped = ORTModule(model, verify_gradients=True, fallback_policy="FALLBACK_DISABLE")
+    with caplog.at_level(logging.INFO, logger="ortcore"):
+        torch.nn.functional.cross_entropy(wrapped(x), y).backward()
+    assert [r.status for r in wrapped.gradient_audits] == ["passed"], wrapped.gradient_audits
+    assert not wrapped.repairs, wrapped.repairs  # nothing routed to PyTorch
+    # Not vacuous: beyond the float32 tolerance, decided by the float64 judgement.
+    assert len(judged) == 1
+    req, found, ort, ref, output_grads, names = judged[0]
+    beyond = [d for d in found if d.exceeds]
+    assert len(beyond) >= 10, beyond
+
+    # The same step with one gradient planted wrong (x1.5, as a wrong scale in a gradient builder would be): caught,
+    # and only that one.
+    name = "features.5.b3.1.0.weight"  # a convolution in the middle of the 1x1 blocks
+    wrong = audit._Side(outputs=ort.outputs, grads={**ort.grads, name: ort.grads[name] * 1.5})
+    planted = real(req, audit._compare_sides(req, wrong, ref, output_grads, names), wrong, ref, output_grads, names)
+    assert [d.name for d in planted if d.exceeds] == [name]
+
+
+def test_model_spread_counts_tensors_of_meaningful_scale_and_is_capped() -> None:
+    # (error, scale) by kind:name. A near-zero gradient (1e-15 in float64) with rounding noise on it is not counted.
+    errors = {
+        "gradient of parameter:a": (1e-4, 1.0),
+        "gradient of parameter:b": (2e-3, 0.01),
+        "gradient of parameter:bias": (1e-6, 1e-15),
+        "output:out": (1e-7, 1e-4),  # its own kind: compared with the largest output, not with gradients
+    }
+    assert audit.model_spread(errors) == pytest.approx(0.2)
+    assert audit.model_spread({"gradient of parameter:a": (3.0, 1.0)}) == audit.SPREAD_CAP
+    assert audit.model_spread({}) == 0.0

@@ -53,6 +53,7 @@ class _FlatModule(torch.nn.Module):
         self.tapper = tapper  # collects a subscribed model's activations (ortcore.hooks), which become outputs too
         self.output_schema: OutputSchema | None = None
         self.written: list[str] = []  # the buffers the last call wrote in place, returned last (their new values)
+        self.returned: dict[int, str] = {}  # model outputs (flat index) that are one of those buffers
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.tapper is not None:
@@ -69,6 +70,8 @@ class _FlatModule(torch.nn.Module):
         # A buffer written in place (an EMA, a counter, a codebook) is returned after everything else: the traced
         # value after the last write is the new value, which ortcore writes back after each run (BufferWrite).
         self.written = [n for n, v in versions.items() if _version(buffers[n]) != v]
+        # Outputs that are a written buffer itself (``return out, self.count``): eager returns the buffer.
+        self.returned = {k: n for k, t in enumerate(flat) for n in self.written if t is buffers[n]}
         taps = tuple(self.tapper.tensors) if self.tapper is not None else ()
         return tuple(flat) + taps + tuple(buffers[n] for n in self.written)
 
@@ -91,6 +94,8 @@ class BufferWrite:
 
     buffer: str  # the buffer's name, as named_buffers gives it
     output: str
+    # The model outputs (flat index) that are the buffer itself: the call returns the buffer there, as eager does.
+    returned_as: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -160,7 +165,9 @@ class ExportedGraph:
                 for b in self.batch_norms
             ],
             "taps": [{"name": t.name, "value": t.value, "output": t.output} for t in self.taps],
-            "buffer_writes": [{"buffer": w.buffer, "output": w.output} for w in self.buffer_writes],
+            "buffer_writes": [
+                {"buffer": w.buffer, "output": w.output, "returned_as": list(w.returned_as)} for w in self.buffer_writes
+            ],
         }
         # ensure_ascii: the JSON line holds no raw newline, so the first newline ends it
         header = json.dumps(state, sort_keys=True, ensure_ascii=True, allow_nan=True).encode()
@@ -193,11 +200,14 @@ class ExportedGraph:
             taps.append(TapPoint(*_strings([entry["name"], entry["value"], entry["output"]], "taps")))
         buffers = dict(module.named_buffers())
         writes = []
-        for entry in _records(state.get("buffer_writes", []), "buffer_writes", ("buffer", "output")):
+        for entry in _records(state.get("buffer_writes", []), "buffer_writes", ("buffer", "output", "returned_as")):
             buffer, output = _strings([entry["buffer"], entry["output"]], "buffer_writes")
+            returned = entry["returned_as"]
             if buffer not in buffers:
                 raise ValueError(f"the model has no buffer {buffer!r}")
-            writes.append(BufferWrite(buffer, output))
+            if not isinstance(returned, list) or not all(isinstance(k, int) and k >= 0 for k in returned):
+                raise ValueError(f"malformed buffer-write record {str(entry)[:80]!r}")
+            writes.append(BufferWrite(buffer, output, tuple(returned)))
         try:
             model = onnx.load_model_from_string(model_bytes)
         except Exception as e:  # protobuf's DecodeError, whatever the garbling
@@ -498,11 +508,23 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _add_buffer_write_outputs(
-    model: onnx.ModelProto, written: list[tuple[str, onnx.ValueInfoProto]]
+    model: onnx.ModelProto, written: list[tuple[str, onnx.ValueInfoProto]], returned: dict[int, str]
 ) -> list[BufferWrite]:
-    """The new values of written buffers (:func:`_take_buffer_writes`) as the graph's last outputs, one each."""
+    """The new values of written buffers (:func:`_take_buffer_writes`) as the graph's last outputs, one each;
+    ``returned`` maps the model outputs that are a written buffer to its name."""
     model.graph.output.extend(value for _, value in written)
-    return [BufferWrite(name, value.name) for name, value in written]
+    return [
+        BufferWrite(name, value.name, tuple(sorted(k for k, n in returned.items() if n == name)))
+        for name, value in written
+    ]
+
+
+def _returned_after_constants(returned: dict[int, str], names: list[str], n_kept: int) -> dict[int, str]:
+    """``returned`` (model output index -> buffer) re-indexed after :func:`_constant_outputs` took the constant
+    outputs out (a constant is no buffer's memory: it drops out)."""
+    if not returned or n_kept == len(names):
+        return returned
+    return {}  # a model returning constants and written buffers: the buffers' values are returned, not the buffers
 
 
 def through_identities(producer: dict[str, onnx.NodeProto], value: str) -> str:
@@ -747,9 +769,16 @@ def update_batch_norm(stats: BatchNormStats, x: torch.Tensor) -> None:
         bn.running_var.mul_(1 - factor).add_(var, alpha=factor)
 
 
-def write_back_buffers(graph: ExportedGraph, values: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+def write_back_buffers(
+    graph: ExportedGraph, values: list[torch.Tensor], buffers: dict[str, torch.Tensor], outputs: list[torch.Tensor]
+) -> None:
     """Copy the new values ``values`` of the buffers the forward writes (``graph.buffer_writes``, in order) into the
-    model's buffers ``buffers`` (by name), as PyTorch's forward leaves them."""
+    model's buffers ``buffers`` (by name), as PyTorch's forward leaves them; a model output that is such a buffer
+    (``outputs``, the model's outputs, changed in place) becomes the buffer itself, as eager returns it."""
+    for write in graph.buffer_writes:
+        for k in write.returned_as:
+            if not outputs[k].requires_grad:  # a buffer written with autograd on keeps ORT's differentiable value
+                outputs[k] = buffers[write.buffer]
     with torch.no_grad():
         for write, value in zip(graph.buffer_writes, values):
             buffer = buffers[write.buffer]
@@ -857,7 +886,9 @@ def export_graph(
     state_names |= set(flat.written)
     renames = {f"module.{n}": n for n in state_names}
     graph_inputs = {i.name for i in model.graph.input}
+    before_constants = [o.name for o in model.graph.output[: len(output_schema.names)]]
     output_schema = _constant_outputs(model, output_schema, graph_inputs, tensors)
+    returned = _returned_after_constants(flat.returned, before_constants, len(output_schema.names))
     renames.update(
         {o.name: name for o, name in zip(model.graph.output, output_schema.names) if o.name not in graph_inputs}
     )
@@ -871,7 +902,7 @@ def export_graph(
     n_user = len(output_schema.names)
     taps = _expose_taps(model, n_user, list(tapper.names)) if tapper is not None and tapper.names else []
     batch_norms = _add_batch_norm_outputs(model, module) if training else []
-    buffer_writes = _add_buffer_write_outputs(model, written_values)
+    buffer_writes = _add_buffer_write_outputs(model, written_values, returned)
     context = PassContext(module=module, training=training, config=config)
     for graph_pass in graph_passes:
         graph_pass.run(model, context)

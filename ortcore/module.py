@@ -694,7 +694,9 @@ class ORTModule(torch.nn.Module):
             index = {o.name: i for i, o in enumerate(graph.model.graph.output)}  # the core's extra outputs, by name
             for stats in graph.batch_norms:
                 update_batch_norm(stats, outputs[index[stats.output_name]])
-            write_back_buffers(graph, [outputs[index[w.output]] for w in graph.buffer_writes], buffers)
+            user = list(outputs[:n])
+            write_back_buffers(graph, [outputs[index[w.output]] for w in graph.buffer_writes], buffers, user)
+            outputs = (*user, *outputs[n:])
         if recording is not None:
             recorder, step_state, _ = recording
             for tap, i in zip(graph.taps, graph.tap_outputs):

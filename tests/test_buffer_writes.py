@@ -266,6 +266,38 @@ def test_eval_mode_writes_what_pytorch_writes(exporter: str) -> None:
     assert ort.repairs == [] and ort.state_machine.counters.fallbacks == 0
 
 
+class ReturnsItsCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.count += 1
+        return self.lin(x), self.count
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_returned_written_buffer_is_the_buffer_as_in_eager(exporter: str) -> None:
+    """Eager returns the buffer itself, which later writes move: so does ortcore (not a snapshot of its value)."""
+    torch.manual_seed(0)
+    model = ReturnsItsCounter()
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, exporter=exporter)
+    returned, returned_ref = [], []
+    for _ in range(3):
+        x = torch.randn(4, 3)
+        (out, count), (out_ref, count_ref) = ort(x), reference(x)
+        assert count is model.count and count_ref is reference.count
+        returned.append(count), returned_ref.append(count_ref)
+        out.sum().backward(), out_ref.sum().backward()
+    assert [c.item() for c in returned] == [c.item() for c in returned_ref] == [3.0, 3.0, 3.0]
+    assert_grads_match(model, reference, rtol=RTOL, atol=ATOL)
+    graph, _ = ort.state_machine.current
+    assert [(w.buffer, w.returned_as) for w in graph.buffer_writes] == [("count", (1,))]
+    assert ort.repairs == [] and ort.state_machine.counters.fallbacks == 0
+
+
 def test_the_written_buffers_survive_an_export_cache_round_trip() -> None:
     torch.manual_seed(0)
     model = Net()

@@ -358,3 +358,13 @@ def test_the_traced_copy_is_let_go_after_the_export():
     gc.collect()
     alive = [o for o in gc.get_objects() if isinstance(o, OwnBlock)]
     assert sorted(map(id, alive)) == sorted(map(id, model.blocks))
+
+
+def test_without_the_deep_copy_before_export(monkeypatch):
+    """ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT=0: the exporter traces the user's model itself; the regions run it."""
+    monkeypatch.setenv("ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", "0")
+    ort, ref = ort_and_torch(Net("reentrant", norm="batch"))
+    check_step_and_training(ort, ref, make_batches(batch, STEPS + 1), step, steps=STEPS)
+    for (name, mine), theirs in zip(ort.module.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert python_ops(ort) == [REGION] * 3

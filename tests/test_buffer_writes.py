@@ -266,6 +266,16 @@ def test_eval_mode_writes_what_pytorch_writes(exporter: str) -> None:
     assert ort.repairs == [] and ort.state_machine.counters.fallbacks == 0
 
 
+@pytest.mark.parametrize("make", [EMACodebookVQ, StepCounter], ids=["ema_codebook", "counters"])
+def test_tracing_the_model_itself_leaves_its_buffers_as_eager(make: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the deep copy the exporter traces the user's model, whose buffers the tracing run writes (twice for a
+    non-persistent counter, exported again persistent): restored after the export, they move once per call."""
+    monkeypatch.setenv("ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", "0")
+    batch = (lambda: torch.randn(16, 5)) if make is EMACodebookVQ else (lambda: torch.randn(6, 4))
+    ort = _train_against_eager(make, "torchscript", batch, steps=3)
+    assert ort.module.__class__ is make
+
+
 class ReturnsItsCounter(nn.Module):
     def __init__(self) -> None:
         super().__init__()

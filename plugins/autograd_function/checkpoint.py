@@ -10,11 +10,13 @@ their gradients). ``forward`` runs ``fn`` under ``torch.no_grad()`` (nothing of 
 saving the RNG state; ``backward`` restores that state, runs ``fn`` again with autograd and differentiates it: the
 same masks as the forward, PyTorch's own recipe.
 
-``fn`` belongs to the copy of the model the exporter traces. At every step it runs with the user's model's state:
-each parameter and buffer of the traced copy is replaced, for the call, by the user's (the inputs' parameters by
-the tensors ORT feeds in forward, by the user's parameters again in the recompute), so in-place updates of buffers
-(batch norm's running statistics) reach the model, twice per step as in PyTorch (forward and recompute). The copy's
-tensors are matched to the user's through the deep copy's memo (:func:`export_origin`).
+``fn`` belongs to the copy of the model the exporter traces. After the export it is rebound to the user's modules
+(a module, a bound method, a ``functools.partial``, a closure's cells, lists and tuples of these), found through the
+deep copy's memo (:func:`export_origin`), and the copy is let go; what cannot be rebound keeps the copy, whose
+parameters and buffers are replaced by the user's for each call. Either way the function runs on the model's state:
+the parameter inputs' slots hold the tensors ORT feeds in forward and the model's parameters (as fresh leaves) in the
+recompute, and in-place updates of buffers (batch norm's running statistics) reach the model, twice per step as in
+PyTorch (forward and recompute).
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@ float32's own (docs/gradient_audit.md, "rounding or error?"), and a planted wron
 
 The net: a deep Inception-style batch-norm CNN (ten blocks of four branches, BatchNorm eps 1e-3, convolutions drawn
 as torchvision's Inception v3 draws them) on 19x19 images, batch 2: its last eight blocks run at 1x1, where each
-batch norm normalises two values per channel. At random init float32 eager itself is up to 12% of a gradient's
-largest value off float64 there, and ortcore's every gradient about 1% (PyTorch's step ~0.07%): the audit before this
-rule (ORT within 10x of PyTorch's float32 distance, per tensor) refused it; the model's float32 spread accepts it.
+batch norm normalises two values per channel. At random init 145 of its 216 gradients differ from PyTorch's beyond
+the tolerance; ortcore is up to 2.3% of a gradient's largest value off float64, PyTorch's float32 step up to 0.18%,
+its run with every parameter one ulp down up to 0.47%. The audit
+before this rule (ORT within 10x of the step's and a one-ulp-up run's distance, per tensor) refused it, 145 gradients
+beyond; this one accepts it.
 """
 
 from __future__ import annotations
@@ -89,10 +91,10 @@ def test_an_ill_conditioned_batch_norm_net_passes_and_a_planted_wrong_gradient_i
     beyond = [d for d in found if d.exceeds]
     assert len(beyond) >= 10, beyond
 
-    # The same step with one gradient planted wrong (x1.5, as a wrong scale in a gradient builder would be): caught,
-    # and only that one.
+    # The same step with one gradient planted 5% wrong (as a wrong scale in a gradient builder would be): caught,
+    # and only that one (measured: 2% is caught too, 1% is within this net's float32 spread).
     name = "features.5.b3.1.0.weight"  # a convolution in the middle of the 1x1 blocks
-    wrong = audit._Side(outputs=ort.outputs, grads={**ort.grads, name: ort.grads[name] * 1.5})
+    wrong = audit._Side(outputs=ort.outputs, grads={**ort.grads, name: ort.grads[name] * 1.05})
     planted = real(req, audit._compare_sides(req, wrong, ref, output_grads, names), wrong, ref, output_grads, names)
     assert [d.name for d in planted if d.exceeds] == [name]
 
@@ -108,3 +110,56 @@ def test_model_spread_counts_tensors_of_meaningful_scale_and_is_capped() -> None
     assert audit.model_spread(errors) == pytest.approx(0.2)
     assert audit.model_spread({"gradient of parameter:a": (3.0, 1.0)}) == audit.SPREAD_CAP
     assert audit.model_spread({}) == 0.0
+
+
+# -- slow: the zoos' batch-norm nets at random init and their default sizes ------------------------------------------
+
+
+def _zoo_entries() -> list[tuple[str, str]]:
+    from tests.zoo.catalogs import CATALOGS, models
+
+    return [(catalog, name) for catalog in CATALOGS for name in models(catalog)]
+
+
+def _has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _assert_audit_passes(model: nn.Module, step) -> None:
+    wrapped = ORTModule(model, verify_gradients=True, fallback_policy="FALLBACK_DISABLE")
+    step(wrapped).backward()
+    audits = wrapped.gradient_audits
+    assert audits and all(r.status == "passed" for r in audits), [r.message()[:2000] for r in audits]
+    routed = [r.description for r in wrapped.repairs if r.reason.startswith("audit")]
+    assert not routed, f"the audit routed {routed}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("catalog, name", _zoo_entries(), ids=lambda v: v)
+def test_zoo_batch_norm_nets_pass_the_audit(catalog: str, name: str) -> None:
+    """Every batch-norm model of the zoos (any catalog; found by its modules, not listed), in training mode at
+    random init, with the zoo's batch and loss: the audit passes without routing anything."""
+    from tests.zoo.catalogs import get
+
+    entry = get(name, catalog)
+    torch.manual_seed(0)
+    model = entry.build()
+    if not _has_batch_norm(model):
+        pytest.skip("no batch norm")
+    model.train()
+    batch = entry.batch(torch.Generator().manual_seed(1))
+    _assert_audit_passes(model, lambda wrapped: entry.loss(wrapped(**entry.inputs(batch)), batch))
+
+
+@pytest.mark.slow
+def test_torchvision_inception_v3_at_107_passes_the_audit() -> None:
+    """torchvision's Inception v3 at 107x107 (its last blocks at 1x1), batch 2: routed module after module before."""
+    from tests.zoo.deps import import_torchvision
+
+    torch.manual_seed(1)
+    model = import_torchvision().models.inception_v3(
+        weights=None, num_classes=10, aux_logits=False, init_weights=True, dropout=0.0, transform_input=False
+    )
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(2, 3, 107, 107, generator=gen), torch.randint(0, 10, (2,), generator=gen)
+    _assert_audit_passes(model, lambda wrapped: torch.nn.functional.cross_entropy(wrapped(x), y))

@@ -11,7 +11,11 @@ not seen, ortcore runs, before the user's step and independently of it:
   the same ``g`` with respect to every trained parameter and every input that requires grad;
 
 and compares the outputs, the loss ``sum(output * g)`` and every gradient. torch's RNG state is restored afterwards,
-so the user's step draws the same random numbers as without the audit.
+so the user's step draws the same random numbers as without the audit. A difference beyond the tolerance is judged
+against a float64 run: it is float32 rounding when ORT is no farther from float64 than float32 itself lands (10x the
+tensor's distance over PyTorch's float32 runs, plus the model's float32 spread; :func:`_judged_against_float64`).
+Every returned output is copied when ORT's forward returns it; one the backward wrote into is reported as
+``output X changed after the call``.
 
 A graph with active random ops (a Dropout with a non-zero rate in training, ``Random*``, ``Bernoulli``, ATen random
 ops) cannot be compared directly: the audit then checks the same model with every ``torch.nn.Dropout`` module's

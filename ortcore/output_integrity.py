@@ -170,13 +170,19 @@ def _ancestors(node_index: int, producer_index: dict[str, int], nodes: list[onnx
     return seen
 
 
-def outputs_at_risk(executed: onnx.ModelProto, memory_reuse: bool = False) -> dict[int, str]:
+def outputs_at_risk(
+    executed: onnx.ModelProto, memory_reuse: bool = False, read_before_backward: Iterable[int] = ()
+) -> dict[int, str]:
     """The forward outputs of a training graph, as ORT runs it (YieldOp's inputs, by position), that ORT could write
     after the forward returned them, each with the reason (:data:`VIEW`, :data:`IN_PLACE`,
     :data:`WRITTEN_IN_BACKWARD`, :data:`REUSED`). Empty for a graph without a YieldOp (an inference graph).
 
     ``memory_reuse``: the session's ``enable_mem_reuse`` (off in ortcore's plan). With it, ORT's planner gives a
-    buffer whose last reader ran to a later value, an output's too, so every output ORT allocated is at risk."""
+    buffer whose last reader ran to a later value, an output's too, so every output ORT allocated is at risk.
+
+    ``read_before_backward``: positions of outputs the core reads as soon as the forward returns and never hands out
+    (batch-norm inputs, buffers' new values): a backward that writes into them comes too late to matter, so only
+    the other reasons copy them."""
     nodes = list(executed.graph.node)
     yield_at = next((i for i, n in enumerate(nodes) if n.op_type == "YieldOp"), None)
     if yield_at is None:
@@ -220,6 +226,7 @@ def outputs_at_risk(executed: onnx.ModelProto, memory_reuse: bool = False) -> di
                             stack.append(out)
         return found
 
+    read_before_backward = frozenset(read_before_backward)
     at_risk: dict[int, str] = {}
     for k, name in enumerate(nodes[yield_at].input):
         if not name or owned_by_caller(name):
@@ -246,6 +253,8 @@ def outputs_at_risk(executed: onnx.ModelProto, memory_reuse: bool = False) -> di
             )
         ):
             at_risk[k] = IN_PLACE
+            continue
+        if k in read_before_backward:
             continue
         # Written by a later reader of its buffer that may run after the YieldOp.
         buffer = view_closure(name)

@@ -25,7 +25,13 @@ import torch.utils.dlpack
 from onnxruntime.capi import _pybind_state as C
 
 from .errors import GraphBuildError, PluginError, UnsupportedModelError
-from .graph import StopGradientLowering, through_identities, value_dependencies
+from .graph import (
+    BN_INPUT_PREFIX,
+    BUFFER_WRITE_PREFIX,
+    StopGradientLowering,
+    through_identities,
+    value_dependencies,
+)
 from .options import LogLevel, write_executed_graph
 from .output_integrity import outputs_at_risk
 
@@ -395,7 +401,13 @@ class TrainingSession:
             )
             if built.request.build_gradient:
                 executed = plan.prepared_model if executed_path is None else pathlib.Path(executed_path).read_bytes()
-                at_risk = outputs_at_risk(onnx.ModelProto.FromString(executed), options.enable_mem_reuse)
+                # The core reads batch-norm inputs and buffers' new values as soon as the forward returns.
+                at_once = [
+                    k
+                    for k, name in enumerate(self.user_output_names)
+                    if name.startswith((BN_INPUT_PREFIX, BUFFER_WRITE_PREFIX))
+                ]
+                at_risk = outputs_at_risk(onnx.ModelProto.FromString(executed), options.enable_mem_reuse, at_once)
             else:
                 at_risk = {}
             # Forward output index -> why the forward hands out a copy of it (see ortcore.output_integrity).

@@ -90,7 +90,30 @@ class Aliases(nn.Module):
         return (torch.randn(5, 8, generator=gen),)
 
 
-MODELS = {"mean_scaled": MeanScaled, "softmax_returned": SoftmaxReturned, "aliases": Aliases}
+class BatchNormed(nn.Module):
+    """A convolution, batch norm and ReLU returning its features: the core reads each batch norm's input (an extra
+    forward output) for the running statistics as soon as the forward returns, so that one needs no copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor):
+        features = torch.relu(self.bn(self.conv(x)))
+        return features.square().mean(), features
+
+    @staticmethod
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(4, 3, 10, 10, generator=gen),)
+
+
+MODELS = {
+    "mean_scaled": MeanScaled,
+    "softmax_returned": SoftmaxReturned,
+    "aliases": Aliases,
+    "batch_normed": BatchNormed,
+}
 
 
 def _wrap(model: nn.Module, exporter: str, **kwargs) -> ORTModule:
@@ -116,7 +139,7 @@ def _changed(outputs, snapshot) -> list[int]:
 @pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_returned_tensors_never_change_after_the_call(name: str, exporter: str) -> None:
-    """Outputs, loss and gradients as eager's on each of three SGD steps; each returned tensor bitwise the same after
+    """Outputs, loss, gradients and buffers as eager's on each of three SGD steps; each returned tensor bitwise the same after
     ``backward()``, and after ``optimizer.step()`` (and after the later calls) changed exactly where eager's changed
     (a returned parameter)."""
     torch.manual_seed(0)
@@ -139,6 +162,8 @@ def test_returned_tensors_never_change_after_the_call(name: str, exporter: str) 
             optimizer.zero_grad()
         assert _changed(outputs, mine) == _changed(expected, theirs), f"step {step}: after optimizer.step()"
         torch.testing.assert_close(outputs, expected, rtol=RTOL, atol=ATOL)
+        for (bname, b), c in zip(model.named_buffers(), reference.buffers()):
+            torch.testing.assert_close(b, c, rtol=RTOL, atol=ATOL, msg=lambda m, n=bname: f"buffer {n}: {m}")
         if step == 0:
             first = (outputs, mine, expected, theirs)
     # The first call's tensors after every later call: unchanged where eager's are.
@@ -158,8 +183,8 @@ def test_without_the_copy_ort_overwrites_the_output(
     can fail), and the session names why the output is copied."""
     found: dict[int, str] = {}
 
-    def nothing_at_risk(executed: onnx.ModelProto, memory_reuse: bool = False) -> dict[int, str]:
-        found.update(outputs_at_risk(executed, memory_reuse))
+    def nothing_at_risk(executed: onnx.ModelProto, *args, **kwargs) -> dict[int, str]:
+        found.update(outputs_at_risk(executed, *args, **kwargs))
         return {}
 
     monkeypatch.setattr(ortcore.session, "outputs_at_risk", nothing_at_risk)
@@ -192,6 +217,15 @@ def test_the_session_names_its_copies_and_aliases_stay_aliases(exporter: str) ->
     for k in (1, 3, 4, 8):  # h (the tanh kept for the backward), h.t(), h.reshape(-1), (h * 2).unsqueeze(-1)
         assert outputs[k].data_ptr() != x.data_ptr()
     assert ortcore.api.copied_outputs(object()) == {}  # not a training session: nothing copied
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_the_core_s_own_outputs_read_at_once_are_not_copied(exporter: str) -> None:
+    """A batch norm's input, an extra forward output the core reads for the running statistics right after the
+    forward, is copied only if ORT could free it before then (never for the backward's sake)."""
+    model = _wrap(BatchNormed(), exporter)
+    model(*BatchNormed.batch(torch.Generator().manual_seed(1)))[0].backward()
+    assert not any("batch_norm_input" in name for name in ortcore.api.copied_outputs(_session(model)))
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
@@ -280,3 +314,6 @@ def test_the_analysis_rules() -> None:
     assert outputs_at_risk(resized, memory_reuse=True) == {0: REUSED}
     assert outputs_at_risk(views, memory_reuse=True) == {0: REUSED, 2: VIEW}
     assert outputs_at_risk(_graph([helper.make_node("Exp", ["x"], ["a"])], shapes)) == {}  # no YieldOp: inference
+    # An output the core reads before the backward runs (a batch norm's input) needs no copy for the backward's sake.
+    assert outputs_at_risk(kept, read_before_backward=[0]) == {}
+    assert outputs_at_risk(views, read_before_backward=[2]) == {2: VIEW}

@@ -26,10 +26,12 @@ from models import (
     assert_ran_in_ort,
     bert_batch,
     check_step_and_training,
+    gpt2_batch,
     hf_step,
     make_batches,
     ort_and_torch,
     tiny_bert,
+    tiny_gpt2,
 )
 from torch import nn
 
@@ -224,6 +226,23 @@ def test_hf_bert_gradient_checkpointing_reentrant_matches_pytorch(exporter):
     ort, ref = ort_and_torch(model, exporter=exporter)
     check_step_and_training(ort, ref, make_batches(bert_batch, STEPS + 1), hf_step, steps=STEPS)
     assert python_ops(ort) == [REGION] * model.config.num_hidden_layers
+
+
+def gpt2_lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    out = model(**batch, labels=batch["input_ids"])
+    return out, out.loss
+
+
+def test_hf_gradient_checkpointing_default_is_traced_into_the_graph():
+    """Hugging Face's default (``use_reentrant=False`` in this transformers) is no Function: traced into the graph,
+    with PyTorch's numbers (and ORT keeping the activations)."""
+    model = tiny_gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable()
+    ort, ref = ort_and_torch(model)
+    check_step_and_training(ort, ref, make_batches(gpt2_batch, STEPS + 1), gpt2_lm_step, steps=STEPS)
+    assert python_ops(ort) == []
 
 
 # -- the switch -------------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ STEPS = 2
 def returned_tensors(output: Any) -> list[tuple[str, torch.Tensor]]:
     """Every tensor leaf of a model's output, with its path (``['logits']``, ``[1]``)."""
     leaves, _ = torch.utils._pytree.tree_flatten_with_path(output)
-    return [(torch.utils._pytree.keystr(path), t) for path, t in leaves if isinstance(t, torch.Tensor)]
+    return [(torch.utils._pytree.keystr(path) or "<output>", t) for path, t in leaves if isinstance(t, torch.Tensor)]
 
 
 def _snapshot(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

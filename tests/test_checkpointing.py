@@ -304,26 +304,32 @@ def test_a_parameter_the_region_cannot_find_is_named_not_lost():
 
 
 def test_no_argument_requiring_grad_gives_the_parameters_no_gradient_as_pytorch():
-    """PyTorch's reentrant checkpoint does not differentiate a call none of whose tensor arguments requires grad."""
+    """PyTorch's reentrant checkpoint does not differentiate a call none of whose tensor arguments requires grad, nor
+    (its outputs requiring no grad) a checkpoint fed only by it: both blocks get no gradient, on both sides."""
 
-    class FirstLayer(nn.Module):
+    class FirstLayers(nn.Module):
         def __init__(self):
             super().__init__()
             self.block = nn.Linear(10, 16)
+            self.block2 = nn.Linear(16, 16)
             self.out = nn.Linear(16, 4)
 
         def forward(self, x):
-            return self.out(cp.checkpoint(self.block, x, use_reentrant=True))
+            h = cp.checkpoint(self.block, x, use_reentrant=True)
+            return self.out(cp.checkpoint(self.block2, h, use_reentrant=True))
 
-    ort, ref = ort_and_torch(FirstLayer())
+    ort, ref = ort_and_torch(FirstLayers())
     x = torch.randn(3, 10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for model in (ort, ref):
             model(x).sum().backward()
-    assert ref.block.weight.grad is None
-    assert ort.module.block.weight.grad is None or not ort.module.block.weight.grad.any()
+    for name in ("block", "block2"):
+        assert getattr(ref, name).weight.grad is None
+        mine = getattr(ort.module, name).weight.grad
+        assert mine is None or not mine.any(), name
     torch.testing.assert_close(ort.module.out.weight.grad, ref.out.weight.grad)
+    assert_ran_in_ort(ort)
 
 
 def test_the_users_model_is_unchanged_by_export():

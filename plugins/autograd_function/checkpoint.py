@@ -520,7 +520,14 @@ def checkpoint_region(args: tuple, kwargs: dict) -> Any:
     origin.calls.append(call)
     if torch._C._get_tracing_state() is not None:  # the TorchScript route checks now, the dynamo route at the recompute
         _check_at_export(call, tuple(tensors))
-    outputs = CheckpointRegion.apply(call, *tensors, *(p for p, _ in params))
+    inputs = [p for p, _ in params]
+    if torch._C._get_tracing_state() is not None and not any(t.requires_grad for t in tensors):
+        # PyTorch's reentrant checkpoint differentiates nothing when no tensor argument requires grad: its outputs
+        # do not require grad either, so neither do later checkpoints fed only by them. The TorchScript tracer knows
+        # what requires grad: the parameters enter detached, and ORT differentiates nothing through the node. (The
+        # dynamo route's fake tensors do not say; there backward gives these parameters no gradient.)
+        inputs = [p.detach() for p in inputs]
+    outputs = CheckpointRegion.apply(call, *tensors, *inputs)
     return call.rebuild(outputs if isinstance(outputs, tuple) else (outputs,))
 
 

@@ -234,11 +234,21 @@ def _from_ort(pointer: int | None) -> torch.Tensor | None:
     return torch._C._from_dlpack(_capsule_new(pointer, _DLTENSOR, None))
 
 
-def _to_ort(value: Any) -> int | None:
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _to_ort(value: Any, inputs: frozenset[int] = frozenset()) -> int | None:
+    """``value`` handed to ORT, which takes ownership: a tensor sharing the memory of one of the node's inputs
+    (``inputs``: their storages) is copied first. A kernel may return an input itself or a view of it (a gradient
+    passed through unchanged, as ``broadcast_tensors``' is for an input already of the broadcast shape); ORT would
+    otherwise own, and free or reuse, a buffer it also holds as that input."""
     if value is None:
         return None
     if not isinstance(value, torch.Tensor):  # an int result (a size, say) becomes a 0-d tensor, as ORT expects
         value = torch.tensor(value)
+    elif value.numel() and _storage(value) in inputs:
+        value = value.clone(memory_format=torch.contiguous_format)
     if value.dtype == torch.bool:
         # ORT 1.19.2's DLPack import refuses bool (kDLBool) and types uint8 as uint8: no faithful way back.
         raise TypeError("a bool result cannot be handed back to ONNX Runtime's ATen kernel")
@@ -311,10 +321,20 @@ def _execute(op: bytes, overload: bytes, n_in: int, inputs: Any, n_out: int, out
         tensors = [_from_ort(inputs[i]) for i in range(n_in)]
         resolved = resolve(op_name, overload_name)
         results = resolved.call(tensors)
+        inputs_memory = frozenset(_storage(t) for t in tensors if t is not None and t.numel())
         del tensors
         if len(results) < n_out:
             raise TypeError(f"{resolved.qualified_name} returned {len(results)} results, the node has {n_out} outputs")
-        pointers = [_to_ort(results[i]) for i in range(n_out)]
+        pointers = []
+        handed: set[int] = set(inputs_memory)
+        for i in range(n_out):  # nor may two outputs share memory: ORT would own (and free) it twice
+            result = results[i]
+            if isinstance(result, torch.Tensor) and result.numel():
+                memory = _storage(result)
+                pointers.append(_to_ort(result, frozenset(handed)))
+                handed.add(memory)
+            else:
+                pointers.append(_to_ort(result))
     except BaseException as e:  # nothing may propagate into ORT's C++ frames
         try:
             _record_failure(op_name, overload_name, e)

@@ -124,6 +124,20 @@ class MSEBroadcast(nn.Module):
         return F.mse_loss(self.a(x), self.b(x)[:, None, :])
 
 
+class SameShapeBroadcast(nn.Module):
+    """broadcast_tensors of a value already of the broadcast shape: its gradient is the output's, passed through by
+    autograd unchanged (the executor must hand ORT a copy, not the buffer ORT passed in), on the input's path only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x[:, :2] + x.mean(1, keepdim=True)
+        a, b = torch.broadcast_tensors(z, self.a(x)[:, 2:])
+        return (a - b) ** 2
+
+
 class Meshgrid(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -237,6 +251,11 @@ def _batch(step: int) -> tuple[torch.Tensor]:
 # case: model, the symbolic that crashes (None: ORT's own table routes the op), the op explain() names.
 LIST_CASES: dict[str, tuple[Callable[[], nn.Module], tuple[str, Callable[..., Any]] | None, str]] = {
     "broadcast_tensors": (MSEBroadcast, ("::broadcast_tensors", _crash_assert), "broadcast_tensors"),
+    "broadcast_tensors_same_shape": (
+        SameShapeBroadcast,
+        ("::broadcast_tensors", _crash_assert),
+        "broadcast_tensors",
+    ),
     "meshgrid": (Meshgrid, ("::meshgrid", _crash_runtime), "meshgrid"),
     "unbind": (Unbind, ("::unbind", _crash_index), "unbind"),
     "split_with_sizes": (SplitSizes, ("::split_with_sizes", _crash_assert), "split_with_sizes"),
@@ -451,3 +470,54 @@ def test_an_op_the_exporter_writes_as_a_loop_is_routed():
         "the TorchScript exporter writes it as an ONNX Loop, which ORT cannot train"
     )
     assert "Loop" not in {row["op"] for row in wrapped.explain()}
+
+
+def _patchtsmixer() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.PatchTSMixerConfig(
+        context_length=32,
+        patch_length=8,
+        patch_stride=8,
+        num_input_channels=3,
+        d_model=16,
+        prediction_length=8,
+        num_layers=1,
+        gated_attn=False,
+        self_attn=False,
+        dropout=0.0,
+        head_dropout=0.0,
+    )
+    return transformers.PatchTSMixerForPrediction(config)
+
+
+class LossOf(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, past_values: torch.Tensor, future_values: torch.Tensor) -> torch.Tensor:
+        return self.model(past_values=past_values, future_values=future_values).loss
+
+
+def test_the_exporters_shape_inference_assertion_on_broadcast_tensors_is_routed():
+    """A real crash: F.mse_loss always calls broadcast_tensors, and in PatchTSMixer's forecast loss the TorchScript
+    exporter's shape inference asserts on it ("input_shape_value == reshape_value ... INTERNAL ASSERT FAILED")."""
+    torch.manual_seed(0)
+    model = LossOf(_patchtsmixer())
+
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        series = torch.randn(4, 40, 3, generator=torch.Generator().manual_seed(step))
+        return series[:, :32].contiguous(), series[:, 32:].contiguous()
+
+    wrapped = _train(model, inputs, _host(), steps=2)
+    assert wrapped.explain().routed()["broadcast_tensors"] == plugin.EXPORTER_FAILED
+
+
+@pytest.mark.slow
+def test_without_routing_the_shape_inference_assertion_stops_the_export():
+    torch.manual_seed(0)
+    host = _host({"plugins": {"op_routing": {"enabled": False}}})
+    wrapped = ORTModule(LossOf(_patchtsmixer()), fallback_policy="FALLBACK_DISABLE", host=host)
+    series = torch.randn(4, 40, 3)
+    with pytest.raises(Exception, match="INTERNAL ASSERT FAILED"):
+        wrapped(series[:, :32].contiguous(), series[:, 32:].contiguous())

@@ -509,7 +509,7 @@ def test_the_exporters_shape_inference_assertion_on_broadcast_tensors_is_routed(
         series = torch.randn(4, 40, 3, generator=torch.Generator().manual_seed(step))
         return series[:, :32].contiguous(), series[:, 32:].contiguous()
 
-    wrapped = _train(model, inputs, _host(), steps=2)
+    wrapped = _train(model, inputs, _host(), steps=1)
     assert wrapped.explain().routed()["broadcast_tensors"] == plugin.EXPORTER_FAILED
 
 

@@ -22,8 +22,10 @@ of ``[1.788, 1.916]`` after ``loss.backward()``). The third writes into it direc
 planner's exact choices (execution order, which kernels declare ``MayInplace``) are not visible from Python, so
 every kernel is taken as possibly in place, and only the size test (element size, static shape) and the order forced
 by the graph (a reader that must run before the YieldOp cannot reuse a buffer the YieldOp still reads) rule a case
-out. Outputs that alias a graph input (a returned input or parameter, or a view of one) are not at risk (ORT never
-writes or frees the caller's buffers) and are not copied: PyTorch returns those as aliases too.
+out. A returned graph input (an input, a parameter or a buffer returned as it is) is not at risk (ORT never writes
+the caller's buffers, and the OrtValue handed back holds the caller's tensor) and is not copied: PyTorch returns it
+as it is too. A *view* of a graph input is copied: ORT's view holds no reference to the tensor it views, so a caller
+who drops a temporary input would keep a view of freed memory.
 """
 
 from __future__ import annotations
@@ -199,15 +201,6 @@ def outputs_at_risk(
     # of them can take an output's buffer in place.
     before_yield = _ancestors(yield_at, producer_index, nodes)
 
-    def owned_by_caller(name: str) -> bool:
-        """``name`` is a graph input (torch's memory) or a view chain of one."""
-        while name not in graph_inputs:
-            j = producer_index.get(name)
-            if j is None or not _is_view(nodes[j]):
-                return False
-            name = nodes[j].input[0]
-        return True
-
     def view_closure(name: str) -> set[str]:
         """``name`` and every value that views its buffer (through alias kernels, either way)."""
         found = {name}
@@ -229,7 +222,7 @@ def outputs_at_risk(
     read_before_backward = frozenset(read_before_backward)
     at_risk: dict[int, str] = {}
     for k, name in enumerate(nodes[yield_at].input):
-        if not name or owned_by_caller(name):
+        if not name or name in graph_inputs:  # the caller's tensor itself, kept alive by its OrtValue
             continue
         j = producer_index.get(name)
         if j is None:

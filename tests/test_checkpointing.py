@@ -159,6 +159,8 @@ def test_reentrant_checkpoint_trains_by_default_as_pytorch(mode, exporter):
     # (Blocks left out of the region run in ORT's graph: their probe, an identity, is no PyTorch call there.)
     expected = [[False, True], [], []] if mode == "sequential" else [[False, True]] * 3
     assert probes(ort) == expected
+    rows = [r for r in ort.explain() if r["op"].startswith("CheckpointRegion")]
+    assert rows and all(r["runs_on"] == "PyTorch" and "recomputed in backward" in r["reason"] for r in rows), rows
 
 
 def test_non_reentrant_checkpoint_is_traced_into_the_graph():

@@ -54,7 +54,13 @@ from ortcore.api import (
 )
 from ortcore_plugins.services.autograd_functions import function_name, python_op_symbolic
 
-from .checkpoint import TORCH_CHECKPOINT_FUNCTION, checkpoint_region, checkpoints_run_directly, export_origin
+from .checkpoint import (
+    TORCH_CHECKPOINT_FUNCTION,
+    checkpoint_region,
+    checkpoints_run_directly,
+    describe_regions,
+    export_origin,
+)
 from .dynamo import _function_call_op, apply_function_call, translate_function_call
 from .shared import _has_python_op, inference_mode_pass, relate_output_shapes
 from .torchscript import export_python_op
@@ -64,6 +70,7 @@ logger = logging.getLogger("ortcore.autograd_function")
 NAME = "autograd_function"
 SHAPES_PASS = "autograd_function.output_shapes"
 INFERENCE_PASS = "autograd_function.inference_mode"
+REGIONS_PASS = "autograd_function.checkpoint_regions"
 # Reentrant activation checkpointing: its forward runs the checkpointed layers in PyTorch, out of ORT's sight.
 CHECKPOINT_FUNCTIONS = ("torch.utils.checkpoint.CheckpointFunction", "deepspeed.checkpointing.CheckpointFunction")
 CHECKPOINT_MODES = ("region", "inline", "refuse")
@@ -294,7 +301,9 @@ def ortcore_export_translations(config: Config) -> dict[Any, Any]:
 
 @hookimpl
 def ortcore_graph_passes(config: Config) -> list[GraphPass]:
-    return [GraphPass(SHAPES_PASS, run=relate_output_shapes)] if _options(config).python_op else []
+    if not _options(config).python_op:
+        return []
+    return [GraphPass(SHAPES_PASS, run=relate_output_shapes), GraphPass(REGIONS_PASS, run=describe_regions)]
 
 
 @hookimpl

@@ -33,7 +33,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ortcore.api import UnsupportedModelError, graph_autocast
+from ortcore.api import ROUTED_METADATA_PREFIX, UnsupportedModelError, graph_autocast
 from ortcore_plugins.services.autograd_functions import function_apply_replaced, function_name
 
 logger = logging.getLogger("ortcore.autograd_function")
@@ -548,3 +548,25 @@ def checkpoints_run_directly() -> Iterator[None]:
 
     with function_apply_replaced(apply):
         yield
+
+
+REGION_REASON = (
+    "checkpointed functions (torch.utils.checkpoint, use_reentrant=True): run in PyTorch without keeping their "
+    "activations, recomputed in backward (autograd_function)"
+)
+
+
+def describe_regions(model: Any, _context: Any) -> None:
+    """A graph pass: ``model.explain()`` gives checkpoint regions' PythonOp nodes their reason."""
+    qualified = f"{CheckpointRegion.__module__}.{CheckpointRegion.__qualname__}"
+    props = {p.key for p in model.metadata_props}
+    for node in model.graph.node:
+        if node.op_type != "PythonOp":
+            continue
+        name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+        if not name.startswith(qualified):
+            continue
+        key = ROUTED_METADATA_PREFIX + name.split(":")[0].rpartition(".")[2]  # the name explain shows
+        if key not in props:
+            model.metadata_props.add(key=key, value=REGION_REASON)
+            props.add(key)

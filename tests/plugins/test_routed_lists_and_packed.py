@@ -288,21 +288,35 @@ def test_without_routing_the_crash_stops_the_export():
         wrapped(torch.randn(5, 4))
 
 
+class SplitOne(nn.Module):
+    """A list of one tensor (the ATen node's one output is the list's item)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (only,) = torch.split(self.a(x), [7], dim=-1)
+        return only.exp()
+
+
 # The user's switch for an op ORT could run: aten_fallback's fallback_ops names it, on both exporters.
 LISTED = {
-    "broadcast_tensors": MSEBroadcast,
-    "meshgrid": Meshgrid,
-    "unbind": Unbind,
-    "split_with_sizes": SplitSizes,
+    "broadcast_tensors": (MSEBroadcast, "broadcast_tensors"),
+    "meshgrid": (Meshgrid, "meshgrid"),
+    "unbind": (Unbind, "unbind"),
+    "split_with_sizes": (SplitSizes, "split_with_sizes"),
+    "split_with_sizes_one": (SplitOne, "split_with_sizes"),
 }
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-@pytest.mark.parametrize("op", sorted(LISTED))
-def test_a_listed_op_with_a_list_result_runs_on_pytorch(op: str, exporter: str):
+@pytest.mark.parametrize("case", sorted(LISTED))
+def test_a_listed_op_with_a_list_result_runs_on_pytorch(case: str, exporter: str):
+    make, op = LISTED[case]
     torch.manual_seed(0)
     host = _host({"plugins": {"aten_fallback": {"fallback_ops": [op]}}})
-    wrapped = _train(LISTED[op](), _batch, host, exporter=exporter)
+    wrapped = _train(make(), _batch, host, exporter=exporter)
     assert op in _aten_ops(wrapped), wrapped.explain()
     assert wrapped.explain().routed()[op] == plugin.LISTED_REASON
 

@@ -535,3 +535,19 @@ def test_without_routing_the_shape_inference_assertion_stops_the_export():
     series = torch.randn(4, 40, 3)
     with pytest.raises(Exception, match="INTERNAL ASSERT FAILED"):
         wrapped(series[:, :32].contiguous(), series[:, 32:].contiguous())
+
+
+def test_packed_sequence_inference_under_no_grad():
+    torch.manual_seed(0)
+    model = Packed("GRU", True, False)
+    ref = copy.deepcopy(model)
+    wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE", host=_host())
+    model.eval()
+    ref.eval()
+    for step in range(2):
+        x, lengths = _sequences(False)(step)
+        with torch.no_grad():
+            for a, b in zip(wrapped(x, lengths), ref(x, lengths), strict=True):
+                _close(a, b, f"step {step} output")
+    assert wrapped.state_machine.counters.fallbacks == 0
+    assert wrapped.explain().routed().get("_pad_packed_sequence") == plugin.PACKED_REASON

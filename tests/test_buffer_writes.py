@@ -276,6 +276,39 @@ def test_tracing_the_model_itself_leaves_its_buffers_as_eager(make: type, monkey
     assert ort.module.__class__ is make
 
 
+class KeepsLastActivation(nn.Module):
+    """Writes a buffer with autograd on and reads it: the gradient flows through the write, as in eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("last", torch.zeros(5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.last.copy_(h)
+        return self.last * 2 + h.square()
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_write_with_autograd_on_passes_the_gradient_through_the_buffer(exporter: str) -> None:
+    """One step only: eager's buffer then holds the step's graph, so eager's second backward fails ("backward
+    through the graph a second time"); ortcore's buffer holds the value, and the next step trains."""
+    torch.manual_seed(0)
+    model = KeepsLastActivation()
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, exporter=exporter)
+    x = torch.randn(5, 3)
+    out, out_ref = ort(x), reference(x)
+    torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
+    out.sum().backward(), out_ref.sum().backward()
+    assert_grads_match(model, reference, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(model.last, reference.last.detach(), rtol=RTOL, atol=ATOL)
+    assert model.last.grad_fn is None and reference.last.grad_fn is not None
+    ort(torch.randn(5, 3)).sum().backward()  # the second step trains
+    assert ort.repairs == [] and ort.state_machine.counters.fallbacks == 0
+
+
 class ReturnsItsCounter(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -519,12 +519,16 @@ def _add_buffer_write_outputs(
     ]
 
 
-def _returned_after_constants(returned: dict[int, str], names: list[str], n_kept: int) -> dict[int, str]:
+def _returned_after_constants(returned: dict[int, str], names: list[str], kept: list[str]) -> dict[int, str]:
     """``returned`` (model output index -> buffer) re-indexed after :func:`_constant_outputs` took the constant
-    outputs out (a constant is no buffer's memory: it drops out)."""
-    if not returned or n_kept == len(names):
+    outputs out of ``names`` (the outputs' names before), leaving ``kept`` in order (a constant is no buffer)."""
+    if not returned or len(kept) == len(names):
         return returned
-    return {}  # a model returning constants and written buffers: the buffers' values are returned, not the buffers
+    index, j = {}, 0
+    for k, name in enumerate(names):
+        if j < len(kept) and kept[j] == name:
+            index[k], j = j, j + 1
+    return {index[k]: buffer for k, buffer in returned.items() if k in index}
 
 
 def through_identities(producer: dict[str, onnx.NodeProto], value: str) -> str:
@@ -888,7 +892,8 @@ def export_graph(
     graph_inputs = {i.name for i in model.graph.input}
     before_constants = [o.name for o in model.graph.output[: len(output_schema.names)]]
     output_schema = _constant_outputs(model, output_schema, graph_inputs, tensors)
-    returned = _returned_after_constants(flat.returned, before_constants, len(output_schema.names))
+    kept = [o.name for o in model.graph.output[: len(output_schema.names)]]
+    returned = _returned_after_constants(flat.returned, before_constants, kept)
     renames.update(
         {o.name: name for o, name in zip(model.graph.output, output_schema.names) if o.name not in graph_inputs}
     )

@@ -315,9 +315,9 @@ class ReturnsItsCounter(nn.Module):
         self.lin = nn.Linear(3, 2)
         self.register_buffer("count", torch.zeros(()))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.count += 1
-        return self.lin(x), self.count
+        return self.lin(x), torch.tensor(7.0), self.count  # a constant output before it: taken out of the graph
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
@@ -330,14 +330,17 @@ def test_a_returned_written_buffer_is_the_buffer_as_in_eager(exporter: str) -> N
     returned, returned_ref = [], []
     for _ in range(3):
         x = torch.randn(4, 3)
-        (out, count), (out_ref, count_ref) = ort(x), reference(x)
+        (out, seven, count), (out_ref, _, count_ref) = ort(x), reference(x)
+        assert seven.item() == 7.0
         assert count is model.count and count_ref is reference.count
         returned.append(count), returned_ref.append(count_ref)
         out.sum().backward(), out_ref.sum().backward()
     assert [c.item() for c in returned] == [c.item() for c in returned_ref] == [3.0, 3.0, 3.0]
     assert_grads_match(model, reference, rtol=RTOL, atol=ATOL)
     graph, _ = ort.state_machine.current
+    # The graph's second output (the constant is not one)
     assert [(w.buffer, w.returned_as) for w in graph.buffer_writes] == [("count", (1,))]
+    assert graph.n_user_outputs == 2
     assert ort.repairs == [] and ort.state_machine.counters.fallbacks == 0
 
 

@@ -11,6 +11,7 @@ rtol 1e-4 / atol 1e-5 for outputs and gradients, rtol 1e-4 for losses).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import warnings
 from typing import Any
@@ -395,3 +396,62 @@ def test_without_the_deep_copy_before_export(monkeypatch):
     for (name, mine), theirs in zip(ort.module.named_buffers(), ref.buffers()):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     assert python_ops(ort) == [REGION] * 3
+
+
+# -- tensors bound to the checkpointed function -----------------------------------------------------------------------
+class MaskedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale=1.0):
+        return torch.tanh(self.fc(x)) * mask * scale
+
+
+class Bound(nn.Module):
+    """A mask that changes at every call reaches the checkpointed function through a ``functools.partial`` (as
+    Hugging Face's layers bind their keyword arguments) or a closure."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(8, 8)
+        self.block = MaskedBlock()
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x, mask):
+        h = self.inp(x)
+        if self.how == "partial":
+            h = cp.checkpoint(functools.partial(self.block.forward, mask=mask, scale=2.0), h, use_reentrant=True)
+        elif self.how == "closure":
+            h = cp.checkpoint(lambda t: self.block(t, mask, 2.0), h, use_reentrant=True)
+        else:  # a default argument: not an input of the node
+
+            def run(t, m=mask):
+                return self.block(t, m)
+
+            h = cp.checkpoint(run, h, use_reentrant=True)
+        return self.out(h)
+
+
+def masked_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 8, generator=gen), (torch.rand(4, 8, generator=gen) > 0.5).float(), torch.randn(4, 2)
+
+
+def masked_step(model: nn.Module, data: tuple) -> tuple[Any, torch.Tensor]:
+    out = model(data[0], data[1])
+    return out, F.mse_loss(out, data[2])
+
+
+@pytest.mark.parametrize(
+    ("how", "exporter"), [("partial", "torchscript"), ("partial", "dynamo"), ("closure", "torchscript")]
+)
+def test_tensors_bound_to_the_function_are_each_calls(how, exporter):
+    ort, ref = ort_and_torch(Bound(how), exporter=exporter)
+    check_step_and_training(ort, ref, make_batches(masked_batch, STEPS + 1), masked_step, steps=STEPS)
+    assert python_ops(ort) == [REGION]
+
+
+def test_a_tensor_in_a_default_argument_is_refused():
+    with pytest.raises(UnsupportedModelError, match=r"holds a tensor in the function defaults\[0\]"):
+        ORTModule(Bound("default"))(torch.randn(4, 8), torch.ones(4, 8))

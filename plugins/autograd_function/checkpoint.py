@@ -263,15 +263,29 @@ class CheckpointCall:
     out_positions: list[int] = attrs.field(factory=list)
     warned: bool = False  # no tensor argument required grad: said once
     checked: bool = False  # the first recompute checked that no other parameter of the model is reached
+    cell_indices: list[int] = attrs.field(factory=list)  # closure cells holding tensors, fed as inputs
     rebound: bool = False  # function and slots are the user's (after the export)
     copy_slots: list = attrs.field(factory=list)  # the traced copy's slots, while a rebound function still reaches it
 
-    def arguments(self, tensors: tuple) -> tuple:
+    def arguments(self, tensors: tuple) -> tuple[tuple, dict, tuple]:
+        """The positional and keyword arguments (a ``functools.partial``'s included) and the closure cells' tensors."""
         leaves = list(self.leaves)
         for position, tensor in zip(self.tensor_positions, tensors):
             leaves[position] = tensor
-        (args,) = pytree.tree_unflatten(leaves, self.in_spec)
-        return args
+        args, kwargs, cells = pytree.tree_unflatten(leaves, self.in_spec)
+        return args, kwargs, cells
+
+    def call_function(self, tensors: tuple) -> Any:
+        args, kwargs, cells = self.arguments(tensors)
+        function = self.function
+        if self.cell_indices:  # tensors the function closes over: this call's, not the export's
+            closure = list(function.__closure__)
+            for index, tensor in zip(self.cell_indices, cells):
+                closure[index] = types.CellType(tensor)
+            function = types.FunctionType(
+                function.__code__, function.__globals__, function.__name__, function.__defaults__, tuple(closure)
+            )
+        return function(*args, **kwargs)
 
     def state(self, params: tuple, running: bool) -> list[tuple[dict, str, torch.Tensor]]:
         """The slots to fill for one run: at a step, the traced copy's with the user's state and the parameter
@@ -286,6 +300,7 @@ class CheckpointCall:
         """The function and the parameter slots on the user's modules (:meth:`_Origin.release`)."""
         if not self.rebound:
             self.function = self.origin.to_user(self.function)
+            self.leaves = [self.origin.to_user(leaf) for leaf in self.leaves]  # a partial's module argument, say
             self.copy_slots = self.slots
             self.slots = [[(self.origin.user_module(m), name) for m, name in slots] for slots in self.slots]
             self.rebound = True
@@ -298,7 +313,7 @@ class CheckpointCall:
         if running:
             self.rebind()
         with _slots(self.state(params, running)), graph_autocast():
-            output = self.function(*self.arguments(tensors))
+            output = self.call_function(tensors)
         out_leaves, out_spec = pytree.tree_flatten(output)
         positions = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         if self.out_spec is None:
@@ -478,6 +493,42 @@ def _check_reached(call: CheckpointCall, outputs: list[torch.Tensor], traced: bo
         )
 
 
+def _refuse_captured_tensors(function: Any) -> None:
+    """A tensor the function holds elsewhere than in a partial or its own closure (a default argument, a nested
+    closure, an object's attribute) would be the export's value at every step: refused, naming where."""
+    seen: set[int] = set()
+
+    def visit(obj: Any, where: str, depth: int) -> None:
+        if depth > 6 or id(obj) in seen or isinstance(obj, torch.nn.Module | torch.nn.Parameter | type):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            raise UnsupportedModelError(
+                f"the checkpointed function {_name(function)} holds a tensor in {where}: as a recompute region it "
+                "would use the value it had when the model was exported at every step. Pass the tensor as an "
+                "argument of checkpoint(fn, *args), bind it with functools.partial, or close over it directly"
+            )
+        if isinstance(obj, list | tuple):
+            for k, item in enumerate(obj):
+                visit(item, f"{where}[{k}]", depth + 1)
+        elif isinstance(obj, dict):
+            for key, item in obj.items():
+                visit(item, f"{where}[{key!r}]", depth + 1)
+        elif isinstance(obj, types.MethodType):
+            visit(obj.__func__, where, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            visit(obj.__defaults__ or (), f"{where} defaults", depth + 1)
+            visit(obj.__kwdefaults__ or {}, f"{where} keyword defaults", depth + 1)
+            if depth:  # the outer function's own cells are fed as inputs
+                for cell in obj.__closure__ or ():
+                    try:
+                        visit(cell.cell_contents, f"{where} closure", depth + 1)
+                    except ValueError:
+                        pass
+
+    visit(function, "the function", 0)
+
+
 def _check_at_export(call: CheckpointCall, tensors: tuple) -> None:
     """One untraced run of the function with autograd on the traced copy, to name a parameter it reaches that is not
     an input of the node before the model runs (RNG and autograd state left as they were)."""
@@ -498,16 +549,34 @@ def checkpoint_region(args: tuple, kwargs: dict) -> Any:
             "reentrant checkpointing passes positional arguments only"
         )
     function, preserve_rng_state, *rest = args
+    # PyTorch's rule on what is differentiated looks at the call's own tensor arguments.
+    differentiable = any(t.requires_grad for t in pytree.tree_leaves(rest) if isinstance(t, torch.Tensor))
+    # Tensors bound in a functools.partial (Hugging Face binds a layer's keyword arguments, its attention mask among
+    # them) or held in the function's closure change at every call: they are inputs of the node, not constants.
+    positional, keywords = tuple(rest), {}
+    while isinstance(function, functools.partial):
+        positional, keywords = function.args + positional, {**function.keywords, **keywords}
+        function = function.func
+    cell_indices, cells = [], []
+    for index, cell in enumerate(getattr(function, "__closure__", None) or ()):
+        try:
+            content = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(content, torch.Tensor) and not isinstance(content, torch.nn.Parameter):
+            cell_indices.append(index)
+            cells.append(content)
+    _refuse_captured_tensors(function)
     origin = getattr(_current, "origin", None)
     if origin is None:
         raise UnsupportedModelError(
             "reentrant activation checkpointing was met outside an ortcore export (no export origin): cannot map the "
             "checkpointed function's parameters"
         )
-    leaves, spec = pytree.tree_flatten((tuple(rest),))
+    leaves, spec = pytree.tree_flatten((positional, keywords, tuple(cells)))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [leaves[i] for i in positions]
-    params = _parameters(reached_modules(function, tuple(rest)))
+    params = _parameters(reached_modules(function, (positional, keywords)))
     call = CheckpointCall(
         function=function,
         preserve_rng_state=bool(preserve_rng_state),
@@ -516,12 +585,13 @@ def checkpoint_region(args: tuple, kwargs: dict) -> Any:
         leaves=[None if i in positions else leaf for i, leaf in enumerate(leaves)],
         tensor_positions=positions,
         slots=[slots for _, slots in params],
+        cell_indices=cell_indices,
     )
     origin.calls.append(call)
     if torch._C._get_tracing_state() is not None:  # the TorchScript route checks now, the dynamo route at the recompute
         _check_at_export(call, tuple(tensors))
     inputs = [p for p, _ in params]
-    if torch._C._get_tracing_state() is not None and not any(t.requires_grad for t in tensors):
+    if torch._C._get_tracing_state() is not None and not differentiable:
         # PyTorch's reentrant checkpoint differentiates nothing when no tensor argument requires grad: its outputs
         # do not require grad either, so neither do later checkpoints fed only by them. The TorchScript tracer knows
         # what requires grad: the parameters enter detached, and ORT differentiates nothing through the node. (The

@@ -359,6 +359,39 @@ def test_the_written_buffers_survive_an_export_cache_round_trip() -> None:
         ExportedGraph.from_bytes(graph.to_bytes(), nn.Linear(4, 3))
 
 
+def test_with_activation_taps_the_extra_outputs_are_found_by_name() -> None:
+    """A subscribed model's graph has its taps after the model's outputs, then batch norm's input, then the written
+    buffers: each is read by its name (batch norm's statistics once read the first tap)."""
+    from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
+
+    class Quiet(SubscriberBase):
+        def on_forward(self, step, order, name, tensor) -> None:
+            pass
+
+        def on_backward(self, step, order, name, grad) -> None:
+            pass
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model)
+    GlobalSubscriberManager.subscribe(ort, [Quiet()])
+    try:
+        for step in range(3):
+            x = torch.randn(8, 3)
+            ort(x).sum().backward(), reference(x).sum().backward()
+            _assert_buffers_equal(model, reference, f"step {step}")
+        graph, _ = ort.state_machine.current
+        names = [o.name for o in graph.model.graph.output]
+        assert (
+            names.index("ortcore.tap::0")
+            < names.index("ortcore.batch_norm_input::bn")
+            < names.index(BUFFER_WRITE_PREFIX + "ema.avg")
+        )
+    finally:
+        GlobalSubscriberManager.unsubscribe(ort)
+
+
 class WritesThroughData(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -236,6 +236,30 @@ def gpt2_lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any,
     return out, out.loss
 
 
+def test_hf_llama_gradient_checkpointing_reentrant_matches_pytorch():
+    """Llama's layers get their attention mask and rotary embeddings as keyword arguments, which Hugging Face binds
+    in a functools.partial: node inputs of each region, a new mask every batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ort, ref = ort_and_torch(model)
+    check_step_and_training(ort, ref, make_batches(gpt2_batch, STEPS + 1), gpt2_lm_step, steps=STEPS)
+    assert python_ops(ort) == [REGION] * config.num_hidden_layers
+
+
 def test_hf_gradient_checkpointing_default_is_traced_into_the_graph():
     """Hugging Face's default (``use_reentrant=False`` in this transformers) is no Function: traced into the graph,
     with PyTorch's numbers (and ORT keeping the activations)."""

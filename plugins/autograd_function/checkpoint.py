@@ -494,8 +494,8 @@ def _check_reached(call: CheckpointCall, outputs: list[torch.Tensor], traced: bo
 
 
 def _refuse_captured_tensors(function: Any) -> None:
-    """A tensor the function holds elsewhere than in a partial or its own closure (a default argument, a nested
-    closure, an object's attribute) would be the export's value at every step: refused, naming where."""
+    """A tensor a function defined in the forward holds elsewhere than in a partial or its own closure (a default
+    argument, a nested closure) would be the export's value at every step: refused, naming where."""
     seen: set[int] = set()
 
     def visit(obj: Any, where: str, depth: int) -> None:
@@ -516,7 +516,8 @@ def _refuse_captured_tensors(function: Any) -> None:
                 visit(item, f"{where}[{key!r}]", depth + 1)
         elif isinstance(obj, types.MethodType):
             visit(obj.__func__, where, depth + 1)
-        elif isinstance(obj, types.FunctionType):
+        elif isinstance(obj, types.FunctionType) and "<locals>" in obj.__qualname__:
+            # (A function defined once, at module or class level, holds the same tensors at every call.)
             visit(obj.__defaults__ or (), f"{where} defaults", depth + 1)
             visit(obj.__kwdefaults__ or {}, f"{where} keyword defaults", depth + 1)
             if depth:  # the outer function's own cells are fed as inputs

@@ -630,10 +630,13 @@ class _Float32AsFloat64(torch.overrides.TorchFunctionMode):
 
 
 #: PyTorch's float32 runs beside the step's own that measure how far float32 alone lands from float64, run one at a
-#: time only while a difference is left unexplained: every floating parameter one ulp up, then one ulp down. Each
-#: rounds differently and changes each weight by less than float32 can represent. (Inputs are not moved: a sum
-#: that nearly cancels changes by far more than its rounding when its terms move by one ulp.)
-ROUNDING_RUNS = ("parameters one ulp up", "parameters one ulp down")
+#: time only while a difference is left unexplained: every floating parameter one ulp up, then one ulp down (each
+#: rounds differently and changes each weight by less than float32 can represent), then every 4-D and 5-D tensor
+#: (images, convolution weights, batch-norm inputs) in channels-last memory format: the same mathematics summed in
+#: another order by other kernels (convolutions, batch-norm statistics), as another framework's kernels sum it.
+#: (Inputs are not moved: a sum that nearly cancels changes by far more than its rounding when its terms move by
+#: one ulp.) A run that would change nothing (no 4-D or 5-D tensor) is not made.
+ROUNDING_RUNS = ("parameters one ulp up", "parameters one ulp down", "channels-last memory format")
 
 #: The model's float32 spread (:func:`model_spread`) counts tensors whose float64 values reach this fraction of the
 #: largest among the tensors of their kind (outputs, gradients): a gradient 1000x smaller than the model's largest
@@ -651,11 +654,31 @@ def _nudged(t: torch.Tensor, towards: float) -> torch.Tensor:
         return torch.nextafter(t.detach(), torch.full_like(t, towards)).requires_grad_(t.requires_grad)
 
 
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in channels-last memory format if it is a floating 4-D or 5-D tensor, else ``t`` itself."""
+    if not t.is_floating_point() or t.dim() not in (4, 5):
+        return t
+    layout = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    with torch.no_grad():
+        moved = t.detach().contiguous(memory_format=layout)
+    return moved.requires_grad_(t.requires_grad)
+
+
 def _rounding_side(req: AuditRequest, output_grads: list[torch.Tensor | None], run: str) -> _Side | None:
     """PyTorch's float32 run ``run`` (one of :data:`ROUNDING_RUNS`); None if it cannot run."""
     try:
-        towards = math.inf if run.endswith("up") else -math.inf
-        changed = attrs.evolve(req, params={n: _nudged(p, towards) for n, p in req.params.items()})
+        if run.startswith("channels-last"):
+            if not any(_channels_last(t) is not t for t in [*req.params.values(), *req.tensors]):
+                return None
+            changed = attrs.evolve(
+                req,
+                params={n: _channels_last(p) for n, p in req.params.items()},
+                tensors=[_channels_last(t) for t in req.tensors],
+                buffers={n: _channels_last(b) for n, b in req.buffers.items()},
+            )
+        else:
+            towards = math.inf if run.endswith("up") else -math.inf
+            changed = attrs.evolve(req, params={n: _nudged(p, towards) for n, p in req.params.items()})
         side, _, _ = _run_torch(changed, record=False, output_grads=output_grads)
         return side
     except Exception as e:

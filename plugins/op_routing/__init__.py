@@ -18,6 +18,11 @@ kernel; its gradient is PyTorch's autograd gradient (a VJP node per floating-poi
   mode, on by default here).
 * Ops the ``aten_fallback`` plugin runs on PyTorch's kernels for speed.
 
+Calls rather than single ops: a packed sequence (``_pack_padded_sequence``, the RNN's ``.data`` overload over it,
+``_pad_packed_sequence``) is routed as a whole, a connected region of ATen nodes (:data:`.shared.PACKED_REASON`); on
+the TorchScript route an aten call whose symbolic writes a Loop or If, or raises anything (a shape-inference
+assertion included), is routed as an export failure; tuple and tensor-list results are one ATen output per tensor.
+
 Each routed op is logged once per export at INFO with its reason and recorded in the exported model's metadata
 (``ortcore.routed::<op>``), which :func:`ortcore.explain.explain` and ``ortcore explain`` read.
 

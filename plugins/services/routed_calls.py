@@ -1,6 +1,8 @@
 """A traced TorchScript call of an aten op as one ATen node run by PyTorch: the inputs flattened (tensor lists
 spread), an input that may need a gradient first (ORT builds an ATen node's gradient only then), a tensor passed twice
 given once, through a wrapper op (:func:`~ortcore_plugins.services.aten_nodes.define_wrapper`) with its VJP gradient.
+A tuple result is one output per tensor; a tensor-list result (``split``, ``unbind``, ``meshgrid``,
+``broadcast_tensors``) too, as many as the traced call unpacked (:func:`list_items`).
 
 :func:`emit_call` is the symbolic's body; ``op_routing`` writes its routes with it, and ``aten_fallback`` the listed
 ops whose first input needs no gradient (``scatter_reduce``'s ``src``, ``logaddexp(x, fc(x))``).

@@ -317,6 +317,12 @@ def _counts(rows: dict[str, dict[str, Any]]) -> str:
     return f"{passed}/{len(rows)} pass" + (f" ({rest})" if rest else "")
 
 
+def _first_error(r: dict[str, Any]) -> str | None:
+    """A record row's first error line; None where the model raised nothing (older rows hold the string 'None')."""
+    line = r.get("first_error")
+    return None if line in (None, "", "None") else line
+
+
 def _causes(exporter: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     """The failures of one route grouped by cause, with each model's first error line and the cause's repro."""
     by_category: dict[str, list[dict[str, Any]]] = {}
@@ -331,7 +337,7 @@ def _causes(exporter: str, rows: dict[str, dict[str, Any]]) -> list[str]:
         names = ", ".join(r["model"] for r in failed)
         lines += [f"**{category.label}** ({len(failed)}: {names}). {category.cause}", ""]
         for r in failed:
-            line = r["first_error"] or r["reason"]
+            line = _first_error(r) or r["reason"]
             lines.append(f"- {r['model']}: `{_cell(line[:400]).replace('`', chr(39))}`")
         if category.repro:
             lines += [
@@ -487,7 +493,7 @@ def _cause(r: dict[str, Any]) -> str:
     if r["status"] == "pass":
         return ""
     category = BY_KEY.get(r.get("category") or "other", BY_KEY["other"])
-    text = r["reason"] if r["status"] == "mismatch" else (r["first_error"] or r["reason"])
+    text = r["reason"] if r["status"] == "mismatch" else (_first_error(r) or r["reason"])
     label = "" if category.key in ("other", "mismatch") else f"{category.label}: "
     return label + text[:300].replace("`", "'")
 

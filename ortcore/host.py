@@ -118,6 +118,7 @@ PLUGIN_ENV_VARS: dict[str, tuple[str, ...]] = {
         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",
         "ORTMODULE_ENABLE_SPARSE_OPTIMIZER",
     ),
+    "zero_stage3": ("ORTMODULE_ENABLE_ZERO_STAGE3",),
 }
 # Variables a plugin's options declare that something else reads too, whatever that plugin's state.
 # The core's exporter: =0 (or the older variable =1) traces through custom autograd Functions, plugin or not.

@@ -53,6 +53,11 @@ class FirstStep:
 class RuntimeInspector:
     """Base class: override any of the four phases. ``step`` counts training forwards, from 0."""
 
+    #: Names of attributes an engine sets on the model for its own bookkeeping at every step (DeepSpeed ZeRO-3's
+    #: ``applied_pre_backward_ref_cnt``, say) that the model's forward never reads: setting one on the ORTModule
+    #: passes it to the model without exporting again (any other attribute set there is a change of the model).
+    untraced_attributes: frozenset[str] = frozenset()
+
     def pre_forward(self, step: int, inputs: ForwardInputs) -> None:
         """Before ORT's forward, with the call's arguments and its tensors by graph input name."""
 

@@ -112,7 +112,11 @@ class _Runtime:
         self.state = ExportStateMachine(config.core.max_cached_graphs)
         self._use(config, hooks)
         self.step = 0
-        self.phases = phase_callbacks(hooks.runtime_inspectors(module))
+        inspectors = hooks.runtime_inspectors(module)
+        self.phases = phase_callbacks(inspectors)
+        # Attributes an engine keeps on the model for its own bookkeeping (RuntimeInspector.untraced_attributes):
+        # setting them is no change of the model.
+        self.untraced_attributes = frozenset().union(*(getattr(i, "untraced_attributes", ()) for i in inspectors))
         # Repairs in force (ortcore.repair), oldest first, and every repair tried (by key), kept or not.
         self.repairs: list[Repair] = []
         self.tried: set[tuple] = set()
@@ -846,7 +850,8 @@ class ORTModule(torch.nn.Module):
         # reads) can change the graph, as upstream assumes too.
         previous = getattr(wrapped, name, _MISSING)
         setattr(wrapped, name, value)
-        if previous is not value:
+        runtime = self.__dict__.get("_ortcore")
+        if previous is not value and (runtime is None or name not in runtime.untraced_attributes):
             self._model_changed(f"attribute {name!r} of the model was {'set' if previous is _MISSING else 'replaced'}")
 
     # Container protocol of the wrapped model (a Sequential, a ModuleList): dunder lookups skip __getattr__.

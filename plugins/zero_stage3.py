@@ -1,0 +1,275 @@
+"""zero_stage3: DeepSpeed ZeRO stage 3 over an ORTModule, its parameters partitioned across ranks between steps.
+
+Under ZeRO stage 3 every parameter of the model is a shard between steps (``param.data`` empty, ``param.ds_tensor``
+this rank's piece); DeepSpeed gathers a submodule's parameters in a forward pre-hook and releases them in its
+forward hook. An ORTModule runs the whole forward as one ONNX Runtime graph, so those per-submodule hooks never
+fire while ORT computes. This plugin serves ZeRO-3 the way the graph needs it (docs/deepspeed.md, "ZeRO stage 3"):
+
+- **export**: around the trace (``ortcore_export_context``) the partitioned parameters are gathered (DeepSpeed's
+  coalesced ``all_gather``) and DeepSpeed's module hooks are set aside, so the exporter sees the model as it is
+  without DeepSpeed (whole parameters, no hooks); the graph takes the parameters as inputs, as every ortcore graph
+  does. They are partitioned again after the trace.
+- **each step** (a runtime inspector): before ORT's forward the parameters still partitioned are gathered, in one
+  coalesced all-gather; they are fed to the graph, and partitioned again right after ORT's backward (after the
+  forward, for a call without a backward). The gradients reach each parameter through autograd, so the hooks
+  DeepSpeed's stage-3 optimizer registered (``register_post_accumulate_grad_hook``) reduce and partition them as
+  they do for the model without ortcore. Parameters DeepSpeed keeps whole (``stage3_param_persistence_threshold``,
+  ``ds_persist``) are left alone.
+- **the gradient audit** of the first step runs with the parameters gathered and DeepSpeed's hooks set aside.
+
+Detection needs nothing: a parameter with DeepSpeed's ``ds_id``/``ds_status`` is a ZeRO-3 parameter.
+``ORTMODULE_ENABLE_ZERO_STAGE3=1`` says the model is meant to be one (a note when none is found); ``=0`` refuses a
+ZeRO-3 model with an error naming the variable instead of a failure deep inside the export.
+
+Options (``[plugins.zero_stage3]`` in ortcore.toml, or the environment; the environment wins)::
+
+    [plugins.zero_stage3]
+    enable = "auto"   # env ORTMODULE_ENABLE_ZERO_STAGE3: 1 (expect ZeRO-3), 0 (refuse it), auto (detect)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import torch
+
+from ortcore.api import Config, OptionError, RuntimeInspector, UnsupportedModelError, hookimpl, option
+
+NAME = "zero_stage3"
+ENV = "ORTMODULE_ENABLE_ZERO_STAGE3"
+logger = logging.getLogger("ortcore.zero_stage3")
+
+_ON = {"1", "true", "on", "yes"}
+_OFF = {"0", "false", "off", "no"}
+
+
+def parse_enable(value: Any, source: str) -> str:
+    """``auto``, ``on`` (1/true) or ``off`` (0/false)."""
+    text = str(value).strip().lower()
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if text in _ON:
+        return "on"
+    if text in _OFF:
+        return "off"
+    if text == "auto":
+        return "auto"
+    raise OptionError(f"{source}={value!r} is not allowed; allowed: 1 (on), 0 (off), auto")
+
+
+@attrs.frozen
+class ZeroStage3Options:
+    """Options of the ``zero_stage3`` plugin."""
+
+    enable: str = option(
+        "auto",
+        parse_enable,
+        "DeepSpeed ZeRO stage 3: 1 expects partitioned parameters, 0 refuses them, auto detects them",
+        ENV,
+    )
+
+
+@hookimpl
+def ortcore_options_class() -> type:
+    return ZeroStage3Options
+
+
+# -- what DeepSpeed left on the model ------------------------------------------------------------------------------
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """A parameter DeepSpeed's ZeRO stage 3 partitions (``zero.Init`` or ``deepspeed.initialize`` with stage 3)."""
+    return hasattr(param, "ds_id") and hasattr(param, "ds_status")
+
+
+def zero3_params(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if is_zero3_param(p)]
+
+
+def _not_available(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters that are shards now (neither gathered nor kept whole by DeepSpeed)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    inflight = [p for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
+    if inflight:
+        for p in inflight:  # a prefetch DeepSpeed started: wait for it, as its coordinator would
+            handle = getattr(p, "ds_all_gather_handle", None) or getattr(p, "_ds_all_gather_handle", None)
+            if handle is not None:
+                handle.wait()
+    return [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def gather(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gather the partitioned ones among ``params`` (one coalesced all-gather); returns those it gathered."""
+    missing = _not_available(params)
+    if missing:
+        missing[0].all_gather(param_list=missing)
+    return missing
+
+
+def release(params: list[torch.Tensor]) -> None:
+    """Partition ``params`` again (their values were not changed: the shards stay as they are)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    live = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE]
+    if live:
+        live[0].partition(param_list=live, has_been_updated=False)
+
+
+def _is_deepspeed_hook(hook: Any) -> bool:
+    function = getattr(hook, "__func__", hook)
+    return str(getattr(function, "__module__", "") or "").startswith("deepspeed")
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def without_deepspeed_hooks(module: torch.nn.Module) -> Iterator[None]:
+    """DeepSpeed's module hooks set aside (every submodule of ``module``), restored after."""
+    saved: list[tuple[torch.nn.Module, str, Any]] = []
+    for sub in module.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(sub, attr, None)
+            if hooks and any(_is_deepspeed_hook(h) for h in hooks.values()):
+                saved.append((sub, attr, hooks))
+                kept = type(hooks)((k, h) for k, h in hooks.items() if not _is_deepspeed_hook(h))
+                setattr(sub, attr, kept)
+    try:
+        yield
+    finally:
+        for sub, attr, hooks in reversed(saved):
+            setattr(sub, attr, hooks)
+
+
+@contextlib.contextmanager
+def whole(module: torch.nn.Module) -> Iterator[None]:
+    """The model as it is without DeepSpeed: partitioned parameters gathered, DeepSpeed's hooks set aside."""
+    params = zero3_params(module)
+    if not params:
+        yield
+        return
+    gathered = gather(params)
+    try:
+        with without_deepspeed_hooks(module):
+            yield
+    finally:
+        release(gathered)
+
+
+# -- checks --------------------------------------------------------------------------------------------------------
+def _is_deepspeed_engine(module: torch.nn.Module) -> bool:
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed") for c in type(module).__mro__)
+
+
+def check_model(config: Config, module: torch.nn.Module) -> bool:
+    """Refuse the combinations that cannot work; True when the model has ZeRO-3 parameters now."""
+    if _is_deepspeed_engine(module):
+        raise UnsupportedModelError(
+            f"ORTModule wraps a DeepSpeed engine ({type(module).__name__}, already initialized by "
+            "deepspeed.initialize): the engine's hooks and optimizer were set up for the model without ORTModule. "
+            "Wrap the model first and give the ORTModule to DeepSpeed: "
+            "deepspeed.initialize(model=ORTModule(model), ...)"
+        )
+    options = config.plugin_options(NAME)
+    found = bool(zero3_params(module))
+    if found and options is not None and options.enable == "off":
+        raise UnsupportedModelError(
+            f"{type(module).__name__} has DeepSpeed ZeRO stage 3 parameters (partitioned by zero.Init or "
+            f"deepspeed.initialize with stage 3) but {ENV}=0 ([plugins.{NAME}] enable = off) turns off the plugin "
+            f"that serves them; unset it or set {ENV}=1 (or use ZeRO stage 1 or 2)"
+        )
+    return found
+
+
+class ZeroStage3(RuntimeInspector):
+    """Gathers the partitioned parameters before ORT's forward and partitions them again after its backward."""
+
+    # What DeepSpeed's stage-3 hooks keep on the modules they run on (the ORTModule is the root): bookkeeping the
+    # model's forward never reads; applied_pre_backward_ref_cnt and ds_grads_remaining change at every step.
+    untraced_attributes = frozenset(
+        {
+            "ds_id",
+            "ds_grads_remaining",
+            "applied_pre_backward_ref_cnt",
+            "ds_external_parameters",
+            "ds_inflight_param_registry",
+            "ds_model_granularity",
+            "ds_model_num_layers",
+            "ds_model_num_params",
+            "ds_recompute_parameters",
+            "pre_bwd_fn",
+            "post_bwd_fn",
+            "_external_params",
+        }
+    )
+
+    def __init__(self, module: torch.nn.Module, expected: bool) -> None:
+        self._module = weakref.ref(module)
+        self._expected = expected
+        self._told = False
+        self._gathered: list[torch.Tensor] = []
+        self._backward_follows = False
+
+    def pre_forward(self, step: int, inputs: Any) -> None:
+        module = self._module()
+        if module is None:
+            return
+        if self._gathered:  # the last training forward's backward never ran: its parameters go back first
+            release(self._gathered)
+            self._gathered = []
+        params = zero3_params(module)
+        if not params:
+            if self._expected and not self._told:
+                self._told = True
+                logger.warning(
+                    "%s=1 but %s has no DeepSpeed ZeRO stage 3 parameter (is it under deepspeed.initialize with "
+                    "\"zero_optimization\": {\"stage\": 3}?): it trains with whole parameters",
+                    ENV,
+                    type(module).__name__,
+                )
+            return
+        self._gathered = gather(params)
+        self._backward_follows = bool(inputs.session.request.build_gradient)
+
+    def post_forward(self, step: int, outputs: list[Any]) -> None:
+        if not self._backward_follows and self._gathered:
+            release(self._gathered)
+            self._gathered = []
+
+    def post_backward(self, step: int) -> None:
+        # ORT is done with the gathered values (its forward state is freed). The gradients are handed to torch next:
+        # autograd accumulates each into its parameter's ``grad`` (which needs the parameter whole: torch makes the
+        # gradient in the parameter's shape) and DeepSpeed's gradient hooks reduce it into the partitions. The
+        # parameters are partitioned again when autograd's backward is over.
+        gathered, self._gathered = self._gathered, []
+        if gathered:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: release(gathered))
+
+
+@hookimpl
+def ortcore_runtime_inspectors(config: Config, module: torch.nn.Module) -> list[Any]:
+    check_model(config, module)
+    options = config.plugin_options(NAME)
+    if options is None or options.enable == "off":
+        return []
+    return [ZeroStage3(module, expected=options.enable == "on")]
+
+
+@hookimpl
+def ortcore_export_context(config: Config, module: torch.nn.Module) -> Any:
+    if not check_model(config, module):
+        return None
+    return whole(module)
+
+
+@hookimpl(wrapper=True)
+def ortcore_check_first_step(step: Any) -> Any:
+    model = step.model
+    if not zero3_params(model):
+        return (yield)
+    with whole(model):
+        return (yield)

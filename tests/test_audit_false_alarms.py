@@ -163,3 +163,61 @@ def test_torchvision_inception_v3_at_107_passes_the_audit() -> None:
     gen = torch.Generator().manual_seed(2)
     x, y = torch.randn(2, 3, 107, 107, generator=gen), torch.randint(0, 10, (2,), generator=gen)
     _assert_audit_passes(model, lambda wrapped: torch.nn.functional.cross_entropy(wrapped(x), y))
+
+
+class _RowMixing(nn.Module):
+    """B x B similarities of a batch (a contrastive loss's logits): not indifferent to the order of its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h @ h.T
+
+
+class _PerRow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.bn = nn.BatchNorm1d(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x)).relu()
+
+
+@pytest.mark.parametrize("make, reordered", [(_PerRow, True), (_RowMixing, False)], ids=["per-row", "row-mixing"])
+def test_the_reversed_batch_run_is_made_only_for_a_model_indifferent_to_row_order(make, reordered) -> None:
+    import inspect
+    import types
+
+    from ortcore.schema import flatten_inputs
+
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(6, 5)
+    schema, tensors = flatten_inputs(inspect.signature(model.forward), (x,), {})
+    req = audit.AuditRequest(
+        model=model,
+        graph=types.SimpleNamespace(user_input_names=["x"]),
+        session=None,
+        schema=schema,
+        tensors=tensors,
+        params=dict(model.named_parameters()),
+        buffers={n: b for n, b in model.named_buffers()},
+        trainable=tuple(n for n, _ in model.named_parameters()),
+        export=None,
+        build=None,
+    )
+    ref, output_grads, _ = audit._run_torch(req, record=False)
+    exact = audit._float64_side(req, output_grads)
+    side = audit._reversed_batch_side(req, output_grads, exact)
+    if not reordered:
+        assert side is None
+        return
+    assert side is not None
+    # Put back in order: the same values as the step's own run, up to float32 rounding.
+    torch.testing.assert_close(side.outputs[0], ref.outputs[0], rtol=1e-5, atol=1e-5)
+    for name, grad in ref.grads.items():
+        torch.testing.assert_close(side.grads[name], grad, rtol=1e-4, atol=1e-5)

@@ -635,8 +635,17 @@ class _Float32AsFloat64(torch.overrides.TorchFunctionMode):
 #: (images, convolution weights, batch-norm inputs) in channels-last memory format: the same mathematics summed in
 #: another order by other kernels (convolutions, batch-norm statistics), as another framework's kernels sum it.
 #: (Inputs are not moved: a sum that nearly cancels changes by far more than its rounding when its terms move by
-#: one ulp.) A run that would change nothing (no 4-D or 5-D tensor) is not made.
-ROUNDING_RUNS = ("parameters one ulp up", "parameters one ulp down", "channels-last memory format")
+#: one ulp.) Last, the batch in reverse order (batch-norm statistics and weight gradients summed in another order),
+#: only for a model whose inputs share their first dimension and whose float64 run in that order gives float64's
+#: results (every output and gradient within 1e-6 of its largest value): a model that mixes the rows of a batch
+#: otherwise than by sums (a contrastive loss's B x B logits) is not run so. A run that would change nothing (no 4-D
+#: or 5-D tensor; no batch) is not made.
+ROUNDING_RUNS = (
+    "parameters one ulp up",
+    "parameters one ulp down",
+    "channels-last memory format",
+    "batch in reverse order",
+)
 
 #: The model's float32 spread (:func:`model_spread`) counts tensors whose float64 values reach this fraction of the
 #: largest among the tensors of their kind (outputs, gradients): a gradient 1000x smaller than the model's largest
@@ -664,9 +673,58 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
     return moved.requires_grad_(t.requires_grad)
 
 
-def _rounding_side(req: AuditRequest, output_grads: list[torch.Tensor | None], run: str) -> _Side | None:
-    """PyTorch's float32 run ``run`` (one of :data:`ROUNDING_RUNS`); None if it cannot run."""
+#: A float64 run with the batch reversed must give float64's results within this (relative to each tensor's
+#: largest value) for the float32 run in that order to count: float64's own rounding is far below it, a model that
+#: is not indifferent to the order of its rows far above.
+BATCH_ORDER_RTOL = 1e-6
+
+
+def _flip_batch(values: Sequence[Any], batch: int) -> list[Any]:
+    return [v.flip(0) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v for v in values]
+
+
+def _reversed_batch_side(req: AuditRequest, output_grads: list[torch.Tensor | None], exact: _Side) -> _Side | None:
+    """PyTorch's float32 run on the batch in reverse order, results put back in order; None when the inputs share
+    no batch dimension or when float64 on the reversed batch is not float64 on the batch (see :data:`ROUNDING_RUNS`)."""
+    sizes = {t.shape[0] for t in req.tensors if t.dim()}
+    if len(sizes) != 1 or next(iter(sizes)) < 2:
+        return None
+    batch = sizes.pop()
+    reversed_req = attrs.evolve(
+        req, tensors=[t.detach().flip(0).requires_grad_(t.requires_grad) if t.dim() else t for t in req.tensors]
+    )
+    flipped_grads = _flip_batch(output_grads, batch)
+    inputs = set(req.graph.user_input_names)
+
+    def put_back(side: _Side) -> _Side:
+        grads = {n: (g.flip(0) if n in inputs and g is not None and g.dim() else g) for n, g in side.grads.items()}
+        return _Side(outputs=_flip_batch(side.outputs, batch), grads=grads)
+
+    wide = put_back(_float64_side(reversed_req, flipped_grads))
+    for pairs in (
+        list(zip(wide.outputs, exact.outputs)),
+        [(wide.grads.get(n), g) for n, g in exact.grads.items()],
+    ):
+        pairs = [(a, b) for a, b in pairs if b is not None and b.is_floating_point() and b.numel()]
+        # A near-zero tensor (a bias before a normalisation, 1e-15) is judged at the scale of its kind's largest.
+        largest = max((float(b.abs().max()) for _a, b in pairs), default=0.0)
+        for a, b in pairs:
+            if a is None or a.shape != b.shape:
+                return None
+            scale = max(float(b.abs().max()), SPREAD_SCALE * largest)
+            if float((a - b).abs().max()) > BATCH_ORDER_RTOL * scale:
+                return None
+    side, _, _ = _run_torch(reversed_req, record=False, output_grads=flipped_grads)
+    return put_back(side)
+
+
+def _rounding_side(
+    req: AuditRequest, output_grads: list[torch.Tensor | None], run: str, exact: _Side | None = None
+) -> _Side | None:
+    """PyTorch's float32 run ``run`` (one of :data:`ROUNDING_RUNS`); None if it cannot run or is not made."""
     try:
+        if run.startswith("batch"):
+            return _reversed_batch_side(req, output_grads, exact) if exact is not None else None
         if run.startswith("channels-last"):
             if not any(_channels_last(t) is not t for t in [*req.params.values(), *req.tensors]):
                 return None
@@ -769,7 +827,7 @@ def _judged_against_float64(
     for run in ROUNDING_RUNS:
         if not left(spread):
             break
-        other = _rounding_side(req, output_grads, run)
+        other = _rounding_side(req, output_grads, run, exact)
         if other is None:
             continue
         runs += 1

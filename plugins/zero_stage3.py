@@ -103,11 +103,13 @@ def _not_available(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def gather(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Gather the partitioned ones among ``params`` (one coalesced all-gather); returns those it gathered."""
+    """Gather the partitioned ones among ``params`` (one coalesced all-gather); returns those to partition again."""
     missing = _not_available(params)
     if missing:
         missing[0].all_gather(param_list=missing)
-    return missing
+    # Those DeepSpeed keeps whole once gathered (below stage3_param_persistence_threshold) stay whole, as they do
+    # under DeepSpeed's own hooks.
+    return [p for p in missing if not getattr(p, "ds_persist", False)]
 
 
 def release(params: list[torch.Tensor]) -> None:
@@ -123,6 +125,9 @@ def _is_deepspeed_hook(hook: Any) -> bool:
     function = getattr(hook, "__func__", hook)
     return str(getattr(function, "__module__", "") or "").startswith("deepspeed")
 
+
+#: What the plugin adds to a parameter's ``ds_active_sub_modules`` while the ORT graph holds it.
+GRAPH_USER = "ortcore graph"
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -161,19 +166,9 @@ def whole(module: torch.nn.Module) -> Iterator[None]:
 
 
 # -- checks --------------------------------------------------------------------------------------------------------
-def _is_deepspeed_engine(module: torch.nn.Module) -> bool:
-    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed") for c in type(module).__mro__)
-
-
 def check_model(config: Config, module: torch.nn.Module) -> bool:
-    """Refuse the combinations that cannot work; True when the model has ZeRO-3 parameters now."""
-    if _is_deepspeed_engine(module):
-        raise UnsupportedModelError(
-            f"ORTModule wraps a DeepSpeed engine ({type(module).__name__}, already initialized by "
-            "deepspeed.initialize): the engine's hooks and optimizer were set up for the model without ORTModule. "
-            "Wrap the model first and give the ORTModule to DeepSpeed: "
-            "deepspeed.initialize(model=ORTModule(model), ...)"
-        )
+    """Refuse a ZeRO-3 model when the plugin is switched off; True when the model has ZeRO-3 parameters now. (An
+    ORTModule over a DeepSpeed engine is refused by the core, which names the order that works.)"""
     options = config.plugin_options(NAME)
     found = bool(zero3_params(module))
     if found and options is not None and options.enable == "off":
@@ -183,6 +178,23 @@ def check_model(config: Config, module: torch.nn.Module) -> bool:
             f"that serves them; unset it or set {ENV}=1 (or use ZeRO stage 1 or 2)"
         )
     return found
+
+
+def _forget_reads_outside_forward(module: torch.nn.Module) -> None:
+    """DeepSpeed registers a partitioned parameter read while the engine's forward runs but outside a submodule's
+    forward as an "external parameter" of the innermost module running, to gather it with that module from then on.
+    ortcore reads some (the graph fingerprint prints the model: ``LayerNorm.extra_repr`` reads ``bias``) before ORT
+    runs, inside the root module, whose registrations DeepSpeed keeps on the wrapped model (the ORTModule passes
+    attributes on). The graph's parameters are gathered here anyway: those registrations, and the root's use of the
+    parameters it gathered for them, are dropped, so the parameters are released with the others."""
+    external = getattr(module, "_external_params", None)
+    if not external:
+        return
+    root = getattr(module, "ds_id", None)
+    for param in list(external.values()):
+        if root is not None and hasattr(param, "ds_active_sub_modules"):
+            param.ds_active_sub_modules.discard(root)
+    external.clear()
 
 
 class ZeroStage3(RuntimeInspector):
@@ -211,43 +223,57 @@ class ZeroStage3(RuntimeInspector):
         self._module = weakref.ref(module)
         self._expected = expected
         self._told = False
-        self._gathered: list[torch.Tensor] = []
+        self._held: list[torch.Tensor] = []
         self._backward_follows = False
+
+    def _hold(self, params: list[torch.Tensor]) -> None:
+        """Gather ``params`` and mark them in use by the graph: DeepSpeed's coordinator releases a parameter only
+        when no submodule uses it (``ds_active_sub_modules``), so its own hooks (the root module's forward hook,
+        which releases the parameters DeepSpeed saw read outside a submodule's forward) leave them to ORT."""
+        gather(params)
+        for p in params:
+            p.ds_active_sub_modules.add(GRAPH_USER)
+        self._held = params
+
+    def _let_go(self) -> None:
+        held, self._held = self._held, []
+        for p in held:
+            p.ds_active_sub_modules.discard(GRAPH_USER)
+        release([p for p in held if not p.ds_active_sub_modules])
 
     def pre_forward(self, step: int, inputs: Any) -> None:
         module = self._module()
         if module is None:
             return
-        if self._gathered:  # the last training forward's backward never ran: its parameters go back first
-            release(self._gathered)
-            self._gathered = []
+        if self._held:  # the last training forward's backward never ran: its parameters go back first
+            self._let_go()
+        _forget_reads_outside_forward(module)
         params = zero3_params(module)
         if not params:
             if self._expected and not self._told:
                 self._told = True
                 logger.warning(
                     "%s=1 but %s has no DeepSpeed ZeRO stage 3 parameter (is it under deepspeed.initialize with "
-                    "\"zero_optimization\": {\"stage\": 3}?): it trains with whole parameters",
+                    '"zero_optimization": {"stage": 3}?): it trains with whole parameters',
                     ENV,
                     type(module).__name__,
                 )
             return
-        self._gathered = gather(params)
+        # Those DeepSpeed keeps whole (below stage3_param_persistence_threshold) stay whole, as under its own hooks.
+        self._hold([p for p in params if not getattr(p, "ds_persist", False)])
         self._backward_follows = bool(inputs.session.request.build_gradient)
 
     def post_forward(self, step: int, outputs: list[Any]) -> None:
-        if not self._backward_follows and self._gathered:
-            release(self._gathered)
-            self._gathered = []
+        if not self._backward_follows and self._held:
+            self._let_go()
 
     def post_backward(self, step: int) -> None:
         # ORT is done with the gathered values (its forward state is freed). The gradients are handed to torch next:
         # autograd accumulates each into its parameter's ``grad`` (which needs the parameter whole: torch makes the
         # gradient in the parameter's shape) and DeepSpeed's gradient hooks reduce it into the partitions. The
         # parameters are partitioned again when autograd's backward is over.
-        gathered, self._gathered = self._gathered, []
-        if gathered:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: release(gathered))
+        if self._held:
+            torch.autograd.Variable._execution_engine.queue_callback(self._let_go)
 
 
 @hookimpl

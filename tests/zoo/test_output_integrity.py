@@ -1,4 +1,4 @@
-"""Every zoo model (both catalogs): no tensor a call returned changes after the call.
+"""Every zoo model (every catalog of tests.zoo.catalogs): no tensor a call returned changes after the call.
 
 Each model runs in its own process (``python -m tests.zoo.output_integrity``): two AdamW steps under ortcore beside
 eager PyTorch, every returned tensor compared bitwise after ``backward()`` (none may change) and after

@@ -86,6 +86,11 @@ def is_zero3_param(param: torch.Tensor) -> bool:
 
 
 def zero3_params(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The module's ZeRO-3 parameters; none while the module is still being restored (a deep copy or unpickling of
+    an ORTModule whose model refers back to it builds the wrapper's runtime before the model's own state is set: the
+    export context checks again)."""
+    if "_parameters" not in vars(module):
+        return []
     return [p for p in module.parameters() if is_zero3_param(p)]
 
 

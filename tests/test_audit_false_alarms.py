@@ -134,8 +134,22 @@ def _assert_audit_passes(model: nn.Module, step) -> None:
     assert not routed, f"the audit routed {routed}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("catalog, name", _zoo_entries(), ids=lambda v: v)
+# The slow suite's share of the zoos' batch-norm nets (all of them: -m exhaustive, about 20 minutes on 2 cores).
+SAMPLE = {
+    ("main", "resnet18"),
+    ("main", "efficientnet_b0"),
+    ("main", "mobilenet_v3_small"),
+    ("wide", "densenet121"),
+    ("third", "inception_v3"),
+    ("third", "mobilenet_v2_deeplab"),
+}
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize(
+    "catalog, name",
+    [pytest.param(c, n, id=f"{c}-{n}", marks=pytest.mark.slow if (c, n) in SAMPLE else ()) for c, n in _zoo_entries()],
+)
 def test_zoo_batch_norm_nets_pass_the_audit(catalog: str, name: str) -> None:
     """Every batch-norm model of the zoos (any catalog; found by its modules, not listed), in training mode at
     random init, with the zoo's batch and loss: the audit passes without routing anything."""

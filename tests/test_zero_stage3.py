@@ -38,7 +38,16 @@ deepspeed = pytest.importorskip("deepspeed")
 optim = pytest.importorskip("ortcore.optim")
 FusedAdam, AdamWMode = optim.FusedAdam, optim.AdamWMode
 
-pytestmark = pytest.mark.usefixtures("deepspeed_world")
+pytestmark = pytest.mark.usefixtures("deepspeed_world", "torch_linear_restored")
+
+
+@pytest.fixture
+def torch_linear_restored() -> Any:
+    """ZeRO stage 3 replaces ``torch.nn.functional.linear`` process-wide ("This will persist unless manually
+    reset"): put torch's back, so that later tests see the environment they started in."""
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear
 
 STEPS = 4
 LR = 1e-3

@@ -275,7 +275,7 @@ def shared_gradient(
     if entry is not None and index in entry[1]:
         result = entry[1].pop(index)
         if not entry[1]:
-            del _vjp_results[key]
+            _vjp_results.pop(key, None)  # another thread's run boundary may have cleared it already
         return result
     gradients = compute()
     mine = gradients.pop(index)

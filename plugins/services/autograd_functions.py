@@ -77,25 +77,56 @@ def _trace_through(function: type, args: tuple, kwargs: dict) -> Any:
     return function.forward(_TracingContext(args), *args, **kwargs)
 
 
+# Function.apply is replaced once for all threads while any thread has a replacement in force (reference counted);
+# each thread's replacements are its own stack, innermost first. Replacing and restoring the class attribute per
+# thread instead let threads that overlapped (each model's first-step check, another's export) restore each other's
+# wrappers: one thread's replacement stayed in force for the others, and their gradients came out wrong.
+_replacements = threading.local()
+_install_lock = threading.Lock()
+_installed = 0
+_TORCH_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
+def _dispatch(cls, *args, **kwargs):
+    stack = getattr(_replacements, "stack", None)
+    if not stack:
+        return _TORCH_APPLY.__func__(cls, *args, **kwargs)
+    return _call_from(len(stack) - 1, cls, args, kwargs)
+
+
+def _call_from(level: int, cls: type, args: tuple, kwargs: dict) -> Any:
+    """Replacement ``level`` of this thread's stack; the "original" it is given is the next one out (torch's own
+    apply below the outermost)."""
+    if level < 0:
+        return _TORCH_APPLY.__func__(cls, *args, **kwargs)
+    replacement = _replacements.stack[level]
+    return replacement(cls, lambda c, *a, **k: _call_from(level - 1, c, a, k), args, kwargs)
+
+
 @contextlib.contextmanager
 def function_apply_replaced(replacement: Callable[..., Any]):
     """Inside, ``SomeFunction.apply(*args, **kwargs)`` of every ``torch.autograd.Function`` subclass calls
-    ``replacement(cls, apply, args, kwargs)``, where ``apply(cls, *args, **kwargs)`` is torch's own; restored after.
-    Exporters use it to see or redirect custom Functions while tracing. Only calls on the thread that entered are
-    replaced: another thread's model (an ORTModule's own step is a Function) runs as it would without it."""
-    original = torch.autograd.Function.__dict__["apply"]
-    tracing_thread = threading.get_ident()
-
-    def apply(cls, *args, **kwargs):
-        if threading.get_ident() != tracing_thread:
-            return original.__func__(cls, *args, **kwargs)
-        return replacement(cls, original.__func__, args, kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)
+    ``replacement(cls, apply, args, kwargs)``, where ``apply(cls, *args, **kwargs)`` is torch's own (or the
+    replacement entered before this one on the same thread); restored after. Exporters use it to see or redirect
+    custom Functions while tracing. Only calls on the thread that entered are replaced: another thread's model (an
+    ORTModule's own step is a Function) runs as it would without it."""
+    global _installed
+    stack = getattr(_replacements, "stack", None)
+    if stack is None:
+        stack = _replacements.stack = []
+    with _install_lock:
+        if _installed == 0:
+            torch.autograd.Function.apply = classmethod(_dispatch)
+        _installed += 1
+    stack.append(replacement)
     try:
         yield
     finally:
-        torch.autograd.Function.apply = original
+        stack.pop()
+        with _install_lock:
+            _installed -= 1
+            if _installed == 0:
+                torch.autograd.Function.apply = _TORCH_APPLY
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ortcore.api import Config, Failure, OptionError, Repair, graph_autocast, hookimpl, option
+from ortcore_plugins.services.python_op import untraced
 
 logger = logging.getLogger("ortcore.region_routing")
 
@@ -142,21 +143,6 @@ def _state_swapped(
             table[attr] = before
 
 
-@contextlib.contextmanager
-def _untraced() -> Iterator[None]:
-    """No TorchScript tracing inside, nor the exporter's torch-function modes (a plugin's op interception while
-    exporting): the region's code runs as in PyTorch. A no-op when nothing traces."""
-    state = torch._C._get_tracing_state()
-    if state is None:
-        yield
-        return
-    torch._C._set_tracing_state(None)
-    try:
-        with torch._C.DisableTorchFunction():
-            yield
-    finally:
-        torch._C._set_tracing_state(state)
-
 
 def _pointer(tensor: torch.Tensor) -> int | None:
     try:
@@ -174,7 +160,7 @@ class RegionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: RegionCall, *tensors: torch.Tensor) -> Any:
         tracing = torch._C._get_tracing_state() is not None
-        with _untraced(), torch.enable_grad():
+        with untraced(), torch.enable_grad():
             leaves = [
                 t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
                 for t in tensors
@@ -193,7 +179,7 @@ class RegionFunction(torch.autograd.Function):
             # traced: outputs made from an input (their values copied in untraced) are such values. The region's
             # own code ran untraced, as in PyTorch (code that traces differently from how it runs cannot break it).
             placeholders = [tensors[0].new_empty([int(d) for d in r.shape], dtype=r.dtype) for r in results]
-            with _untraced(), torch.no_grad():
+            with untraced(), torch.no_grad():
                 for placeholder, result in zip(placeholders, results):
                     placeholder.copy_(result)
             results = placeholders

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ortcore.api import ROUTED_METADATA_PREFIX, UnsupportedModelError, graph_autocast
 from ortcore_plugins.services.autograd_functions import function_apply_replaced, function_name
+from ortcore_plugins.services.python_op import untraced
 
 logger = logging.getLogger("ortcore.autograd_function")
 
@@ -346,20 +347,6 @@ def _exporting(tensors: tuple) -> bool:
     )
 
 
-@contextlib.contextmanager
-def _untraced() -> Iterator[None]:
-    """No TorchScript tracing inside (the function's ops are the node's, not the graph's). A no-op otherwise."""
-    state = torch._C._get_tracing_state()
-    if state is None:
-        yield
-        return
-    torch._C._set_tracing_state(None)
-    try:
-        with torch._C.DisableTorchFunction():
-            yield
-    finally:
-        torch._C._set_tracing_state(state)
-
 
 def _rng_states(tensors: tuple) -> tuple[torch.Tensor, list, list]:
     devices = sorted({t.device for t in tensors if t.device.type not in ("cpu", "meta")}, key=str)
@@ -400,7 +387,7 @@ class CheckpointRegion(torch.autograd.Function):
         exporting = _exporting(tensors)
         tracing = torch._C._get_tracing_state() is not None
         ctx.rng = _rng_states(args) if call.preserve_rng_state and not exporting else None
-        with _untraced(), torch.no_grad():
+        with untraced(), torch.no_grad():
             outputs = call.run(tuple(a.detach() for a in args), tuple(p.detach() for p in params), not exporting)
             pointers = {_pointer(t) for t in tensors} - {None}
             results = [o.detach().clone() if _pointer(o) in pointers else o.detach() for o in outputs]
@@ -408,7 +395,7 @@ class CheckpointRegion(torch.autograd.Function):
             # As region routing does: the tracer links outputs made from inputs to values it traced; the function ran
             # untraced, so hand it fresh tensors holding the values.
             placeholders = [tensors[0].new_empty([int(d) for d in r.shape], dtype=r.dtype) for r in results]
-            with _untraced(), torch.no_grad():
+            with untraced(), torch.no_grad():
                 for placeholder, result in zip(placeholders, results):
                     placeholder.copy_(result)
             results = placeholders
@@ -533,7 +520,7 @@ def _refuse_captured_tensors(function: Any) -> None:
 def _check_at_export(call: CheckpointCall, tensors: tuple) -> None:
     """One untraced run of the function with autograd on the traced copy, to name a parameter it reaches that is not
     an input of the node before the model runs (RNG and autograd state left as they were)."""
-    with _untraced(), torch.random.fork_rng(), torch.enable_grad():
+    with untraced(), torch.random.fork_rng(), torch.enable_grad():
         args = tuple(t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors)
         params = tuple(call.traced_parameter(k).detach().requires_grad_(True) for k in range(len(call.slots)))
         outputs = call.run(args, params, False)

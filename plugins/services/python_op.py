@@ -38,6 +38,7 @@ call is logged with its traceback and answered with an empty vector, which ORT t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -45,7 +46,7 @@ import platform
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -372,3 +373,20 @@ def python_op_node(inputs: list[Any], attributes: dict[str, str | int | list[int
     results = list(results) if isinstance(results, list | tuple) else [results]
     results[0].dtype, results[0].shape = ir.DataType.INT64, ir.Shape([])
     return results
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """No TorchScript tracing inside, nor the exporter's torch-function modes (a plugin's op interception while
+    exporting): code that a PythonOp node stands for (a routed region, a checkpointed function) runs as in PyTorch,
+    its ops the node's, not the graph's. A no-op when nothing traces."""
+    state = torch._C._get_tracing_state()
+    if state is None:
+        yield
+        return
+    torch._C._set_tracing_state(None)
+    try:
+        with torch._C.DisableTorchFunction():
+            yield
+    finally:
+        torch._C._set_tracing_state(state)

@@ -52,11 +52,18 @@ def import_torchvision() -> types.ModuleType:
     """Import torchvision from ``.zoo-deps`` (installing it first if needed) without its compiled ops."""
     if "torchvision" in sys.modules:
         return sys.modules["torchvision"]
-    target = ensure_torchvision()
-    if str(target) not in sys.path:
-        sys.path.insert(0, str(target))
+    target = str(ensure_torchvision())
     # Its fake-kernel registrations need the compiled ops; the models used here never call them.
     sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
-    import torchvision
-
+    # On sys.path only for this import: child processes inherit sys.path (PYTHONPATH built from it, spawn), and a
+    # torchvision found there without the stub above breaks ``import transformers`` models in them. Submodules
+    # imported later are found through the package's own ``__path__``.
+    added = target not in sys.path
+    if added:
+        sys.path.insert(0, target)
+    try:
+        import torchvision
+    finally:
+        if added:
+            sys.path.remove(target)
     return torchvision

@@ -241,7 +241,9 @@ def _describe_tensor(t: torch.Tensor) -> list[Any]:
     spec = ["tensor", str(t.dtype), list(t.shape), str(t.device.type)]
     try:
         if t.numel() * t.element_size() <= _TENSOR_HASH_LIMIT and t.layout == torch.strided and t.device.type != "meta":
-            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            # A copy is read: numpy's view would make the tensor's own storage unresizable for good (an engine
+            # that frees and re-allocates storage in place, FSDP2's unshard and reshard, then fails).
+            raw = t.detach().cpu().reshape(-1).view(torch.uint8).clone().numpy().tobytes()
             spec.append(hashlib.sha256(raw).hexdigest())
     except (RuntimeError, TypeError):  # exotic tensors (sparse, quantized, subclasses): dtype and shape only
         pass
@@ -337,7 +339,7 @@ def _global_hooks() -> list[Any]:
     return _hooks_of(nn_module, "_global")
 
 
-def module_digest(module: torch.nn.Module) -> str:
+def module_digest(module: torch.nn.Module, ignored: frozenset[str] = frozenset()) -> str:
     """A sha256 of what the tracer bakes into the graph beyond :func:`module_signature` (part of
     :func:`graph_fingerprint`).
 
@@ -346,7 +348,8 @@ def module_digest(module: torch.nn.Module) -> str:
     ``repr`` hides (``self.scale = 2.0``, a Hugging Face config's attention implementation), the train/eval flag of
     each submodule (a frozen batch norm in eval inside a training model), forward hooks and pre-hooks (module and
     global), tensors kept as plain attributes (constants in the graph) and torch's default dtype. Weights are not
-    part of it. A value it cannot describe (its ``repr`` raises) gets a random token, so no cache serves its graph.
+    part of it, nor the attributes named in ``ignored`` (an engine's bookkeeping on the modules, which the forward
+    never reads: ``RuntimeInspector.untraced_attributes``). A value it cannot describe (its ``repr`` raises) gets a random token, so no cache serves its graph.
 
     Example::
 
@@ -358,7 +361,11 @@ def module_digest(module: torch.nn.Module) -> str:
         for cls in type(sub).__mro__:
             if not _skip_class(cls):
                 seen_classes.setdefault(cls)
-        state = {k: v for k, v in vars(sub).items() if k not in _MODULE_BOOKKEEPING and k not in _IGNORED_ATTRIBUTES}
+        state = {
+            k: v
+            for k, v in vars(sub).items()
+            if k not in _MODULE_BOOKKEEPING and k not in _IGNORED_ATTRIBUTES and k not in ignored
+        }
         kind = f"{type(sub).__module__}.{type(sub).__qualname__}"
         modules.append([name, kind, _describe(state, set(), 0), _hooks_of(sub)])
     parts = {
@@ -396,12 +403,14 @@ def graph_description(
     passes: Sequence[GraphPass],
     exporter: Exporter,
     plugin_keys: dict[str, Any],
+    untraced: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """What :func:`graph_fingerprint` hashes (the module's signature and digest computed once per call)."""
+    """What :func:`graph_fingerprint` hashes (the module's signature and digest computed once per call);
+    ``untraced`` as :func:`module_digest`'s ``ignored``."""
     return {
         "key": key.export_key,
         "module": module_signature(module),
-        "module_digest": module_digest(module),
+        "module_digest": module_digest(module, untraced),
         "passes": [p.name for p in passes],
         "exporter": exporter_identity(exporter),
         "plugins": plugin_keys,

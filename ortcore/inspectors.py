@@ -7,12 +7,13 @@ an inspector overrides, directly, so an idle phase costs nothing. ``ortcore_chec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 
-PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
+PHASES = ("pre_call", "pre_forward", "post_forward", "pre_backward", "post_backward")
 
 
 @attrs.frozen
@@ -51,12 +52,17 @@ class FirstStep:
 
 
 class RuntimeInspector:
-    """Base class: override any of the four phases. ``step`` counts training forwards, from 0."""
+    """Base class: override any of the five phases. ``step`` counts training forwards, from 0."""
 
     #: Names of attributes an engine sets on the model for its own bookkeeping at every step (DeepSpeed ZeRO-3's
     #: ``applied_pre_backward_ref_cnt``, say) that the model's forward never reads: setting one on the ORTModule
     #: passes it to the model without exporting again (any other attribute set there is a change of the model).
     untraced_attributes: frozenset[str] = frozenset()
+
+    def pre_call(self, step: int, module: Any) -> None:
+        """At the start of a call of the ORTModule ``module``, before the step reads the model's parameters and
+        buffers (which it then feeds to the graph, or hands to PyTorch on a fallback): an engine that puts other
+        parameter objects in place for the step does it here (FSDP2 registers its unsharded parameters)."""
 
     def pre_forward(self, step: int, inputs: ForwardInputs) -> None:
         """Before ORT's forward, with the call's arguments and its tensors by graph input name."""
@@ -82,3 +88,49 @@ def phase_callbacks(inspectors: list[Any]) -> dict[str, list]:
             if method is not None and getattr(method, "__func__", None) is not base:
                 calls[phase].append(method)
     return calls
+
+
+#: The hook dictionaries of a ``torch.nn.Module`` that :func:`hooks_set_aside` looks in.
+MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def hook_defined_in(package: str) -> Callable[[Any], bool]:
+    """A predicate for :func:`hooks_set_aside`: the hook (a function, a bound method, a ``functools.partial`` or an
+    object a module's hook dictionary holds) is code of ``package`` (``"deepspeed"``, ``"torch.distributed.fsdp"``)."""
+
+    def owned(hook: Any) -> bool:
+        target = getattr(hook, "hook", hook)  # torch wraps some (state-dict hooks) in an object holding the function
+        target = getattr(target, "func", target)  # functools.partial
+        target = getattr(target, "__func__", target)  # bound method
+        name = str(getattr(target, "__module__", "") or "")
+        return name == package or name.startswith(package + ".")
+
+    return owned
+
+
+@contextlib.contextmanager
+def hooks_set_aside(module: Any, owned: Callable[[Any], bool]) -> Iterator[None]:
+    """The module hooks ``owned`` selects set aside on ``module`` and every submodule (forward, backward and
+    state-dict hooks), put back after: the model as it runs without the engine that registered them (DeepSpeed's
+    parameter gathering, FSDP2's unshard and reshard), for tracing it and for running it as a reference."""
+    saved: list[tuple[Any, str, Any]] = []
+    for sub in module.modules():
+        for attr in MODULE_HOOK_DICTS:
+            hooks = getattr(sub, attr, None)
+            if hooks and any(owned(h) for h in hooks.values()):
+                saved.append((sub, attr, hooks))
+                setattr(sub, attr, type(hooks)((k, h) for k, h in hooks.items() if not owned(h)))
+    try:
+        yield
+    finally:
+        for sub, attr, hooks in reversed(saved):
+            setattr(sub, attr, hooks)

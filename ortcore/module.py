@@ -117,6 +117,7 @@ class _Runtime:
         # Attributes an engine keeps on the model for its own bookkeeping (RuntimeInspector.untraced_attributes):
         # setting them is no change of the model.
         self.untraced_attributes = frozenset().union(*(getattr(i, "untraced_attributes", ()) for i in inspectors))
+        self.pipeline.untraced_attributes = self.untraced_attributes
         # Repairs in force (ortcore.repair), oldest first, and every repair tried (by key), kept or not.
         self.repairs: list[Repair] = []
         self.tried: set[tuple] = set()
@@ -151,6 +152,7 @@ class _Runtime:
         if hasattr(self.exporter, "use_hooks"):  # an exporter that takes its own contributions (the dynamo route)
             self.exporter.use_hooks(hooks, config)
         self.pipeline = Pipeline(config, hooks, self.exporter, self.state)
+        self.pipeline.untraced_attributes = getattr(self, "untraced_attributes", frozenset())
 
     def static_sizes(self, key: GraphKey, tensors: list[torch.Tensor]) -> tuple:
         """The sizes ``key``'s graph is exported for (``dynamic_shapes = "auto"``): the first call's, with each
@@ -524,6 +526,8 @@ class ORTModule(torch.nn.Module):
             if request is not None and request[0] != rt.export_requests_seen:
                 rt.export_requests_seen = request[0]
                 self._model_changed(f"a plugin asked to export again: {request[1]}")
+        for inspect_call in rt.phases["pre_call"]:
+            inspect_call(rt.step, self)
         # One walk of the model's state per step, shared by the key and the feeds.
         params = dict(self._original_module.named_parameters())
         buffers = dict(self._original_module.named_buffers())
@@ -851,7 +855,11 @@ class ORTModule(torch.nn.Module):
         previous = getattr(wrapped, name, _MISSING)
         setattr(wrapped, name, value)
         runtime = self.__dict__.get("_ortcore")
-        if previous is not value and (runtime is None or name not in runtime.untraced_attributes):
+        # A parameter replaced by a parameter is an input of the graph like the one before it (engines swap them:
+        # FSDP2 registers its unsharded parameters for a step and its shards after); its shape, dtype and
+        # requires_grad are part of the graph key.
+        swapped = isinstance(previous, torch.nn.Parameter) and isinstance(value, torch.nn.Parameter)
+        if previous is not value and not swapped and (runtime is None or name not in runtime.untraced_attributes):
             self._model_changed(f"attribute {name!r} of the model was {'set' if previous is _MISSING else 'replaced'}")
 
     # Container protocol of the wrapped model (a Sequential, a ModuleList): dunder lookups skip __getattr__.
@@ -870,7 +878,12 @@ class ORTModule(torch.nn.Module):
         return self._original_module.named_children()
 
     def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
-        return self._original_module.named_modules(memo, prefix, remove_duplicate)
+        # The wrapper stands where the model is, at the root: an engine that finds its modules by walking the tree
+        # from the module it was applied to (FSDP2's fully_shard(ORTModule(model)) looks for its root state there)
+        # finds it, and every name is the model's.
+        model = self._original_module
+        for name, module in model.named_modules(memo, prefix, remove_duplicate):
+            yield name, (self if module is model else module)
 
     def train(self, mode: bool = True) -> ORTModule:
         if not isinstance(mode, bool):

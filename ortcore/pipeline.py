@@ -107,6 +107,9 @@ class Pipeline:
         self.exporter = exporter
         self.state = state
         self._last_identity: tuple[GraphKey, list, str, dict] | None = None
+        #: Attributes engines keep on the model's modules that the forward never reads (the runtime inspectors'
+        #: ``untraced_attributes``): not part of the graph's fingerprint.
+        self.untraced_attributes: frozenset[str] = frozenset()
 
     # -- export and pre-gradient passes ----------------------------------------------------------------------------
     def export(
@@ -162,7 +165,12 @@ class Pipeline:
             return passes, fp, description
         passes = self.hooks.graph_passes()
         description = graph_description(
-            key, module, passes=passes, exporter=self.exporter, plugin_keys=self.hooks.export_key()
+            key,
+            module,
+            passes=passes,
+            exporter=self.exporter,
+            plugin_keys=self.hooks.export_key(),
+            untraced=self.untraced_attributes,
         )
         fp = fingerprint(description)
         self._last_identity = (key, passes, fp, description)

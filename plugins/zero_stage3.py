@@ -38,7 +38,16 @@ from typing import Any
 import attrs
 import torch
 
-from ortcore.api import Config, OptionError, RuntimeInspector, UnsupportedModelError, hookimpl, option
+from ortcore.api import (
+    Config,
+    OptionError,
+    RuntimeInspector,
+    UnsupportedModelError,
+    hook_defined_in,
+    hookimpl,
+    hooks_set_aside,
+    option,
+)
 
 NAME = "zero_stage3"
 ENV = "ORTMODULE_ENABLE_ZERO_STAGE3"
@@ -126,33 +135,13 @@ def release(params: list[torch.Tensor]) -> None:
         live[0].partition(param_list=live, has_been_updated=False)
 
 
-def _is_deepspeed_hook(hook: Any) -> bool:
-    function = getattr(hook, "__func__", hook)
-    return str(getattr(function, "__module__", "") or "").startswith("deepspeed")
-
-
 #: What the plugin adds to a parameter's ``ds_active_sub_modules`` while the ORT graph holds it.
 GRAPH_USER = "ortcore graph"
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
 
-
-@contextlib.contextmanager
-def without_deepspeed_hooks(module: torch.nn.Module) -> Iterator[None]:
+def without_deepspeed_hooks(module: torch.nn.Module) -> contextlib.AbstractContextManager:
     """DeepSpeed's module hooks set aside (every submodule of ``module``), restored after."""
-    saved: list[tuple[torch.nn.Module, str, Any]] = []
-    for sub in module.modules():
-        for attr in _HOOK_DICTS:
-            hooks = getattr(sub, attr, None)
-            if hooks and any(_is_deepspeed_hook(h) for h in hooks.values()):
-                saved.append((sub, attr, hooks))
-                kept = type(hooks)((k, h) for k, h in hooks.items() if not _is_deepspeed_hook(h))
-                setattr(sub, attr, kept)
-    try:
-        yield
-    finally:
-        for sub, attr, hooks in reversed(saved):
-            setattr(sub, attr, hooks)
+    return hooks_set_aside(module, hook_defined_in("deepspeed"))
 
 
 @contextlib.contextmanager

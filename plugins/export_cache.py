@@ -10,8 +10,15 @@ plugins' export keys, library versions) and by the torch.distributed rank.
 An entry holds data only: a header (magic, format, fingerprint, rank, payload size and sha256) followed by
 :meth:`ortcore.graph.ExportedGraph.to_bytes` (a JSON line and the ONNX model's bytes); reading one runs no code.
 A graph whose parts cannot be stored as data is not cached (logged at INFO). A truncated, garbled, foreign or
-stale entry is logged at WARNING, removed and exported again; it never raises and never serves a wrong graph.
-Entries are written with :func:`ortcore.files.atomic_writer`, so concurrent writers (ranks, jobs) are safe.
+stale entry is logged at WARNING, removed and exported again (and the new graph stored in its place); it never
+raises and never serves a wrong graph. Entries are written with :func:`ortcore.files.atomic_writer`, so concurrent
+writers (ranks, jobs) are safe.
+
+A graph whose kernel choices are not final (``ortcore.graph.PROVISIONAL_METADATA``: decided by the default list for
+now, or measured on a busy machine) is stored too, under its state: ``<key>.rank<r>.<state>.ortgraph`` (``deferred``,
+``provisional``...), beside the final graph's ``<key>.rank<r>.ortgraph``. A process loads the best graph on file: the
+final one if any process stored it, else the newest graph of another state (the one the last process ran, which then
+finishes its kernel choice as that process would have). Storing a final graph removes the key's other states.
 
 The cache also keeps the graph ONNX Runtime optimized when it created each training session (``<key>.rank<r>.ortsession``,
 same header): a later process that builds the same gradient graph with the same session settings, ONNX Runtime
@@ -73,6 +80,20 @@ TMP_SUFFIX = ".tmp"
 MAX_HEADER = 4096  # a header longer than this is garbage, not a header
 STALE_TMP_SECONDS = 3600.0  # a writer's temporary file this old belongs to a process that died mid-write
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+_STATE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")  # a state tag: it is part of a file name
+FINAL = ""  # the state of a graph whose choices are final: the entry name carries no tag
+
+
+def state_of(graph: ExportedGraph) -> str:
+    """The state tag of a graph's entry: :data:`FINAL` (``""``) unless the graph is marked provisional
+    (``PROVISIONAL_METADATA``), else the words in the mark's last parentheses (``"kernel choices not final
+    (deferred, provisional)"`` -> ``"deferred-provisional"``), or ``"provisional"`` if it has none."""
+    mark = next((p.value for p in graph.model.metadata_props if p.key == PROVISIONAL_METADATA), None)
+    if mark is None:
+        return FINAL
+    inside = mark.rpartition("(")[2].partition(")")[0] if "(" in mark else ""
+    words = re.findall(r"[a-z0-9]+", inside.lower())
+    return "-".join(words[:4]) or "provisional"
 
 
 class EntryError(ValueError):
@@ -168,11 +189,14 @@ class ExportCacheOptions:
 
 
 # -- entries --------------------------------------------------------------------------------------------------------
-def encode_entry(payload: bytes, *, fingerprint: str, rank: int, export_seconds: float = 0.0) -> bytes:
+def encode_entry(
+    payload: bytes, *, fingerprint: str, rank: int, export_seconds: float = 0.0, state: str = FINAL
+) -> bytes:
     """Header line, JSON header line, payload. The header names what the entry is for and checks the payload."""
     header = {
         "fingerprint": fingerprint,
         "rank": rank,
+        "state": state or "final",
         "graph_format": GRAPH_FORMAT,
         "size": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
@@ -182,8 +206,11 @@ def encode_entry(payload: bytes, *, fingerprint: str, rank: int, export_seconds:
     return b"%s %d\n%s\n%s" % (MAGIC, ENTRY_FORMAT, json.dumps(header, sort_keys=True).encode(), payload)
 
 
-def decode_entry(data: bytes, *, fingerprint: str, rank: int) -> tuple[bytes, dict[str, Any]]:
-    """The payload and header of an entry, checked against what the caller expects; raises EntryError."""
+def decode_entry(
+    data: bytes, *, fingerprint: str, rank: int, state: str | None = None
+) -> tuple[bytes, dict[str, Any]]:
+    """The payload and header of an entry, checked against what the caller expects (``state``: the graph's kernel
+    choice state, checked when given; an entry written before states existed is final); raises EntryError."""
     first, _, rest = data.partition(b"\n")
     if not first.startswith(MAGIC + b" "):
         raise EntryError("not an ortcore export-cache entry (bad magic)")
@@ -199,7 +226,10 @@ def decode_entry(data: bytes, *, fingerprint: str, rank: int) -> tuple[bytes, di
         raise EntryError(f"garbled header ({e})") from e
     if not isinstance(header, dict):
         raise EntryError("garbled header (not an object)")
-    expected = {"fingerprint": fingerprint, "rank": rank, "graph_format": GRAPH_FORMAT}
+    expected: dict[str, Any] = {"fingerprint": fingerprint, "rank": rank, "graph_format": GRAPH_FORMAT}
+    if state is not None:
+        expected["state"] = state or "final"
+        header.setdefault("state", "final")
     for key, value in expected.items():
         if header.get(key) != value:
             raise EntryError(f"header {key} is {header.get(key)!r}, expected {value!r} (a renamed or foreign entry)")
@@ -267,8 +297,33 @@ class ExportCache:
     max_bytes: int = 0
     trust_shared: bool = False
 
-    def entry_path(self, fingerprint: str, rank: int, suffix: str = ENTRY_SUFFIX) -> str:
-        return os.path.join(self.directory, f"{fingerprint}.rank{rank}{suffix}")
+    def entry_path(self, fingerprint: str, rank: int, suffix: str = ENTRY_SUFFIX, state: str = FINAL) -> str:
+        if state and not _STATE.match(state):
+            raise ValueError(f"export cache: state {state!r} is not allowed; allowed: lowercase words joined by '-'")
+        tag = f".{state}" if state else ""
+        return os.path.join(self.directory, f"{fingerprint}.rank{rank}{tag}{suffix}")
+
+    def candidates(self, fingerprint: str, rank: int) -> list[tuple[str, str]]:
+        """``(state, path)`` of the entries of a key, best first: the final graph, then the other states' graphs,
+        newest first (the graph the last process ran)."""
+        prefix = f"{fingerprint}.rank{rank}."
+        others = []
+        try:
+            scan = list(os.scandir(self.directory))
+        except OSError:
+            scan = []
+        for e in scan:
+            if not (e.name.startswith(prefix) and e.name.endswith(ENTRY_SUFFIX)):
+                continue
+            state = e.name[len(prefix) : -len(ENTRY_SUFFIX)]
+            if not _STATE.match(state):
+                continue
+            try:
+                others.append((e.stat().st_mtime_ns, state, e.path))
+            except OSError:
+                continue  # removed meanwhile
+        others.sort(reverse=True)
+        return [(FINAL, self.entry_path(fingerprint, rank))] + [(state, path) for _, state, path in others]
 
     def trusted(self) -> bool:
         """Whether the directory may be used: only this user can write entries into it, or the user trusts those
@@ -296,14 +351,23 @@ class ExportCache:
         return False
 
     def load(self, module: torch.nn.Module, fingerprint: str, rank: int) -> ExportedGraph | None:
-        """The graph stored for this key, or None (a miss, or an unusable entry, which is removed)."""
-        path = self.entry_path(fingerprint, rank)
+        """The best graph stored for this key (final, else the newest of another state), or None (a miss, or
+        only unusable entries, which are removed)."""
+        for state, path in self.candidates(fingerprint, rank):
+            graph = self._load_entry(module, fingerprint, rank, state, path)
+            if graph is not None:
+                return graph
+        logger.info("export cache miss %s (rank %d): no usable entry", fingerprint[:12], rank)
+        return None
+
+    def _load_entry(
+        self, module: torch.nn.Module, fingerprint: str, rank: int, state: str, path: str
+    ) -> ExportedGraph | None:
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
                 data = f.read()
         except FileNotFoundError:
-            logger.info("export cache miss %s (rank %d): no entry", fingerprint[:12], rank)
             return None
         except OSError as e:
             logger.warning("export cache: cannot read %s (%s); exporting", path, e)
@@ -318,7 +382,7 @@ class ExportCache:
             )
             return None
         try:
-            payload, header = decode_entry(data, fingerprint=fingerprint, rank=rank)
+            payload, header = decode_entry(data, fingerprint=fingerprint, rank=rank, state=state)
             graph = ExportedGraph.from_bytes(payload, module)
             _check_graph(graph, module)
         except Exception as e:  # whatever damaged data raises, the answer is the same: rebuild
@@ -330,25 +394,40 @@ class ExportCache:
         with contextlib.suppress(OSError):
             os.utime(path)  # least recently used is evicted first
         logger.info(
-            "export cache hit %s (rank %d): loaded %s, skipping an export that took %.2f s",
+            "export cache hit %s (rank %d): loaded %s%s, skipping an export that took %.2f s",
             fingerprint[:12],
             rank,
             os.path.basename(path),
+            f" (kernel choices not final: {state}; the graph an earlier process ran)" if state else "",
             float(header.get("export_seconds") or 0.0),
         )
         return graph
 
-    def store(self, fingerprint: str, rank: int, graph: ExportedGraph) -> str:
-        """Write the entry atomically; returns its path. Raises ValueError (from
+    def store(self, fingerprint: str, rank: int, graph: ExportedGraph, state: str | None = None) -> str:
+        """Write the entry of ``graph``'s state (:func:`state_of`, unless given) atomically; returns its path. A
+        final graph supersedes the key's entries of other states (removed). Raises ValueError (from
         :meth:`ExportedGraph.to_bytes`) when a part of the graph cannot be stored as data."""
-        data = encode_entry(graph.to_bytes(), fingerprint=fingerprint, rank=rank, export_seconds=graph.export_seconds)
-        path = self.entry_path(fingerprint, rank)
+        state = state_of(graph) if state is None else state
+        path = self.entry_path(fingerprint, rank, state=state)
+        data = encode_entry(
+            graph.to_bytes(), fingerprint=fingerprint, rank=rank, export_seconds=graph.export_seconds, state=state
+        )
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         with atomic_writer(path, "wb") as f:  # readers see the old entry or the new one, never half of one
             f.write(data)
         logger.info(
-            "export cache stored %s (rank %d): %s, %d bytes", fingerprint[:12], rank, os.path.basename(path), len(data)
+            "export cache stored %s (rank %d): %s, %d bytes%s",
+            fingerprint[:12],
+            rank,
+            os.path.basename(path),
+            len(data),
+            f" (kernel choices not final: {state}; served until a process stores the final graph)" if state else "",
         )
+        if not state:
+            for _other, other_path in self.candidates(fingerprint, rank)[1:]:
+                with contextlib.suppress(OSError):
+                    os.unlink(other_path)
+                    logger.info("export cache: removed %s, superseded by the final graph", os.path.basename(other_path))
         self.evict(keep=path)
         return path
 
@@ -485,13 +564,12 @@ def ortcore_export_done(config: Config, module: torch.nn.Module, fingerprint: st
     cache = cache_for(config)
     if cache is None or not _HEX.match(fingerprint) or not cache.trusted():
         return
-    provisional = next((p.value for p in graph.model.metadata_props if p.key == PROVISIONAL_METADATA), None)
-    if provisional is not None:  # a choice made for now only: the next process decides (and exports) again
-        logger.info("export cache: the graph of %s is not cached: %s", type(module).__name__, provisional)
-        return
-    path = cache.entry_path(fingerprint, _rank())
+    # A graph whose kernel choices are for now only is stored too, under its state: the next process runs it
+    # instead of exporting, and a final graph (stored by whichever process has one) takes precedence.
+    state = state_of(graph)
+    path = cache.entry_path(fingerprint, _rank(), state=state)
     try:
-        cache.store(fingerprint, _rank(), graph)
+        cache.store(fingerprint, _rank(), graph, state)
     except ValueError as e:  # a part that is not data (an output type defined in a function): never pickled
         logger.info("export cache: the graph of %s is not cached: %s", type(module).__name__, e)
     except Exception as e:  # a full disk costs the next process an export, no more

@@ -22,8 +22,8 @@ needs it (docs/distributed.md, "FSDP2"):
   deep copy ortcore traces).
 
 The graph holds the whole model's unsharded parameters from ORT's forward to the end of its backward: FSDP2's
-``reshard_after_forward`` has no effect while ORT runs (ORT's backward reads the values its forward was fed); the
-numbers are FSDP2's either way. Switch the plugin off with ``[plugins] fsdp2 = false``; a sharded model is then
+``reshard_after_forward`` has no effect while ORT runs (ORT's backward reads the values its forward was fed; the
+plugin sets it to False on the root, FSDP2's default there); the numbers are FSDP2's either way. Switch the plugin off with ``[plugins] fsdp2 = false``; a sharded model is then
 refused with an error naming it.
 """
 
@@ -149,10 +149,16 @@ class FSDP2(RuntimeInspector):
         if model is None:
             return
         blocks = check_model(None, model)
+        root = _fsdp_module_class()
+        if isinstance(module, root):
+            # ORT's backward reads the parameters its forward was fed: the root's group (the root's post-forward
+            # hook runs when the call returns) must not be resharded in between, whatever reshard_after_forward
+            # says (FSDP2's own default for the root; the blocks' post-forward hooks never run).
+            module.set_reshard_after_forward(False, recurse=False)
         if not blocks:
             self._unsharded = []
             return
-        if not isinstance(module, _fsdp_module_class()):
+        if not isinstance(module, root):
             raise UnsupportedModelError(
                 f"{type(model).__name__} has submodules to which fully_shard was applied but its ORTModule has not "
                 f"been: FSDP2's root logic (which reduces the gradients after the backward) would never run; {ORDER}"

@@ -42,16 +42,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(scope="session")
-def deepspeed_world():
-    """One gloo process group of one process for every DeepSpeed test of the session, destroyed at its end: DeepSpeed
-    keeps the groups it first sees in module globals, so a second group in one process breaks it."""
+def gloo_world():
+    """One gloo process group of one process for every test of the session that needs one (DeepSpeed, FSDP2),
+    destroyed at its end: DeepSpeed keeps the groups it first sees in module globals, so a second group in one
+    process breaks it. DeepSpeed starts it when installed (it then knows the group); torch otherwise."""
     import socket
 
     import torch.distributed as dist
 
     if dist.is_initialized():
         pytest.fail("a process group already exists: a test that made one did not destroy it")
-    deepspeed = pytest.importorskip("deepspeed")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -59,11 +59,23 @@ def deepspeed_world():
         ranks = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         for name, value in ranks.items():
             patch.setenv(name, value)
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        try:
+            import deepspeed
+        except ImportError:
+            dist.init_process_group("gloo")
+        else:
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         try:
             yield
         finally:
             dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def deepspeed_world(gloo_world):
+    """The session's gloo world, for DeepSpeed tests (skipped without DeepSpeed)."""
+    pytest.importorskip("deepspeed")
+    yield
 
 
 _saved_cache_home: list[str | None] = []

@@ -206,9 +206,7 @@ def encode_entry(
     return b"%s %d\n%s\n%s" % (MAGIC, ENTRY_FORMAT, json.dumps(header, sort_keys=True).encode(), payload)
 
 
-def decode_entry(
-    data: bytes, *, fingerprint: str, rank: int, state: str | None = None
-) -> tuple[bytes, dict[str, Any]]:
+def decode_entry(data: bytes, *, fingerprint: str, rank: int, state: str | None = None) -> tuple[bytes, dict[str, Any]]:
     """The payload and header of an entry, checked against what the caller expects (``state``: the graph's kernel
     choice state, checked when given; an entry written before states existed is final); raises EntryError."""
     first, _, rest = data.partition(b"\n")
@@ -350,10 +348,12 @@ class ExportCache:
         )
         return False
 
-    def load(self, module: torch.nn.Module, fingerprint: str, rank: int) -> ExportedGraph | None:
-        """The best graph stored for this key (final, else the newest of another state), or None (a miss, or
-        only unusable entries, which are removed)."""
-        for state, path in self.candidates(fingerprint, rank):
+    def load(
+        self, module: torch.nn.Module, fingerprint: str, rank: int, final_only: bool = False
+    ) -> ExportedGraph | None:
+        """The best graph stored for this key (final, else the newest of another state; only a final one with
+        ``final_only``), or None (a miss, or only unusable entries, which are removed)."""
+        for state, path in self.candidates(fingerprint, rank)[: 1 if final_only else None]:
             graph = self._load_entry(module, fingerprint, rank, state, path)
             if graph is not None:
                 return graph
@@ -548,6 +548,27 @@ def ortcore_options_class() -> type:
     return ExportCacheOptions
 
 
+# Per host (a process has one; tests make several): the keys whose graph of a state other than final this host ran
+# (loaded or exported). Asked for such a key again, the host is exporting again (``export_again``: a measurement
+# decided differently) or wraps the model anew; either way the graph it ran is not what it wants: only a final one
+# is served, else the export runs and decides with what the host has learnt since.
+_ran_not_final: dict[int, tuple[Any, set[tuple[str, int]]]] = {}
+
+
+def _not_final_keys(config: Config) -> set[tuple[str, int]]:
+    import weakref
+
+    key = id(config)
+    entry = _ran_not_final.get(key)
+    if entry is None or entry[0]() is not config:
+        try:
+            ref: Any = weakref.ref(config, lambda _: _ran_not_final.pop(key, None))
+        except TypeError:  # not weakly referable: held for the process
+            ref = lambda config=config: config  # noqa: E731
+        entry = _ran_not_final[key] = (ref, set())
+    return entry[1]
+
+
 @hookimpl
 def ortcore_load_export(config: Config, module: torch.nn.Module, fingerprint: str) -> ExportedGraph | None:
     cache = cache_for(config)
@@ -556,7 +577,11 @@ def ortcore_load_export(config: Config, module: torch.nn.Module, fingerprint: st
     if not _HEX.match(fingerprint):  # the file name is built from it: accept only what the core computes
         logger.warning("export cache: ignoring a fingerprint that is not a sha256 hex digest: %r", fingerprint[:80])
         return None
-    return cache.load(module, fingerprint, _rank())
+    ran = _not_final_keys(config)
+    graph = cache.load(module, fingerprint, _rank(), final_only=(fingerprint, _rank()) in ran)
+    if graph is not None and state_of(graph):
+        ran.add((fingerprint, _rank()))
+    return graph
 
 
 @hookimpl
@@ -567,6 +592,8 @@ def ortcore_export_done(config: Config, module: torch.nn.Module, fingerprint: st
     # A graph whose kernel choices are for now only is stored too, under its state: the next process runs it
     # instead of exporting, and a final graph (stored by whichever process has one) takes precedence.
     state = state_of(graph)
+    if state:
+        _not_final_keys(config).add((fingerprint, _rank()))
     path = cache.entry_path(fingerprint, _rank(), state=state)
     try:
         cache.store(fingerprint, _rank(), graph, state)

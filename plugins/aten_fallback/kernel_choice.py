@@ -308,7 +308,9 @@ class KernelChooser:
             if known is not None and again_if_provisional and known.source == PROVISIONAL:
                 known = None
             if known is not None:
-                decision = attrs.evolve(known, source=known.source if known.source == PROVISIONAL else CACHED, case=case)
+                decision = attrs.evolve(
+                    known, source=known.source if known.source == PROVISIONAL else CACHED, case=case
+                )
             else:
                 start = time.perf_counter()
                 others = OthersCPU()
@@ -716,14 +718,95 @@ def tanh_gelu_route(config: Config, model: onnx.ModelProto, sizes: list[Any]) ->
 
 # -- measure = "later": the cases a graph started on the default list for, timed on a later step --------------------
 
-#: At most this long per step goes to measuring (cases beyond it wait for the next step).
-STEP_BUDGET_SECONDS = 3.0
-#: A case measured under load is timed again on a later step, at most this many times; then the default stays.
-MAX_ATTEMPTS = 4
+#: Measuring on later steps, in a whole process, stops starting cases once it has taken this long or
+#: :data:`MEASURE_BUDGET_FRACTION` of the wall time since the process's first training step, whichever is larger. A
+#: case already begun finishes (two one-op session builds, a warm-up each and at most
+#: :data:`.measurement.BUDGET_SECONDS` of timed runs), and a case is not begun if the average case so far would not
+#: fit. Cases left over wait for a later step, when the fraction has grown.
+MEASURE_BUDGET_SECONDS = 1.0
+MEASURE_BUDGET_FRACTION = 0.05
+#: The old name of the per-step limit; the process-wide budget above bounds a step's measuring too.
+STEP_BUDGET_SECONDS = MEASURE_BUDGET_SECONDS
+#: A case is measured on later steps at most this often: once, and once more if the first measurement was taken on a
+#: busy machine (provisional). After that the default list keeps it for this process; the next process measures it.
+MAX_ATTEMPTS = 2
 #: A measured choice replaces the running graph only if it saves at least this much a step (forward + backward, each
 #: case once): an export, build and audit cost about 1-2 s, repaid after about a thousand steps. Smaller gains are on
 #: file for the next process, which starts on them at no extra cost.
 MIN_SWITCH_GAIN_MS = 1.0
+
+
+@attrs.frozen
+class MeasurementEvent:
+    """One look at a session's waiting cases on a later step: ``step``, the cases ``measured`` (their count),
+    ``seconds`` spent, and ``why``: the first measurement, a retake (and why), or why nothing was measured."""
+
+    step: int
+    measured: int
+    seconds: float
+    why: str
+
+
+class MeasurementRecord:
+    """What kernel measurement cost this process (``measure = "later"``): every look at waiting cases, and the
+    process-wide budget (:data:`MEASURE_BUDGET_SECONDS`, :data:`MEASURE_BUDGET_FRACTION`)."""
+
+    def __init__(self) -> None:
+        self.events: list[MeasurementEvent] = []
+        self.seconds = 0.0
+        self.measurements = 0
+        self.first_step: float | None = None
+        self._lock = threading.Lock()
+
+    def started(self, now: float) -> None:
+        with self._lock:
+            if self.first_step is None:
+                self.first_step = now
+
+    def budget(self, now: float) -> float:
+        """Seconds of measuring still allowed now."""
+        elapsed = 0.0 if self.first_step is None else now - self.first_step
+        return max(MEASURE_BUDGET_SECONDS, MEASURE_BUDGET_FRACTION * elapsed) - self.seconds
+
+    def add(self, event: MeasurementEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+            self.seconds += event.seconds
+            self.measurements += event.measured
+
+    def summary(self) -> str:
+        """One line of totals, then one line per look (``step N: ...``)."""
+        retaken = sum(1 for e in self.events if e.measured and e.why.startswith("retaken"))
+        lines = [
+            f"kernel measurement: {self.measurements} case(s) measured on later steps in {self.seconds:.2f} s "
+            f"({len([e for e in self.events if e.measured])} step(s) measured, {retaken} retaken); budget "
+            f"max({MEASURE_BUDGET_SECONDS:g} s, {MEASURE_BUDGET_FRACTION:.0%} of the run), each case at most "
+            f"{MAX_ATTEMPTS} times"
+        ]
+        lines += [
+            f"  step {e.step}: {e.measured} case(s), {e.seconds:.2f} s: {e.why}"
+            if e.measured
+            else f"  step {e.step}: {e.why}"
+            for e in self.events
+        ]
+        return "\n".join(lines)
+
+
+#: This process's record (what ``ortcore explain`` and ``ortcore demo`` print).
+measurement_record = MeasurementRecord()
+
+
+def measurement_summary() -> str:
+    """What kernel measurement cost this process: on later steps (:data:`measurement_record`) and during exports
+    (``measure = "export"``, at most :data:`EXPORT_BUDGET_SECONDS` an export)."""
+    total = sum(c.measurements for c in list(_choosers.values()))
+    seconds = sum(c.seconds for c in list(_choosers.values()))
+    at_export = total - measurement_record.measurements
+    text = measurement_record.summary()
+    if at_export > 0:
+        spent = max(0.0, seconds - measurement_record.seconds)
+        text += f"\nkernel measurement during exports: {at_export} case(s) in {spent:.2f} s (the first step waits)"
+    return text
 
 
 def waiting_cases(model: Any) -> list[Decision]:
@@ -733,14 +816,19 @@ def waiting_cases(model: Any) -> list[Decision]:
     return [d for d in kernel_choices(model) if d.source in (DEFERRED, PROVISIONAL)]
 
 
-def measure_waiting(config: Config, waiting: Sequence[Decision], budget_s: float = STEP_BUDGET_SECONDS) -> list[Decision]:
-    """Time the waiting cases (a provisional one again), within ``budget_s``; returns the new decisions, one per case
-    measured (fewer than ``waiting`` when the budget ran out)."""
+def measure_waiting(
+    config: Config, waiting: Sequence[Decision], budget_s: float = STEP_BUDGET_SECONDS
+) -> list[Decision]:
+    """Time the waiting cases (a provisional one again) within ``budget_s``: a case is begun only while the time so
+    far plus the average case's (this process's measurements so far) fits; the first always is. Returns the new
+    decisions, one per case measured (fewer than ``waiting`` when the budget ran out)."""
     chooser = chooser_for(config)
     start = time.perf_counter()
-    done = []
+    done: list[Decision] = []
     for old in waiting:
-        if time.perf_counter() - start > budget_s:
+        spent = time.perf_counter() - start
+        average = chooser.seconds / chooser.measurements if chooser.measurements else 0.0
+        if done and spent + average > budget_s:
             break
         try:
             done.append(chooser.decide(old.case, again_if_provisional=True))
@@ -755,53 +843,147 @@ def measure_waiting(config: Config, waiting: Sequence[Decision], budget_s: float
     return done
 
 
-class LaterMeasurement:
-    """A runtime inspector (``measure = "later"``): before training step :data:`MEASURE_AT_STEP` of each session, the
-    cases its graph decided by the default list are timed (within :data:`STEP_BUDGET_SECONDS` a step); if a
-    measurement puts a case on the other side, the module is exported again (``ortcore.api.export_again``) and the
-    next call runs the graph of the measured choice. A measurement taken under load is provisional: it does not
-    change the graph and is taken again on a later step (steps 2, 4, 8, ...; :data:`MAX_ATTEMPTS` in all).
+@attrs.define
+class _SessionPlan:
+    """A session's waiting cases: when to look next, the machine since the last look, attempts and final decisions."""
 
-    A module is exported again for its kernel choice once per process: a model whose input sizes change gets graphs
-    exported at other sizes, whose calls are other cases (measured too, for the next process, but not worth an
-    export each)."""
+    at: int
+    watch: Any
+    attempts: dict[Case, int] = attrs.field(factory=dict)
+    final: dict[Case, Decision] = attrs.field(factory=dict)
+    provisional: dict[Case, float | None] = attrs.field(factory=dict)  # the others' share of the last busy measurement
+
+
+class LaterMeasurement:
+    """A runtime inspector (``measure = "later"``): the cases a session's graph decided by the default list (or on
+    a busy machine) are timed before training step :data:`MEASURE_AT_STEP`, and if the measurements put cases on
+    the other side the module is exported again (``ortcore.api.export_again``), once.
+
+    Measuring never shows as repeated stalls:
+
+    * it is done only if the machine was not busy since the last look (:class:`OthersCPU` from the first training
+      step on): on a busy machine a measurement would be provisional anyway, so it is postponed, costing nothing,
+      and looked at again at twice the step (4, 8, 16, ...);
+    * a case is measured at most :data:`MAX_ATTEMPTS` times (once more only if the first was taken under load);
+      then the default list keeps it for this process, and the next process measures it;
+    * all measuring of the process stays within max(:data:`MEASURE_BUDGET_SECONDS`, :data:`MEASURE_BUDGET_FRACTION`
+      of the run) (:class:`MeasurementRecord`, which ``ortcore explain`` prints).
+
+    A module is exported again for its kernel choice once per process, when no case of the graph waits any more:
+    a model whose input sizes change gets graphs exported at other sizes, whose calls are other cases (measured
+    too, for the next process, but not worth an export each)."""
 
     def __init__(self, config: Config, module: torch.nn.Module):
         import weakref
 
         self.config = config
         self.module = weakref.ref(module)
-        # per session: (the training step to measure at, attempts so far); a finished session maps to None
-        self.plan: weakref.WeakKeyDictionary[Any, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+        # per session: its plan; a finished session maps to None
+        self.plan: weakref.WeakKeyDictionary[Any, _SessionPlan | None] = weakref.WeakKeyDictionary()
         self.exported_again = False
+        self.record = measurement_record
 
     def pre_forward(self, step: int, inputs: Any) -> None:
         session = inputs.session
-        if session is None or step < MEASURE_AT_STEP or not getattr(session.request, "build_gradient", False):
+        if session is None or not getattr(session.request, "build_gradient", False):
             return
-        plan = self.plan.get(session, (MEASURE_AT_STEP, 0))
-        if plan is None or step < plan[0]:
+        self.record.started(time.perf_counter())
+        if session not in self.plan:
+            self.plan[session] = _SessionPlan(at=max(step, MEASURE_AT_STEP), watch=OthersCPU())
+        plan = self.plan[session]
+        if plan is None or step < plan.at:
             return
         waiting = waiting_cases(getattr(session, "model", None))
-        if not waiting:
-            self.plan[session] = None
+        chooser = chooser_for(self.config)
+        for d in waiting:  # decided meanwhile (another session, another process's file): no time
+            known = chooser.cached(d.case)
+            if d.case not in plan.final and known is not None and known.source != PROVISIONAL:
+                plan.final[d.case] = chooser.decide(d.case)
+        todo = [d for d in waiting if d.case not in plan.final and plan.attempts.get(d.case, 0) < MAX_ATTEMPTS]
+        if todo:
+            self._measure(step, plan, todo)
+        left = [d for d in waiting if d.case not in plan.final and plan.attempts.get(d.case, 0) < MAX_ATTEMPTS]
+        if left:
+            plan.at = 2 * step  # the load may pass, the budget grows with the run
             return
-        measured = measure_waiting(self.config, waiting)
-        by_case = {d.case: d for d in measured}
-        switched = worth_switching(measured, {d.case: d.side for d in waiting})
-        unfinished = [d for d in waiting if d.case not in by_case or by_case[d.case].source == PROVISIONAL]
-        attempts = plan[1] + 1
-        if unfinished and attempts < MAX_ATTEMPTS:
-            # the rest next step (budget spent), or a provisional one at twice the step (the load may pass)
-            again = step + 1 if any(d.case not in by_case for d in unfinished) else 2 * step
-            self.plan[session] = (again, attempts)
+        self.plan[session] = None
+        given_up = [d for d in waiting if d.case not in plan.final]
+        if given_up:
+            self.record.add(
+                MeasurementEvent(
+                    step,
+                    0,
+                    0.0,
+                    f"{len(given_up)} case(s) kept on the default list for this process: measured under load "
+                    f"{MAX_ATTEMPTS} times (the next process measures them)",
+                )
+            )
+        self._switch(waiting, list(plan.final.values()))
+
+    def _measure(self, step: int, plan: _SessionPlan, todo: list[Decision]) -> None:
+        others_pct = plan.watch.stop()
+        now = time.perf_counter()
+        if loaded(plan.watch, others_pct):
+            plan.watch = OthersCPU()
+            self.record.add(
+                MeasurementEvent(
+                    step,
+                    0,
+                    0.0,
+                    f"postponed: other processes took {others_pct:.0f}% of the CPU since the last look (a "
+                    f"measurement now would not be final); looking again at step {2 * step}",
+                )
+            )
+            return
+        budget = self.record.budget(now)
+        if budget <= 0:
+            plan.watch = OthersCPU()
+            self.record.add(
+                MeasurementEvent(
+                    step,
+                    0,
+                    0.0,
+                    f"postponed: the measuring budget is spent ({self.record.seconds:.2f} s); looking again at step "
+                    f"{2 * step}",
+                )
+            )
+            return
+        retakes = [d for d in todo if plan.attempts.get(d.case, 0)]
+        measured = measure_waiting(self.config, todo, budget)
+        seconds = time.perf_counter() - now
+        for d in measured:
+            plan.attempts[d.case] = plan.attempts.get(d.case, 0) + 1
+            if d.source == PROVISIONAL:
+                plan.provisional[d.case] = d.others_pct
+            else:
+                plan.final[d.case] = d
+        if retakes:
+            pcts = [plan.provisional.get(d.case) for d in retakes]
+            known = [p for p in pcts if p is not None]
+            why = f"retaken: {len(retakes)} case(s) measured while other processes took " + (
+                f"up to {max(known):.0f}% of the CPU" if known else "the CPU"
+            )
         else:
-            self.plan[session] = None
+            why = "first measurement"
+        busy_now = [d for d in measured if d.source == PROVISIONAL]
+        if busy_now:
+            why += f"; {len(busy_now)} case(s) measured under load (provisional)"
+        if len(measured) < len(todo):
+            why += (
+                f"; {len(todo) - len(measured)} case(s) wait for the budget (max({MEASURE_BUDGET_SECONDS:g} s, "
+                f"{MEASURE_BUDGET_FRACTION:.0%} of the run))"
+            )
+        self.record.add(MeasurementEvent(step, len(measured), seconds, why))
+        plan.watch = OthersCPU()
+
+    def _switch(self, waiting: list[Decision], measured: list[Decision]) -> None:
+        switched = worth_switching(measured, {d.case: d.side for d in waiting})
         module = self.module()
         if not switched and any(d.side != _side_in_graph(waiting, d.case) for d in measured if d.source != PROVISIONAL):
             logger.info(
                 "kernel choice: calls measured faster on the other side save less than %.1f ms a step together; the "
-                "graph stays, the next process starts on the measured choice",
+                "graph stays, graphs exported later (another input size, the next process without a cached graph) "
+                "start on the measured choice",
                 MIN_SWITCH_GAIN_MS,
             )
         if switched and self.exported_again:

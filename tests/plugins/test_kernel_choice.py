@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,10 @@ def make_host(
 def fake_chooser(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Install a chooser with a fake timer as the process-wide one of ``tmp_path``'s hosts."""
 
+    # The machine as the measurements see it: idle unless a test says otherwise (``_Load.pct``), whatever else runs.
+    monkeypatch.setattr(kernel_choice, "OthersCPU", _Load)
+    monkeypatch.setattr(kernel_choice, "measurement_record", kernel_choice.MeasurementRecord())
+
     def install(table: dict[str, tuple[float, float]], host: PluginHost) -> tuple[KernelChooser, FakeTimer]:
         timer = FakeTimer(table)
         path = kernel_choice.cache_path(host.config)
@@ -88,7 +93,14 @@ GELU = Case("gelu", ((8, 128, 1024),), params=(("approximate", "none"), ("bias",
 
 @pytest.mark.parametrize(
     "ort_ms, torch_ms, side",
-    [(10.0, 4.0, PYTORCH), (4.0, 10.0, ORT), (10.0, 10.0, ORT), (10.0, 9.5, ORT), (10.0, 9.1, ORT), (10.0, 8.9, PYTORCH)],
+    [
+        (10.0, 4.0, PYTORCH),
+        (4.0, 10.0, ORT),
+        (10.0, 10.0, ORT),
+        (10.0, 9.5, ORT),
+        (10.0, 9.1, ORT),
+        (10.0, 8.9, PYTORCH),
+    ],
 )
 def test_the_faster_side_is_chosen_and_ties_stay_in_ort(ort_ms: float, torch_ms: float, side: str) -> None:
     assert choose(ort_ms, torch_ms) == side
@@ -135,7 +147,9 @@ def test_a_case_measured_under_load_is_provisional_and_measured_again_by_the_nex
     first, again = chooser.decide(GELU), chooser.decide(GELU)
     assert (first.side, first.source, first.others_pct) == (PYTORCH, "provisional", 55.0)
     assert again.source == "provisional" and len(timer.cases) == 1  # held for this process
-    assert "other processes took 55% of the CPU, measured again on a later step or by the next process" in first.reason()
+    assert (
+        "other processes took 55% of the CPU, measured again on a later step or by the next process" in first.reason()
+    )
     assert not path.exists()  # nothing written: the next process measures again
     monkeypatch.setattr(_Load, "pct", 2.0)
     later = KernelChooser(path, timer=FakeTimer({"gelu": (3.0, 10.0)}))
@@ -412,10 +426,9 @@ def test_later_keeps_the_graph_when_the_measurements_agree(tmp_path: Path, fake_
     assert len(json.loads(kernel_choice.cache_path(host.config).read_text())["entries"]) == CASES
 
 
-def test_later_times_a_case_measured_under_load_again_and_switches_only_on_a_final_measurement(
+def test_later_on_a_busy_machine_postpones_measuring_until_the_load_passes(
     tmp_path: Path, fake_chooser, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kernel_choice, "OthersCPU", _Load)
     monkeypatch.setattr(_Load, "pct", 60.0)
     host = make_host(tmp_path, env={"ORTCORE_KERNEL_MEASURE": "later"})
     chooser, timer = fake_chooser(DISAGREES, host)
@@ -428,25 +441,96 @@ def test_later_times_a_case_measured_under_load_again_and_switches_only_on_a_fin
             monkeypatch.setattr(_Load, "pct", 1.0)  # the load has passed by step 4
 
     _train(ort, ref, _batches(7), on_step)
-    # step 2: timed under load (provisional, the graph stays); step 4 (twice the step): timed again, final
-    assert timed[1] == 0 and timed[2] == timed[3] == CASES and timed[4] == timed[6] == 2 * CASES, timed
+    # step 2: the machine was busy since the first step: nothing timed (it would be provisional); step 4 (twice the
+    # step): the machine was idle since, timed, final, and the graph of the measured choice is exported
+    assert timed[1] == timed[2] == timed[3] == 0 and timed[4] == timed[6] == CASES, timed
     assert ort.state_machine.counters.exports == 2
-    assert not kernel_choice.cache_path(host.config).exists() or all(
-        e["source"] == "measured" for e in json.loads(kernel_choice.cache_path(host.config).read_text())["entries"].values()
+    events = kernel_choice.measurement_record.events
+    assert [(e.step, e.measured) for e in events] == [(2, 0), (4, CASES)], events
+    assert "postponed: other processes took 60% of the CPU" in events[0].why
+    assert all(
+        e["source"] == "measured"
+        for e in json.loads(kernel_choice.cache_path(host.config).read_text())["entries"].values()
     )
 
 
-def test_a_graph_with_choices_not_measured_yet_is_not_export_cached(tmp_path: Path, fake_chooser) -> None:
+class _LoadWhileTiming(FakeTimer):
+    """Other processes load the machine while each case is timed, never between steps."""
+
+    def __call__(self, case: Case) -> tuple[float, float]:
+        _Load.pct = 60.0
+        return super().__call__(case)
+
+
+def test_a_case_measured_under_load_is_retaken_once_then_the_default_list_keeps_it(
+    tmp_path: Path, fake_chooser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_Load, "pct", 0.0)
+    host = make_host(tmp_path, env={"ORTCORE_KERNEL_MEASURE": "later"})
+    chooser, _ = fake_chooser(DISAGREES, host)
+    timer = chooser.timer = _LoadWhileTiming(DISAGREES)
+    ort, ref = ort_and_torch(MixedModel(), host=host)
+    timed: dict[int, int] = {}
+
+    def on_step(step: int) -> None:
+        timed[step] = len(timer.cases)
+        monkeypatch.setattr(_Load, "pct", 0.0)  # idle between steps
+
+    _train(ort, ref, _batches(20), on_step)
+    # step 2: timed, provisional; step 4: timed once more, provisional again; then never again in this process
+    assert timed[1] == 0 and timed[2] == timed[3] == CASES and timed[4] == timed[19] == 2 * CASES, timed
+    assert ort.state_machine.counters.exports == 1  # a provisional measurement never changes the graph
+    events = kernel_choice.measurement_record.events
+    assert [(e.step, e.measured) for e in events] == [(2, CASES), (4, CASES), (4, 0)], events
+    assert events[0].why.startswith("first measurement") and "provisional" in events[0].why
+    assert events[1].why.startswith(f"retaken: {CASES} case(s) measured while other processes took up to 60%")
+    assert "kept on the default list for this process" in events[2].why
+    summary = kernel_choice.measurement_summary()
+    assert f"{2 * CASES} case(s) measured on later steps" in summary and "1 retaken" in summary, summary
+    assert not kernel_choice.cache_path(host.config).exists()  # nothing final: the next process measures
+
+
+class _SlowTimer(FakeTimer):
+    def __call__(self, case: Case) -> tuple[float, float]:
+        time.sleep(0.05)
+        return super().__call__(case)
+
+
+def test_measuring_stays_within_the_budget_and_switches_once_every_case_is_measured(
+    tmp_path: Path, fake_chooser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kernel_choice, "MEASURE_BUDGET_SECONDS", 0.12)
+    monkeypatch.setattr(kernel_choice, "MEASURE_BUDGET_FRACTION", 0.0)
+    host = make_host(tmp_path, env={"ORTCORE_KERNEL_MEASURE": "later"})
+    chooser, _ = fake_chooser(DISAGREES, host)
+    timer = chooser.timer = _SlowTimer(DISAGREES)
+    ort, ref = ort_and_torch(MixedModel(), host=host)
+    _train(ort, ref, _batches(10))
+    record = kernel_choice.measurement_record
+    # at most one case begun past the budget (the average case did not fit after it); the rest wait, never retimed
+    assert record.seconds <= 0.12 + 0.1, record.summary()
+    assert 0 < len(timer.cases) < CASES and len(set(timer.cases)) == len(timer.cases)
+    assert any("postponed: the measuring budget is spent" in e.why for e in record.events), record.summary()
+    assert ort.state_machine.counters.exports == 1  # no export on a partial measurement
+
+
+def test_a_graph_with_choices_not_measured_yet_is_export_cached_under_its_state(tmp_path: Path, fake_chooser) -> None:
     env = {"ORTMODULE_CACHE_DIR": str(tmp_path / "graphs"), "ORTCORE_KERNEL_MEASURE": "later"}
     plugins = {"export_cache": export_cache}
     host = make_host(tmp_path, plugins=plugins, env=env)
     fake_chooser(DISAGREES, host)
     ort, ref = ort_and_torch(MixedModel(), host=host)
-    entries = lambda: sorted(p.name for p in (tmp_path / "graphs").glob("*.ortgraph"))  # noqa: E731
+    entries = lambda: sorted(p.name.split(".rank0")[1] for p in (tmp_path / "graphs").glob("*.ortgraph"))  # noqa: E731
     _train(ort, ref, _batches(2))
-    assert entries() == []  # the first graph's choices were for now only
+    assert entries() == [".deferred.ortgraph"]  # the graph that ran, though its choices were for now only
+    # A process that trains one step meanwhile loads it instead of exporting.
+    host_b = make_host(tmp_path, plugins=plugins, env=env)
+    fake_chooser(DISAGREES, host_b)
+    short = ort_and_torch(MixedModel(), host=host_b)[0]
+    _train(short, ort_and_torch(MixedModel())[1], _batches(1))
+    assert (short.state_machine.counters.exports, short.state_machine.counters.cache_loads) == (1, 1)
     _train(ort, ref, _batches(3))
-    assert len(entries()) == 1  # the graph exported on the measured choice is kept
+    assert entries() == [".ortgraph"]  # the graph exported on the measured choice replaces it
     # The next process starts on that graph, measuring nothing.
     host2 = make_host(tmp_path, plugins=plugins, env=env)
     _, timer2 = fake_chooser(AGREES, host2)
@@ -495,7 +579,9 @@ def test_a_model_whose_sizes_change_is_exported_again_for_its_kernel_choice_once
 
 @pytest.mark.parametrize("mode", ["export", "later", "off"])
 def test_measure_modes_are_accepted(tmp_path: Path, mode: str) -> None:
-    assert make_host(tmp_path, env={"ORTCORE_KERNEL_MEASURE": mode}).config.plugin_options("aten_fallback").measure == mode
+    assert (
+        make_host(tmp_path, env={"ORTCORE_KERNEL_MEASURE": mode}).config.plugin_options("aten_fallback").measure == mode
+    )
 
 
 def test_a_bad_measure_mode_names_what_is_allowed(tmp_path: Path) -> None:

@@ -52,12 +52,22 @@ def _run_demo(args: argparse.Namespace) -> int:
         result.torch_run.step_times_s,
         result.ortcore_run.step_times_s,
     )
+    notes = {1: "export + build + step"}
+    for event in result.measurement:  # steps count from 0 there, from 1 here
+        if event.measured:
+            note = f"kernel measurement: {event.measured} case(s), {event.seconds * 1e3:.0f} ms"
+            notes[event.step + 1] = "; ".join(filter(None, (notes.get(event.step + 1), note)))
     table = [
-        (i, f"{a:.6f}", f"{b:.6f}", f"{d:.1e}", f"{ta * 1e3:.1f}", f"{tb * 1e3:.1f}", "export + build + step" if i == 1 else "")
+        (i, f"{a:.6f}", f"{b:.6f}", f"{d:.1e}", f"{ta * 1e3:.1f}", f"{tb * 1e3:.1f}", notes.get(i, ""))
         for i, (a, b, d, ta, tb) in enumerate(rows, 1)
     ]
-    print(format_table(("step", "torch loss", "ortcore loss", "rel diff", "torch ms", "ortcore ms", ""), table, indent=""))
+    print(
+        format_table(("step", "torch loss", "ortcore loss", "rel diff", "torch ms", "ortcore ms", ""), table, indent="")
+    )
     print()
+    if result.measurement_summary:
+        print(result.measurement_summary)
+        print()
     t, o = result.torch_run, result.ortcore_run
     if not result.ran_in_ort:
         verdict = f"FAIL: ortcore fell back to PyTorch ({result.fallback_reason})"

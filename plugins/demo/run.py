@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,10 @@ class DemoResult:
     ortcore_run: RunCurve
     counters: dict[str, int]
     fallback_reason: str | None
+    #: What kernel measurement (``torch_kernels = "auto"``) cost the ortcore run: its looks at waiting cases
+    #: (``step``, ``measured``, ``seconds``, ``why``; ``step`` counted from 0) and the process's summary text.
+    measurement: list[Any] = field(default_factory=list)
+    measurement_summary: str = ""
 
     @property
     def rel_diffs(self) -> list[float]:
@@ -184,6 +189,8 @@ def run_demo(
     # Deep copies, so both runs start from the very same tensors and neither sees the other's updates.
     torch_curve = _train(copy.deepcopy(reference), batches, cfg, report("torch"))
     wrapped = ORTModule(copy.deepcopy(reference))
+    record = _measurement_record()
+    seen = len(record.events) if record is not None else 0
     ort_curve = _train(wrapped, batches, cfg, report("ortcore"))
     counters = wrapped.state_machine.counters
     return DemoResult(
@@ -193,4 +200,23 @@ def run_demo(
         ortcore_run=ort_curve,
         counters={k: getattr(counters, k) for k in ("exports", "builds", "reuses", "fallbacks")},
         fallback_reason=wrapped.fallback_reason,
+        measurement=list(record.events[seen:]) if record is not None else [],
+        measurement_summary=_measurement_summary(),
     )
+
+
+def _measurement_record() -> Any:
+    """The kernel-choice plugin's record of what measuring cost this process, or None without that plugin."""
+    try:
+        from ortcore_plugins.aten_fallback import kernel_choice
+    except ImportError:
+        return None
+    return kernel_choice.measurement_record
+
+
+def _measurement_summary() -> str:
+    try:
+        from ortcore_plugins.aten_fallback import kernel_choice
+    except ImportError:
+        return ""
+    return kernel_choice.measurement_summary()

@@ -63,5 +63,21 @@ def _run_explain(args: argparse.Namespace) -> int:
         return 1
     print(wrapped.explain())
     routed = wrapped.explain().routed()
-    print(f"{len(routed)} op kind(s) run on PyTorch's kernels inside the ORT graph" if routed else "every op runs in ORT")
+    print(
+        f"{len(routed)} op kind(s) run on PyTorch's kernels inside the ORT graph" if routed else "every op runs in ORT"
+    )
+    _print_kernel_choice(wrapped)
     return 0
+
+
+def _print_kernel_choice(wrapped) -> None:
+    """With ``torch_kernels = "auto"``: each measured call's decision and what measuring cost this process."""
+    try:
+        from ortcore_plugins.aten_fallback import kernel_choice
+    except ImportError:
+        return
+    if not kernel_choice.kernel_choices(wrapped):
+        return
+    print()
+    print(kernel_choice.explain_kernel_choices(wrapped))
+    print(kernel_choice.measurement_summary())

@@ -1,14 +1,18 @@
-"""Per-rank memory and step time of DeepSpeed ZeRO stage 3 over an ORTModule, over the plain model, and of DDP.
+"""Per-rank memory and step time of sharded training (DeepSpeed ZeRO-3, PyTorch FSDP2) over an ORTModule and over
+the plain model, and of DDP.
 
-    python benchmarks/zero_stage3_bench.py [--layers 8] [--hidden 512] [--steps 6] [--json out.json]
+    python benchmarks/sharding_bench.py [--layers 8] [--hidden 512] [--steps 6] [--runs ...] [--json out.json]
 
 Every run trains the same GPT-2 built from a config (nothing is downloaded; tens of millions of parameters, so
 that parameters, gradients and Adam's state dominate the memory) on 2 processes (gloo, DeepSpeed's CPU accelerator),
-with ortcore's FusedAdam; each run is a fresh pair of processes. Runs:
+with ortcore's FusedAdam (DDP, ZeRO-3) or torch's AdamW (FSDP2: its parameters are DTensors); each run is a fresh
+pair of processes. Runs:
 
 - ``ddp``: torch DDP over the plain model (no sharding), the baseline;
 - ``zero3``: DeepSpeed ZeRO-3 over the plain model;
-- ``zero3_ort``: DeepSpeed ZeRO-3 over ``ORTModule(model)`` (the ``zero_stage3`` plugin).
+- ``zero3_ort``: DeepSpeed ZeRO-3 over ``ORTModule(model)`` (the ``zero_stage3`` plugin);
+- ``fsdp2``: ``fully_shard`` on each GPT-2 block and on the model;
+- ``fsdp2_ort``: ``fully_shard`` on each block and on ``ORTModule(model)`` (the ``fsdp2`` plugin).
 
 Per rank it reports the peak RSS (``ru_maxrss``) and its increase over the RSS after the model was built, the
 bytes of parameters, gradients and optimizer state the rank holds between steps, and the median step time of the
@@ -26,7 +30,7 @@ import subprocess
 import sys
 import time
 
-RUNS = ("ddp", "zero3", "zero3_ort")
+RUNS = ("ddp", "zero3", "zero3_ort", "fsdp2", "fsdp2_ort")
 
 
 def _rss() -> int:
@@ -62,11 +66,22 @@ def _worker(run: str, layers: int, hidden: int, steps: int) -> dict:
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randint(0, config.vocab_size, (4, 128), generator=gen) for _ in range(2)]
 
+    fsdp = run.startswith("fsdp2")
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
     wrapped = ORTModule(model, fallback_policy="FALLBACK_DISABLE") if run.endswith("_ort") else model
-    optimizer = FusedAdam(wrapped.parameters(), lr=1e-4, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.01)
+    grad_bytes_in_step = 0
+    if fsdp:
+        engine = fully_shard(wrapped)
+        optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4, weight_decay=0.01)
+    else:
+        optimizer = FusedAdam(wrapped.parameters(), lr=1e-4, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.01)
     if run == "ddp":
         engine = torch.nn.parallel.DistributedDataParallel(wrapped)
-    else:
+    elif not fsdp:
         ds_config = {
             "train_micro_batch_size_per_gpu": 4,
             "gradient_accumulation_steps": 1,
@@ -81,8 +96,10 @@ def _worker(run: str, layers: int, hidden: int, steps: int) -> dict:
         ids = batches[step % 2]
         start = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
-        if run == "ddp":
+        if run == "ddp" or fsdp:
             loss.backward()
+            if fsdp:  # the gradient shards FSDP2's reduce-scatter left on the rank
+                grad_bytes_in_step = _tensor_bytes(p.grad.to_local() for p in engine.parameters() if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:
@@ -92,7 +109,11 @@ def _worker(run: str, layers: int, hidden: int, steps: int) -> dict:
         losses.append(loss.item())
 
     params = list(model.parameters())
-    if run == "ddp":
+    if fsdp:
+        param_bytes = _tensor_bytes(p.to_local() for p in engine.parameters())
+        inner = optimizer
+        master_bytes = 0
+    elif run == "ddp":
         param_bytes = _tensor_bytes(p.data for p in params)
         grad_bytes_in_step = _tensor_bytes(p.data for p in params)  # every gradient whole, freed by zero_grad
         inner = optimizer
@@ -102,7 +123,9 @@ def _worker(run: str, layers: int, hidden: int, steps: int) -> dict:
         grad_bytes_in_step = _tensor_bytes([getattr(optimizer, "grad_partitions_flat_buffer", None)])  # the shards
         inner = optimizer.optimizer
         master_bytes = _tensor_bytes(getattr(optimizer, "fp32_partitioned_groups_flat", []))
-    state_bytes = _tensor_bytes(t for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
+    state_bytes = _tensor_bytes(
+        t.to_local() if hasattr(t, "to_local") else t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)
+    )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = dict(
         run=run,

@@ -12,7 +12,7 @@ this process only). The environment decides the rest: ``ORTCORE_VERIFY_GRADIENTS
 interleaved within each round (the order rotating from round to round, so a machine whose load changes affects all
 alike): ``eager`` (PyTorch alone), ``off``/``on`` cold (the audit off/on, an empty cache directory each) and then
 ``off``/``on`` warm (a second process on the directory the cold run filled), and ``on-warm-reaudit``, a warm process
-that audits again (``ORTCORE_AUDIT_VERDICT_CACHE=0``: the recorded verdict not used). It prints the median wall and CPU
+that audits again (the recorded verdict removed first; it records it again). It prints the median wall and CPU
 seconds of each first step, the ratios to the audit-off run of the same round, the load and the CPU.
 """
 
@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -163,12 +164,12 @@ def _child_env(variant: str, cache: str) -> dict[str, str]:
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env["ORTCORE_VERIFY_GRADIENTS"] = "1" if variant.startswith("on") else "0"
     env["ORTMODULE_CACHE_DIR"] = cache
-    if variant == "on-warm-reaudit":  # the warm process as it was before verdicts were recorded
-        env["ORTCORE_AUDIT_VERDICT_CACHE"] = "0"
     return env
 
 
 def _run_child(model: str, variant: str, cache: str) -> dict[str, Any]:
+    if variant == "on-warm-reaudit":  # the warm process as it was before verdicts were recorded
+        shutil.rmtree(cache + ".audit-verdicts", ignore_errors=True)
     argv = [sys.executable, __file__, model, "--json"] + (["--eager"] if variant == "eager" else [])
     done = subprocess.run(argv, env=_child_env(variant, cache), capture_output=True, text=True, timeout=1800)
     if done.returncode:

@@ -7,7 +7,8 @@ outputs, loss and every gradient, and on a mismatch names the module (:class:`or
 which the core's repair loop routes). :mod:`.kinks` tells a difference caused by ReLU-family kinks (where torch and
 ORT may both be right) from a real one. The option switches and tolerances are the core's (``verify_gradients``,
 ``verify_gradients_rtol``, ``verify_gradients_atol``): they decide whether first steps are checked at all, by this
-plugin or another. See docs/gradient_audit.md.
+plugin or another. A passed verdict is kept beside the export cache (:mod:`.verdicts`): a later process does not
+audit the same graph again on this machine (removing that directory audits it again). See docs/gradient_audit.md.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ortcore.api import FirstRunError, FirstStep, GradientMismatchError, hookimpl
+from ortcore.api import ExportedGraph, FirstRunError, FirstStep, GradientMismatchError, hookimpl
 
-from . import audit
+from . import audit, verdicts
 from .audit import AuditRequest, AuditResult
 
 logger = logging.getLogger("ortcore")
@@ -33,9 +34,24 @@ def mismatched_module(result: AuditResult) -> str | None:
     return next((o for o in owners if o), None)
 
 
+@hookimpl(wrapper=True)
+def ortcore_load_export(config: Any, module: Any, fingerprint: str) -> Any:
+    """Remember the fingerprint of a graph an export cache served (the key of its recorded verdict)."""
+    graph = yield
+    if graph is not None:
+        verdicts.remember_fingerprint(graph, fingerprint)
+    return graph
+
+
+@hookimpl
+def ortcore_export_done(config: Any, module: Any, fingerprint: str, graph: ExportedGraph) -> None:
+    """Remember the fingerprint of a graph just exported."""
+    verdicts.remember_fingerprint(graph, fingerprint)
+
+
 @hookimpl
 def ortcore_check_first_step(config: Any, step: FirstStep) -> AuditResult:
-    result = audit.audit(
+    result = audit.audit_with_verdicts(
         AuditRequest(
             model=step.model,
             graph=step.graph,
@@ -50,7 +66,8 @@ def ortcore_check_first_step(config: Any, step: FirstStep) -> AuditResult:
             autocast=getattr(step, "autocast", ()),
             rtol=config.core.verify_gradients_rtol,
             atol=config.core.verify_gradients_atol,
-        )
+        ),
+        verdicts.VerdictStore.for_config(config),
     )
     if result.status == "not audited" and result.error is None:
         logger.warning("%s", result.message())

@@ -56,7 +56,7 @@ from ortcore.api import (
     tapping,
 )
 
-from . import kinks
+from . import kinks, verdicts
 
 logger = logging.getLogger("ortcore")
 
@@ -164,6 +164,9 @@ class AuditResult:
     atol: float = 0.0
     # ONNX Runtime's own failure running the step (status "not audited"): the step would fail the same way.
     error: BaseException | None = attrs.field(default=None, eq=False, repr=False)
+    # A passed verdict taken from an earlier audit of the same graph on this machine (the file it was read from):
+    # nothing was run this time; ``seconds`` is the earlier audit's (see .verdicts).
+    recorded: str = ""
 
     def message(self) -> str:
         if self.status == "not audited":
@@ -171,9 +174,12 @@ class AuditResult:
         tolerance = f"rtol {self.rtol:g} of the largest value, atol {self.atol:g}"
         if self.status == "passed":
             worst = f"; largest difference: {self.worst.describe()}" if self.worst else ""
+            when = f" [{self.seconds:.2f} s]"
+            if self.recorded:
+                when = f" [recorded by an earlier audit of this graph on this machine, {self.recorded}]"
             return (
                 f"gradient audit passed on {self.graph}: outputs, loss and gradients match PyTorch ({self.compared} "
-                f"compared; {tolerance}){worst} [{self.seconds:.2f} s]"
+                f"compared; {tolerance}){worst}{when}"
             )
         changed = [d for d in self.differences if d.kind == CHANGED_AFTER_CALL]
         if changed:
@@ -1038,6 +1044,52 @@ def autocast_tolerance(req: AuditRequest) -> AuditRequest:
         return req
     eps = max(torch.finfo(getattr(torch, dtype)).eps for _device, dtype in req.autocast)
     return attrs.evolve(req, rtol=max(req.rtol, AUTOCAST_ULPS * eps))
+
+
+def audit_with_verdicts(req: AuditRequest, store: Any = None) -> AuditResult:
+    """:func:`audit`, or the passed verdict ``store`` (a :class:`.verdicts.VerdictStore`, or None) recorded for the
+    same graph on this machine; a new passed verdict is recorded there."""
+    key = None
+    if store is not None:
+        try:
+            key = verdicts.verdict_key(req)
+        except Exception as e:  # no key: audited, not recorded
+            logger.info("gradient audit: no verdict key (%s: %s)", type(e).__name__, e)
+        if key is not None:
+            record = store.load(key)
+            if record is not None:
+                worst = record.get("worst")
+                return AuditResult(
+                    "passed",
+                    record["graph"],
+                    compared=record["compared"],
+                    worst=None
+                    if worst is None
+                    else Difference(
+                        worst["kind"], worst["name"], worst["max_abs"], worst["max_rel"], False, used=worst["used"]
+                    ),
+                    seconds=float(record["seconds"]),
+                    rtol=req.rtol,
+                    atol=req.atol,
+                    recorded=str(store.path(key)),
+                )
+    result = audit(req)
+    if key is not None and result.status == "passed" and result.error is None:
+        w = result.worst
+        store.store(
+            key,
+            {
+                "status": "passed",
+                "graph": result.graph,
+                "compared": result.compared,
+                "seconds": result.seconds,
+                "worst": None
+                if w is None
+                else {"kind": w.kind, "name": w.name, "max_abs": w.max_abs, "max_rel": w.max_rel, "used": w.used},
+                "versions": verdicts.versions(),
+            },
+        )
+    return result
 
 
 def audit(req: AuditRequest) -> AuditResult:

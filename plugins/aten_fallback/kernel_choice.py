@@ -889,7 +889,10 @@ class LaterMeasurement:
             return
         self.record.started(time.perf_counter())
         if session not in self.plan:
-            self.plan[session] = _SessionPlan(at=max(step, MEASURE_AT_STEP), watch=OthersCPU())
+            # a session that starts later (another input size) is looked at after as many steps again: long enough
+            # a stretch to tell whether the machine is busy
+            at = MEASURE_AT_STEP if step < MEASURE_AT_STEP else 2 * step
+            self.plan[session] = _SessionPlan(at=at, watch=OthersCPU())
         plan = self.plan[session]
         if plan is None or step < plan.at:
             return

@@ -567,14 +567,15 @@ def test_a_model_whose_sizes_change_is_exported_again_for_its_kernel_choice_once
     gen = torch.Generator().manual_seed(5)
     batches = [
         (torch.randint(0, 30, (4, seq), generator=gen), torch.randint(0, 5, (4, seq), generator=gen))
-        for seq in (12, 12, 12, 12, 10, 10, 9, 11)
+        for seq in (12, 12, 12, 12, 10, 10, 9, 11, 10, 9)
     ]
     _train(ort, ref, batches)
     again = [t for t in ort.state_machine.history if "asked to export again" in t.reason]
     assert len(again) == 1, [t.reason for t in ort.state_machine.history]
     # the static graph, the one of the measured choice, the graph dynamic in the sequence (serving 10, 9 and 11)
     assert ort.state_machine.counters.exports == 3
-    assert len(timer.cases) > CASES  # the dynamic graph's cases (at sequence 10) were measured too
+    # the dynamic graph's cases (at sequence 10) were measured too, at step 8: twice the step its session started
+    assert len(timer.cases) > CASES
 
 
 @pytest.mark.parametrize("mode", ["export", "later", "off"])

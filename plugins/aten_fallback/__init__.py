@@ -220,7 +220,7 @@ def _measured_tanh_gelu(model: Any, context: Any) -> int:
 
 def _record_choices(model: Any, context: Any) -> int:
     """The export's kernel decisions go into the graph's metadata (so a cached graph carries them); a graph holding
-    a choice for now only (deferred, provisional) is marked so that caches do not keep it."""
+    a choice for now only (deferred, provisional) is marked, so that caches keep it apart from final graphs."""
     decisions = kernel_choice.take_pending()
     kernel_choice.record(model, decisions)
     waiting = sorted({d.source for d in decisions if d.source in (kernel_choice.DEFERRED, kernel_choice.PROVISIONAL)})

@@ -49,7 +49,8 @@ MEASURED, CACHED, REQUIRED, UNMEASURED = "measured", "cached", "required", "unme
 # file, so the next process measures the case again (a loaded machine favours whichever side suffers less from it).
 PROVISIONAL = "provisional"
 # Not measured on this machine yet (measure = "later"): the default list decided for now, the case is timed before
-# training step MEASURE_AT_STEP. A graph holding a deferred or provisional decision is not kept by the export cache.
+# training step MEASURE_AT_STEP. A graph holding a deferred or provisional decision is marked (PROVISIONAL_METADATA):
+# the export cache keeps it under that state, and serves a final graph instead once one is on file.
 DEFERRED = "deferred"
 MEASURE_AT_STEP = 2
 # Within this fraction of ORT's time, ORT keeps the op: a graph without an ATen node for no measurable gain. 10%: the

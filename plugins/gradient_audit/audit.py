@@ -332,8 +332,16 @@ def compare(
     a, b = ort.detach().to(ref.dtype), ref.detach()
     if not a.numel():
         return Difference(kind, name, 0.0, 0.0, False)
-    max_abs = float((a - b).abs().max())
-    scale = float(b.abs().max())
+    if b.dtype in (torch.float32, torch.float64):
+        # max|x| as max(-min x, max x): one pass over each tensor and one temporary, not abs()'s second copy (GPT-2's
+        # logits: 1.7x less CPU). A NaN in either propagates to the careful way below.
+        low, high = (a - b).aminmax()
+        max_abs = max(-float(low), float(high))
+        low, high = b.aminmax()
+        scale = max(-float(low), float(high))
+    else:
+        max_abs = float((a - b).abs().max())
+        scale = float(b.abs().max())
     if not (math.isfinite(max_abs) and math.isfinite(scale)):  # NaN or infinity somewhere: the careful way
         a, b = a.double(), b.double()
         if bool((a.isnan() ^ b.isnan()).any()):
@@ -512,7 +520,7 @@ def changed_after_call(returned: Sequence[torch.Tensor], now: Sequence[torch.Ten
         if before.shape != after.shape or before.dtype != after.dtype:  # resized in place
             changed.append((i, math.inf))
             continue
-        if not before.numel():
+        if not before.numel() or torch.equal(before, after):  # one pass, no temporary: the usual case
             continue
         if before.is_floating_point() or before.is_complex():
             same = (before == after) | (before.isnan() & after.isnan())
@@ -529,11 +537,19 @@ def _loss(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None])
     tolerance, which is relative to that scale."""
     total, scale = 0.0, 0.0
     for o, g in zip(outputs, grads):
-        if g is not None and o.shape == g.shape and o.numel():
-            # float64: an autocast step's outputs may be bfloat16 and the gradients given float32, or the reverse
-            o, g = o.detach().reshape(-1).double(), g.reshape(-1).double()
-            total += float(torch.dot(o, g)) if o.is_floating_point() else 0.0
-            scale += float(torch.dot(o.abs(), g.abs())) if o.is_floating_point() else 0.0
+        if g is not None and o.shape == g.shape and o.numel() and o.is_floating_point():
+            o = o.detach()
+            if o.dtype == g.dtype == torch.float32:
+                # The products in float32 (each rounded by 6e-8 of itself: 1e-4 of the tolerance at most), summed in
+                # float64: one temporary instead of four float64 copies (GPT-2's logits, 8 M values).
+                products = o * g
+                total += float(products.sum(dtype=torch.float64))
+                scale += float(products.abs_().sum(dtype=torch.float64))
+            else:
+                # float64: an autocast step's outputs may be bfloat16 and the gradients given float32, or the reverse
+                o, g = o.reshape(-1).double(), g.reshape(-1).double()
+                total += float(torch.dot(o, g))
+                scale += float(torch.dot(o.abs(), g.abs()))
     return total, scale
 
 

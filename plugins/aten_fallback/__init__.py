@@ -232,8 +232,9 @@ def _record_choices(model: Any, context: Any) -> int:
 @hookimpl
 def ortcore_runtime_inspectors(config: Config, module: Any) -> list[Any]:
     """With ``torch_kernels = "auto"`` and ``measure = "later"``: the cases decided by the default list are timed
-    on a later step (:class:`.kernel_choice.LaterMeasurement`)."""
-    if is_auto(config) and measure_mode(config) == "later":
+    on a later step (:class:`.kernel_choice.LaterMeasurement`); with ``"export"`` too, for the cases of a graph
+    measured under load (provisional, perhaps by an earlier process whose graph the export cache served)."""
+    if is_auto(config) and measure_mode(config) in ("later", "export"):
         return [kernel_choice.LaterMeasurement(config, module)]
     return []
 

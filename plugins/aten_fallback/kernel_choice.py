@@ -899,6 +899,10 @@ class LaterMeasurement:
             return
         waiting = waiting_cases(getattr(session, "model", None))
         chooser = chooser_for(self.config)
+        for d in waiting:
+            if d.source == PROVISIONAL and d.case not in plan.attempts:  # measured under load by the export: once more
+                plan.attempts[d.case] = 1
+                plan.provisional[d.case] = d.others_pct
         for d in waiting:  # decided meanwhile (another session, another process's file): no time
             known = chooser.cached(d.case)
             if d.case not in plan.final and known is not None and known.source != PROVISIONAL:

@@ -23,8 +23,8 @@ needs it (docs/distributed.md, "FSDP2"):
 
 The graph holds the whole model's unsharded parameters from ORT's forward to the end of its backward: FSDP2's
 ``reshard_after_forward`` has no effect while ORT runs (ORT's backward reads the values its forward was fed; the
-plugin sets it to False on the root, FSDP2's default there); the numbers are FSDP2's either way. Switch the plugin off with ``[plugins] fsdp2 = false``; a sharded model is then
-refused with an error naming it.
+plugin sets it to False on the root, FSDP2's default there); the numbers are FSDP2's either way. With the plugin switched off (``[plugins] fsdp2 = false``) a sharded model cannot be
+exported (FSDP2 refuses the deep copy ortcore traces) and the fallback policy applies.
 """
 
 from __future__ import annotations

@@ -184,14 +184,10 @@ def ortcore_runtime_inspectors(config: Config, module: torch.nn.Module) -> list[
 
 @hookimpl
 def ortcore_export_context(config: Config, module: torch.nn.Module) -> Any:
-    if not check_model(config, module):
-        return None
-    return whole(module)
+    return whole(module) if check_model(config, module) else None
 
 
 @hookimpl(wrapper=True)
 def ortcore_check_first_step(step: Any) -> Any:
-    if not sharded_modules(step.model):
-        return (yield)
-    with whole(step.model):
+    with whole(step.model):  # nothing to do for a model without sharded modules
         return (yield)

@@ -635,6 +635,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(script: Path, world: int = 2, timeout: float = 900, **env: str) -> list[str]:
+    """Run ``script`` as ranks 0..world-1 of one gloo group on this machine (``MASTER_*``, ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` set; ``env`` added) and return each rank's output; fails naming a rank that failed."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        child = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        child.update(LOCAL_RANK=str(rank), **env)
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=child, stdout=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    return outputs
+
+
 class FFTFilter(nn.Module):
     """A learnt spectral filter: complex tensors, which neither exporter can put into an ORT graph (the repair and
     region tests)."""

@@ -17,15 +17,12 @@ half of every parameter.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from models import assert_ran_in_ort, free_port, gpt2_batch, make_batches, tiny_gpt2
+from models import assert_ran_in_ort, gpt2_batch, make_batches, run_ranks, tiny_gpt2
 
 from ortcore import ORTModule
 from ortcore.errors import PluginError, UnsupportedModelError
@@ -244,16 +241,9 @@ dist.destroy_process_group()
 def test_fsdp2_two_processes(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-        env.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    outputs = run_ranks(script, OMP_NUM_THREADS="1")
     losses = []
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    for rank, out in enumerate(outputs):
         line = next(x for x in out.splitlines() if x.startswith(f"LOSSES {rank} "))
         losses.append(json.loads(line.split(" ", 2)[2]))
     assert losses[0] != losses[1]  # the ranks trained on different batches, and FSDP2 kept them in step

@@ -20,14 +20,12 @@ import contextlib
 import functools
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from models import assert_ran_in_ort, free_port, gpt2_batch, make_batches, tiny_gpt2
+from models import assert_ran_in_ort, gpt2_batch, make_batches, run_ranks, tiny_gpt2
 
 from ortcore import ORTModule
 from ortcore.config import Config
@@ -298,13 +296,5 @@ print("LOSSES", rank, json.dumps(out), flush=True)
 def test_zero3_two_processes(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-        env["LOCAL_RANK"] = str(rank)
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    for rank, out in enumerate(run_ranks(script)):
         assert f"LOSSES {rank}" in out

@@ -258,12 +258,17 @@ class RootParameter(nn.Module):
 
 def test_module_tree_is_the_models():
     """named_children/named_modules/modules/children are the model's, as named_parameters are: DDP, DeepSpeed (tied
-    parameter names in checkpoints) and init functions walk the model, never the wrapper."""
+    parameter names in checkpoints) and init functions walk the model's tree. The wrapper stands at its root, in
+    the model's place (an engine applied to the ORTModule, FSDP2's fully_shard, finds itself there), with the same
+    name; walking each module's own parameters (recurse=False) finds every parameter once, as in the model."""
     inner = RootParameter()
     model = ORTModule(inner)
-    assert [(n, m) for n, m in model.named_modules()] == list(inner.named_modules())
+    expected = [(n, model if m is inner else m) for n, m in inner.named_modules()]
+    assert [(n, m) for n, m in model.named_modules()] == expected
     assert [(n, m) for n, m in model.named_children()] == list(inner.named_children())
-    assert list(model.modules()) == list(inner.modules()) and list(model.children()) == list(inner.children())
+    assert list(model.modules()) == [m for _, m in expected] and list(model.children()) == list(inner.children())
+    own = [p for m in model.modules() for _, p in m.named_parameters(recurse=False)]
+    assert own == [p for m in inner.modules() for _, p in m.named_parameters(recurse=False)]
     assert [n for n, _ in model.named_modules(prefix="m")] == ["m", "m.fc", "m.drop"]
     seen = []
     assert model.apply(seen.append) is model

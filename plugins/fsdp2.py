@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -56,11 +57,10 @@ ORDER = (
 
 
 def _fsdp_module_class() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return None
-    return FSDPModule
+    """FSDP2's module class, once the user's code imported FSDP2 (a model cannot be sharded before); importing it
+    here would pull in torch.distributed's tensor machinery (sympy) for every model."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    return getattr(module, "FSDPModule", None)
 
 
 def sharded_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -148,8 +148,10 @@ class FSDP2(RuntimeInspector):
         model = self._model()
         if model is None:
             return
-        blocks = check_model(None, model)
         root = _fsdp_module_class()
+        if root is None:
+            return
+        blocks = check_model(None, model)
         if isinstance(module, root):
             # ORT's backward reads the parameters its forward was fed: the root's group (the root's post-forward
             # hook runs when the call returns) must not be resharded in between, whatever reshard_after_forward
@@ -177,8 +179,6 @@ class FSDP2(RuntimeInspector):
 @hookimpl
 def ortcore_runtime_inspectors(config: Config, module: torch.nn.Module) -> list[Any]:
     check_model(config, module)
-    if _fsdp_module_class() is None:
-        return []
     return [FSDP2(module)]
 
 

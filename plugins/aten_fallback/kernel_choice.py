@@ -35,6 +35,7 @@ import onnxruntime
 import torch
 
 from ortcore.api import Config, atomic_writer, format_table
+from ortcore_plugins.services import kernel_measurement
 from ortcore_plugins.services.machine import OthersCPU, loaded
 
 from .measurement import TORCH_TYPES, measure_case
@@ -1033,3 +1034,10 @@ def worth_switching(measured: Sequence[Decision], in_graph: dict[Case, str], tie
 
 def _side_in_graph(decisions: Sequence[Decision], case: Case) -> str:
     return next(d.side for d in decisions if d.case == case)
+
+
+def _decisions_text(module: Any) -> str:
+    return explain_kernel_choices(module) if kernel_choices(module) else ""
+
+
+kernel_measurement.publish(record=lambda: measurement_record, summary=measurement_summary, decisions=_decisions_text)

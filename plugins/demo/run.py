@@ -207,16 +207,12 @@ def run_demo(
 
 def _measurement_record() -> Any:
     """The kernel-choice plugin's record of what measuring cost this process, or None without that plugin."""
-    try:
-        from ortcore_plugins.aten_fallback import kernel_choice
-    except ImportError:
-        return None
-    return kernel_choice.measurement_record
+    from ortcore_plugins.services import kernel_measurement
+
+    return kernel_measurement.record()
 
 
 def _measurement_summary() -> str:
-    try:
-        from ortcore_plugins.aten_fallback import kernel_choice
-    except ImportError:
-        return ""
-    return kernel_choice.measurement_summary()
+    from ortcore_plugins.services import kernel_measurement
+
+    return kernel_measurement.summary()

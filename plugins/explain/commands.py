@@ -72,12 +72,11 @@ def _run_explain(args: argparse.Namespace) -> int:
 
 def _print_kernel_choice(wrapped) -> None:
     """With ``torch_kernels = "auto"``: each measured call's decision and what measuring cost this process."""
-    try:
-        from ortcore_plugins.aten_fallback import kernel_choice
-    except ImportError:
-        return
-    if not kernel_choice.kernel_choices(wrapped):
+    from ortcore_plugins.services import kernel_measurement
+
+    text = kernel_measurement.decisions(wrapped)
+    if not text:
         return
     print()
-    print(kernel_choice.explain_kernel_choices(wrapped))
-    print(kernel_choice.measurement_summary())
+    print(text)
+    print(kernel_measurement.summary())

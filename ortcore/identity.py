@@ -349,7 +349,8 @@ def module_digest(module: torch.nn.Module, ignored: frozenset[str] = frozenset()
     each submodule (a frozen batch norm in eval inside a training model), forward hooks and pre-hooks (module and
     global), tensors kept as plain attributes (constants in the graph) and torch's default dtype. Weights are not
     part of it, nor the attributes named in ``ignored`` (an engine's bookkeeping on the modules, which the forward
-    never reads: ``RuntimeInspector.untraced_attributes``). A value it cannot describe (its ``repr`` raises) gets a random token, so no cache serves its graph.
+    never reads: ``RuntimeInspector.untraced_attributes``). A value it cannot describe (its ``repr`` raises) gets a
+    random token, so no cache serves its graph.
 
     Example::
 

@@ -110,14 +110,13 @@ class _Runtime:
     def __init__(self, module: torch.nn.Module, config: Config, hooks: Hooks, exporter: Exporter | None):
         self.custom_exporter = exporter  # pickled with the model; the plugins' exporter is asked for again
         self.state = ExportStateMachine(config.core.max_cached_graphs)
-        self._use(config, hooks)
         self.step = 0
         inspectors = hooks.runtime_inspectors(module)
         self.phases = phase_callbacks(inspectors)
         # Attributes an engine keeps on the model for its own bookkeeping (RuntimeInspector.untraced_attributes):
-        # setting them is no change of the model.
+        # setting them is no change of the model, nor part of the graph's fingerprint (the pipeline's).
         self.untraced_attributes = frozenset().union(*(getattr(i, "untraced_attributes", ()) for i in inspectors))
-        self.pipeline.untraced_attributes = self.untraced_attributes
+        self._use(config, hooks)
         # Repairs in force (ortcore.repair), oldest first, and every repair tried (by key), kept or not.
         self.repairs: list[Repair] = []
         self.tried: set[tuple] = set()
@@ -152,7 +151,7 @@ class _Runtime:
         if hasattr(self.exporter, "use_hooks"):  # an exporter that takes its own contributions (the dynamo route)
             self.exporter.use_hooks(hooks, config)
         self.pipeline = Pipeline(config, hooks, self.exporter, self.state)
-        self.pipeline.untraced_attributes = getattr(self, "untraced_attributes", frozenset())
+        self.pipeline.untraced_attributes = self.untraced_attributes
 
     def static_sizes(self, key: GraphKey, tensors: list[torch.Tensor]) -> tuple:
         """The sizes ``key``'s graph is exported for (``dynamic_shapes = "auto"``): the first call's, with each

@@ -5,7 +5,8 @@ gradient audit: ortcore is 1-10 % off float64 on most gradients (median 1.8 %), 
 cause: one input of ``segmentation_head.conv_projection``'s ReLU (batch row 2) is 2.1e-5 in float64, about 38 float32
 ulp of that call's largest input (4.67), beyond the audit's kink band as it was (16 ulp; now 64). The backbone's seventeen blocks leave
 its float32 features about 2e-5 off float64 there, in PyTorch as in ortcore (their features are equally close to
-float64, 1.5e-5 and 1.3e-5 of the largest); PyTorch's rounding moves that input to 4.3e-5, ortcore's to below zero.
+float64, 1.5e-5 and 1.3e-5 of the largest); PyTorch's rounding moves that input to 4.3e-5, ortcore's to below zero
+on the CPU this was first measured on (on an AMD EPYC Zen 4 it stays above zero, as float64's).
 The batch norm before the ReLU spreads that one element's gradient over its channel, and the backward carries it into
 every layer. Float64 with that single element taken on the other side of the kink is every gradient of ortcore's
 within 9e-5 (PyTorch's float32 is 5e-5 off plain float64). The head alone under ortcore, on the same features, is
@@ -78,5 +79,13 @@ def test_mobilenet_v2_deeplab_differs_from_float64_by_one_relu_kink() -> None:
     assert len(names) > 100
     off_plain = max(rel(ort[n], f64[n]) for n in names)
     off_flipped = max(rel(ort[n], f64_flipped[n]) for n in names)
-    assert off_plain > 0.05, off_plain  # the difference the audit reports
-    assert off_flipped < 3e-4, off_flipped  # ...is that one element, and nothing else
+    # Which side of the kink float32 lands on depends on the CPU's kernels (MLAS's code path, its summation order):
+    # on some CPUs ortcore crosses it, on others it rounds as float64 does. Either way the two sides of that one
+    # element are far apart (what the audit reported where ortcore crossed), and ortcore equals float64 taken on
+    # one of them (nothing else differs).
+    assert rel_sides(f64, f64_flipped, names) > 0.05
+    assert min(off_plain, off_flipped) < 3e-4, (off_plain, off_flipped)
+
+
+def rel_sides(a: dict, b: dict, names: list) -> float:
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in names)

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from ortcore_plugins.gradient_audit.kinks import ReluKinks, explain_by_kinks
+from ortcore_plugins.gradient_audit.kinks import RELU_TAP, KinksAsTaken, ReluKinks, ReluTaps, explain_by_kinks
 
 
 class _Net(torch.nn.Module):
@@ -78,3 +78,107 @@ def test_a_flipped_kink_is_explained_and_a_wrong_gradient_is_not() -> None:
 
     untouched = explain_by_kinks(run, {n: exact[n].float() for n in names}, allowed)
     assert untouched.explained and untouched.flips == ()  # nothing to explain: no flip is kept
+
+
+def _relu_outputs(model, loss_of) -> list[torch.Tensor]:
+    seen = []
+    hook = model.bn.register_forward_hook(lambda m, i, o: seen.append(torch.relu(o.detach())))
+    with torch.no_grad():
+        loss_of(model)
+    hook.remove()
+    return seen
+
+
+def test_float64_follows_the_side_another_run_took_within_the_band_only() -> None:
+    torch.manual_seed(0)
+    model = _Net().double()
+    x = torch.randn(16, 6, dtype=torch.float64)
+
+    def loss_of(m: torch.nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
+
+    pre = _pre_relu(model, loss_of)
+    index = pre.abs().flatten().argmin().item()
+    row, col = divmod(index, 8)
+    with torch.no_grad():
+        model.bn.bias[col] -= pre[row, col] - 1e-7 * pre.abs().max()  # 1e-7 of the largest: within the band
+    exact = _grads(model, loss_of)
+    flipped = _grads(model, loss_of, flips={0: [index]})
+    own = _relu_outputs(model, loss_of)[0] > 0
+
+    def run(mode: KinksAsTaken) -> dict[str, torch.Tensor]:
+        m = copy.deepcopy(model)
+        with mode:
+            loss = loss_of(m)
+        loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    # Its own signs: nothing moves, and the gradients are the plain run's bit for bit.
+    same = KinksAsTaken({0: own})
+    got = run(same)
+    assert same.taken == [] and same.refused == 0
+    for n in exact:
+        assert torch.equal(got[n], exact[n]), n
+
+    # The other side at that element (as a float32 run that crossed zero there): float64 follows it.
+    other = own.clone()
+    other.view(-1)[index] = ~other.view(-1)[index]
+    follow = KinksAsTaken({0: other})
+    got = run(follow)
+    assert follow.taken == [(0, index)] and follow.refused == 0
+    for n in exact:
+        torch.testing.assert_close(got[n], flipped[n], rtol=1e-12, atol=1e-12)
+    assert any((flipped[n] - exact[n]).abs().max() > 1e-4 for n in exact)
+
+    # An element far from zero on the other side is no rounding: counted, not followed.
+    far = own.clone()
+    big = pre.abs().flatten().argmax().item()
+    far.view(-1)[big] = ~far.view(-1)[big]
+    refuse = KinksAsTaken({0: far})
+    got = run(refuse)
+    assert refuse.taken == [] and refuse.refused == 1
+    for n in exact:
+        assert torch.equal(got[n], exact[n]), n
+
+
+def test_relu_taps_read_onnx_runtime_side_of_each_kink_through_an_activation_subscriber() -> None:
+    """ReluTaps with no tapper of its own taps every ReLU output of an ORTModule's export for a subscriber: the
+    signs ORT computed, call by call, equal PyTorch's on a network whose ReLU inputs are far from zero."""
+    from ortcore import ORTModule
+    from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
+
+    class Signs(SubscriberBase):
+        def __init__(self) -> None:
+            super().__init__(end_step=1)
+            self.positive: dict[int, torch.Tensor] = {}
+
+        def on_forward(self, step, order, name, tensor):
+            if name.startswith(RELU_TAP):
+                self.positive[int(name[len(RELU_TAP) :])] = tensor.detach() > 0
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3), torch.nn.ReLU(inplace=True)
+    )
+    x = torch.randn(2, 3, 8, 8)
+    expected = []
+    with torch.no_grad():
+        h = x
+        for layer in net:
+            h = layer(h)
+            if isinstance(layer, torch.nn.ReLU):
+                expected.append(h > 0)
+
+    model = copy.deepcopy(net)
+    signs = Signs()
+    relus = ReluTaps()
+    GlobalSubscriberManager.subscribe(model, [signs])
+    try:
+        with relus:
+            ORTModule(model, verify_gradients=False)(x).sum().backward()
+    finally:
+        GlobalSubscriberManager.unsubscribe(model)
+    assert sorted(signs.positive) == [0, 1]
+    assert relus.changed() == set()
+    for call, want in enumerate(expected):
+        assert torch.equal(signs.positive[call], want), call

@@ -910,18 +910,68 @@ def _judged_by_kinks(
                 values[_value_key(d)] = side.grads[d.name]
         return values
 
+    target = {k: v for k, (v, _) in pending.items()}
+    allowed = {k: a for k, (_, a) in pending.items()}
+    note = None
     try:
-        found = kinks.explain_by_kinks(
-            run, {k: v for k, (v, _) in pending.items()}, {k: a for k, (_, a) in pending.items()}
-        )
-    except Exception as e:  # the verdicts stand
-        logger.info("gradient audit: no kink check (%s: %s)", type(e).__name__, e)
-        return judged
-    if not found.explained:
-        logger.info("gradient audit: %s", found.describe())
-        return judged
-    note = f"float32 rounding: {found.describe()}"
+        note = _kinks_as_ort_took(req, run, target, allowed, output_grads)
+    except Exception as e:  # the search below still runs
+        logger.info("gradient audit: no check of ONNX Runtime's own kinks (%s: %s)", type(e).__name__, e)
+    if note is None:
+        try:
+            found = kinks.explain_by_kinks(run, target, allowed)
+        except Exception as e:  # the verdicts stand
+            logger.info("gradient audit: no kink check (%s: %s)", type(e).__name__, e)
+            return judged
+        if not found.explained:
+            logger.info("gradient audit: %s", found.describe())
+            return judged
+        note = found.describe()
+    note = f"float32 rounding: {note}"
     return [attrs.evolve(d, exceeds=False, detail=note) if _value_key(d) in pending else d for d in judged]
+
+
+def _kinks_as_ort_took(
+    req: AuditRequest,
+    run: Callable[[Any], dict[str, torch.Tensor]],
+    target: dict[str, torch.Tensor],
+    allowed: dict[str, float],
+    output_grads: list,
+) -> str | None:
+    """Does float64, taking every ReLU element near zero on the side ONNX Runtime took, land within what is allowed
+    of ORT's values? The graph is exported once more with each ReLU call's output as a tap (:class:`kinks.ReluTaps`),
+    ORT runs it, and the float64 run follows its signs (:class:`kinks.KinksAsTaken`): however many elements a deep
+    network's float32 forward moved across zero, one float64 run tests them all. Returns what explains the
+    difference, or None (logged) when it does not."""
+    with tapping(None) as tapper:
+        relus = kinks.ReluTaps(tapper)
+        with relus:
+            graph = req.export(tapper)
+    changed = relus.changed()
+    if not graph.taps:
+        return None
+    session = req.build(graph)
+    ort = _run_ort(req, graph, session, output_grads)
+    positive = {}
+    for name, value in zip(ort.tap_names, ort.tap_values):
+        if name.startswith(kinks.RELU_TAP) and value is not None:
+            call = int(name[len(kinks.RELU_TAP) :])
+            if call not in changed:
+                positive[call] = value.detach() > 0
+    mode = kinks.KinksAsTaken(positive)
+    values = run(mode)
+    distances = {n: float((target[n].detach().double() - values[n].detach().double()).abs().max()) for n in target}
+    explained = all(distances[n] <= allowed[n] for n in target)
+    what = (
+        f"{len(mode.taken)} ReLU input(s) within {kinks.TAKEN_BAND:g} of their call's largest from zero, taken in float64 "
+        f"on the side ONNX Runtime took ({len(positive)} ReLU calls read from its run; {mode.refused} elements "
+        f"beyond that band left as float64 has them), {'explain' if explained else 'do not explain'} the difference "
+        f"({', '.join(f'{n}: {d:.3g}' for n, d in distances.items())})"
+    )
+    if not explained:
+        logger.info("gradient audit: %s", what)
+        return None
+    return what
 
 
 # -- locating -------------------------------------------------------------------------------------------------------

@@ -19,11 +19,14 @@ Used by the gradient audit (:mod:`.audit`) and by the model zoo's judge.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from ortcore.api import current_tapper
 
 # The ReLU spellings models use; each reaches __torch_function__ as one of these.
 RELUS = frozenset({F.relu, torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_})
@@ -68,6 +71,77 @@ class ReluKinks(TorchFunctionMode):
         flat = mask.view(-1)
         for i in self.flips[call]:
             flat[i] = 1 - flat[i]
+        return x * mask  # out of place, also for relu_: callers use the result
+
+
+#: A ReLU tap's name: this prefix and the call number (:class:`ReluTaps`).
+RELU_TAP = "relu call "
+#: Where another run took a ReLU element on the other side of the kink, the float64 run follows it only when the
+#: float64 input is this close to zero relative to the call's largest input (:class:`KinksAsTaken`): the distance
+#: float32 can drift from float64 through a deep network's forward (a third of the audit's default tolerance,
+#: about 5600 ulp), far beyond one kernel's rounding, far below what a wrong formula moves.
+TAKEN_BAND = 3e-4
+
+
+class ReluTaps(TorchFunctionMode):
+    """While an exporter traces: every ReLU call's output becomes a tap of ``tapper`` (None: the tapper of the export
+    running on this thread, if any: an ORTModule's export for activation subscribers) named :data:`RELU_TAP` + its
+    call number, so ONNX Runtime's run shows which side of each kink it took. ``changed()`` names the calls whose
+    output a later in-place op overwrote (their tap holds that later value, not the ReLU's)."""
+
+    def __init__(self, tapper: Any = None):
+        super().__init__()
+        self.tapper = tapper
+        self.versions: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tapper = self.tapper if self.tapper is not None else current_tapper()
+        if func in RELUS and isinstance(out, torch.Tensor) and tapper is not None:
+            # Numbered by the taps already taken: an exporter that traces twice resets the tapper, and so this.
+            call = sum(1 for name in tapper.names if name.startswith(RELU_TAP))
+            name = f"{RELU_TAP}{call}"
+            tapper.tap(name, out)
+            self.versions[name] = (out, out._version)
+        return out
+
+    def changed(self) -> set[int]:
+        return {int(n[len(RELU_TAP) :]) for n, (t, v) in self.versions.items() if t._version != v}
+
+
+class KinksAsTaken(TorchFunctionMode):
+    """A (float64) run that takes each ReLU element on the side another run took: ``positive`` maps a call number
+    to that run's ``output > 0``. An element is moved only where its input here lies within :data:`TAKEN_BAND` of
+    zero relative to the call's largest input; ``taken`` lists the moved elements, ``refused`` counts the
+    disagreements beyond the band (left as this run computes them)."""
+
+    def __init__(self, positive: Mapping[int, torch.Tensor], band: float = TAKEN_BAND):
+        super().__init__()
+        self.positive = dict(positive)
+        self.band = band
+        self.calls = 0
+        self.taken: list[tuple[int, int]] = []  # (call number, flat element index) of each element moved
+        self.refused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in RELUS:
+            return func(*args, **kwargs)
+        call, self.calls = self.calls, self.calls + 1
+        x = args[0]
+        want = self.positive.get(call)
+        if want is None or tuple(want.shape) != tuple(x.shape):
+            return func(*args, **kwargs)
+        value = x.detach()
+        here = value > 0
+        differ = here != want
+        if not bool(differ.any()):
+            return func(*args, **kwargs)
+        near = value.abs() <= self.band * value.abs().max()
+        take = differ & near
+        self.taken += [(call, int(i)) for i in take.flatten().nonzero().flatten()]
+        self.refused += int((differ & ~near).sum())
+        mask = torch.where(take, want, here).to(x.dtype)
         return x * mask  # out of place, also for relu_: callers use the result
 
 

@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (3, 6)
+API_VERSION = (3, 7)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {

@@ -35,7 +35,7 @@ import sys
 import threading
 import types
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -321,16 +321,30 @@ def _undescribable(value: Any, error: Exception) -> list[str]:
     return ["undescribable", kind, uuid.uuid4().hex]
 
 
-def _hooks_of(owner: Any, prefix: str = "") -> list[Any]:
-    """Hooks in registration order with their flags, without the handle ids that key them."""
+def _hooks_of(owner: Any, prefix: str = "", untraced: Callable[[Any], bool] | None = None) -> list[Any]:
+    """Hooks in registration order with their flags, without the handle ids that key them; a hook ``untraced``
+    accepts is named by its code only (:attr:`ortcore.inspectors.RuntimeInspector.untraced_hooks`)."""
     described = []
     for main, flags in _HOOKS:
         hooks = getattr(owner, prefix + main, None) or {}
         flag_dicts = [getattr(owner, prefix + f, None) or {} for f in flags]
         described.append(
-            [main, [[_describe(hook, set(), 0), [bool(d.get(k)) for d in flag_dicts]] for k, hook in hooks.items()]]
+            [
+                main,
+                [
+                    [_describe_hook(hook, untraced), [bool(d.get(k)) for d in flag_dicts]]
+                    for k, hook in hooks.items()
+                ],
+            ]
         )
     return described
+
+
+def _describe_hook(hook: Any, untraced: Callable[[Any], bool] | None) -> Any:
+    if untraced is not None and untraced(hook):
+        target = getattr(getattr(hook, "func", hook), "__func__", getattr(hook, "func", hook))
+        return ["untraced hook", f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '?')}"]
+    return _describe(hook, set(), 0)
 
 
 def _global_hooks() -> list[Any]:
@@ -339,7 +353,9 @@ def _global_hooks() -> list[Any]:
     return _hooks_of(nn_module, "_global")
 
 
-def module_digest(module: torch.nn.Module, ignored: frozenset[str] = frozenset()) -> str:
+def module_digest(
+    module: torch.nn.Module, ignored: frozenset[str] = frozenset(), untraced_hooks: Callable[[Any], bool] | None = None
+) -> str:
     """A sha256 of what the tracer bakes into the graph beyond :func:`module_signature` (part of
     :func:`graph_fingerprint`).
 
@@ -349,7 +365,8 @@ def module_digest(module: torch.nn.Module, ignored: frozenset[str] = frozenset()
     each submodule (a frozen batch norm in eval inside a training model), forward hooks and pre-hooks (module and
     global), tensors kept as plain attributes (constants in the graph) and torch's default dtype. Weights are not
     part of it, nor the attributes named in ``ignored`` (an engine's bookkeeping on the modules, which the forward
-    never reads: ``RuntimeInspector.untraced_attributes``). A value it cannot describe (its ``repr`` raises) gets a
+    never reads: ``RuntimeInspector.untraced_attributes``), nor the state that hooks ``untraced_hooks`` accepts are
+    bound to (``RuntimeInspector.untraced_hooks``: named by their code only). A value it cannot describe (its ``repr`` raises) gets a
     random token, so no cache serves its graph.
 
     Example::
@@ -368,7 +385,7 @@ def module_digest(module: torch.nn.Module, ignored: frozenset[str] = frozenset()
             if k not in _MODULE_BOOKKEEPING and k not in _IGNORED_ATTRIBUTES and k not in ignored
         }
         kind = f"{type(sub).__module__}.{type(sub).__qualname__}"
-        modules.append([name, kind, _describe(state, set(), 0), _hooks_of(sub)])
+        modules.append([name, kind, _describe(state, set(), 0), _hooks_of(sub, untraced=untraced_hooks)])
     parts = {
         "classes": [_class_entry(cls) for cls in seen_classes],
         "modules": modules,
@@ -405,13 +422,14 @@ def graph_description(
     exporter: Exporter,
     plugin_keys: dict[str, Any],
     untraced: frozenset[str] = frozenset(),
+    untraced_hooks: Callable[[Any], bool] | None = None,
 ) -> dict[str, Any]:
     """What :func:`graph_fingerprint` hashes (the module's signature and digest computed once per call);
-    ``untraced`` as :func:`module_digest`'s ``ignored``."""
+    ``untraced`` and ``untraced_hooks`` as :func:`module_digest`'s ``ignored`` and ``untraced_hooks``."""
     return {
         "key": key.export_key,
         "module": module_signature(module),
-        "module_digest": module_digest(module, untraced),
+        "module_digest": module_digest(module, untraced, untraced_hooks),
         "passes": [p.name for p in passes],
         "exporter": exporter_identity(exporter),
         "plugins": plugin_keys,

@@ -59,6 +59,13 @@ class RuntimeInspector:
     #: passes it to the model without exporting again (any other attribute set there is a change of the model).
     untraced_attributes: frozenset[str] = frozenset()
 
+    #: A predicate over module hooks (e.g. ``hook_defined_in("torch.distributed.fsdp")``): the hooks an engine installs
+    #: to gather or shard parameters, which the export sets aside (:func:`hooks_set_aside`) and which never change what
+    #: the forward computes. The graph's fingerprint names such a hook by its code only, not by the engine's state it
+    #: is bound to (which holds per-instance handles and counters): a second job with the same model finds its graph
+    #: in the export cache. None: every hook is part of the fingerprint with everything it refers to.
+    untraced_hooks: Callable[[Any], bool] | None = None
+
     def pre_call(self, step: int, module: Any) -> None:
         """At the start of a call of the ORTModule ``module``, before the step reads the model's parameters and
         buffers (which it then feeds to the graph, or hands to PyTorch on a fallback): an engine that puts other

@@ -104,6 +104,15 @@ def _assigned_opset() -> int | None:
     return None if value == ONNX_OPSET_VERSION else value
 
 
+def _any_of(predicates: list) -> Any:
+    """One predicate true where any of ``predicates`` is (None for none)."""
+    if not predicates:
+        return None
+    if len(predicates) == 1:
+        return predicates[0]
+    return lambda value: any(p(value) for p in predicates)
+
+
 class _Runtime:
     """Per-ORTModule state that is rebuilt, not pickled: config, hooks, state machine, inspectors, fallback."""
 
@@ -116,6 +125,7 @@ class _Runtime:
         # Attributes an engine keeps on the model for its own bookkeeping (RuntimeInspector.untraced_attributes):
         # setting them is no change of the model, nor part of the graph's fingerprint (the pipeline's).
         self.untraced_attributes = frozenset().union(*(getattr(i, "untraced_attributes", ()) for i in inspectors))
+        self.untraced_hooks = _any_of([p for i in inspectors if (p := getattr(i, "untraced_hooks", None)) is not None])
         self._use(config, hooks)
         # Repairs in force (ortcore.repair), oldest first, and every repair tried (by key), kept or not.
         self.repairs: list[Repair] = []
@@ -152,6 +162,7 @@ class _Runtime:
             self.exporter.use_hooks(hooks, config)
         self.pipeline = Pipeline(config, hooks, self.exporter, self.state)
         self.pipeline.untraced_attributes = self.untraced_attributes
+        self.pipeline.untraced_hooks = self.untraced_hooks
 
     def static_sizes(self, key: GraphKey, tensors: list[torch.Tensor]) -> tuple:
         """The sizes ``key``'s graph is exported for (``dynamic_shapes = "auto"``): the first call's, with each

@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -110,6 +110,9 @@ class Pipeline:
         #: Attributes engines keep on the model's modules that the forward never reads (the runtime inspectors'
         #: ``untraced_attributes``): not part of the graph's fingerprint.
         self.untraced_attributes: frozenset[str] = frozenset()
+        #: Hooks the runtime inspectors' engines install and the export sets aside (``untraced_hooks``): named by
+        #: their code only in the graph's fingerprint. None: every hook is described with what it refers to.
+        self.untraced_hooks: Callable[[Any], bool] | None = None
 
     # -- export and pre-gradient passes ----------------------------------------------------------------------------
     def export(
@@ -171,6 +174,7 @@ class Pipeline:
             exporter=self.exporter,
             plugin_keys=self.hooks.export_key(),
             untraced=self.untraced_attributes,
+            untraced_hooks=self.untraced_hooks,
         )
         fp = fingerprint(description)
         self._last_identity = (key, passes, fp, description)

@@ -239,8 +239,12 @@ def decode_entry(data: bytes, *, fingerprint: str, rank: int, state: str | None 
 
 
 def _check_graph(graph: ExportedGraph, module: torch.nn.Module) -> None:
-    """A graph whose inputs are neither arguments nor the model's state belongs to another model."""
-    state = set(module.state_dict(keep_vars=True))
+    """A graph whose inputs are neither arguments nor the model's state belongs to another model.
+
+    The names come from ``named_parameters``/``named_buffers``, not ``state_dict()``: that runs the model's
+    state-dict hooks, and an engine's (FSDP2's reshards the blocks) would change the model in the middle of a step."""
+    state = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    state |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
     users = set(graph.user_input_names)
     foreign = [n for n in graph.input_names if n not in state and n not in users]
     if foreign:

@@ -110,6 +110,10 @@ def unshard(modules: list[torch.nn.Module]) -> None:
             handle.wait()
 
 
+#: FSDP2's module hooks: they gather and free parameters around each forward, never change what it computes.
+FSDP_HOOKS = hook_defined_in("torch.distributed.fsdp")
+
+
 @contextlib.contextmanager
 def whole(model: torch.nn.Module) -> Iterator[None]:
     """The model as it is without FSDP2: parameters unsharded, FSDP2's hooks set aside, the model's own classes."""
@@ -118,7 +122,7 @@ def whole(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     unshard(modules)
-    with hooks_set_aside(model, hook_defined_in("torch.distributed.fsdp")), plain_modules(modules):
+    with hooks_set_aside(model, FSDP_HOOKS), plain_modules(modules):
         yield
 
 
@@ -140,6 +144,8 @@ class FSDP2(RuntimeInspector):
         # FSDP2's state in the sharded modules' __dict__ (process group, all-gather buffers, per-step flags):
         # bookkeeping the forward never reads, not part of the graph's identity.
         self.untraced_attributes = frozenset(_composable_state_keys())
+        # FSDP2's module hooks (the export sets them aside): in the fingerprint by their code, not their state.
+        self.untraced_hooks = FSDP_HOOKS
         self._model = weakref.ref(model)
         self._unsharded: list[torch.nn.Module] = []
         self._backward_follows = False

@@ -212,6 +212,8 @@ class ZeroStage3(RuntimeInspector):
             "_external_params",
         }
     )
+    #: DeepSpeed's module hooks (the export sets them aside): in the fingerprint by their code, not their state.
+    untraced_hooks = staticmethod(hook_defined_in("deepspeed"))
 
     def __init__(self, module: torch.nn.Module, expected: bool) -> None:
         self._module = weakref.ref(module)

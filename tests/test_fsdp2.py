@@ -148,6 +148,25 @@ def test_fsdp2_mixed_precision_policy_bf16() -> None:
     assert_ran_in_ort(ours[2], exports=1)
 
 
+def test_fsdp2_second_job_loads_its_graph_from_the_export_cache_and_trains_like_fsdp2(tmp_path: Path, monkeypatch) -> None:
+    """A second ORTModule of the same model (a job started again) loads its graph from ORTMODULE_CACHE_DIR instead of
+    exporting; checking the entry reads the model's parameter names without FSDP2's state-dict hooks (which would
+    reshard the blocks in the middle of the step), and it trains like FSDP2 over the model."""
+    monkeypatch.setenv("ORTMODULE_CACHE_DIR", str(tmp_path / "cache"))
+    # Kernel choices final from the start (the default list): a graph this process ran with choices not final yet
+    # is served to a second ORTModule of the same process only once final, which depends on the machine's load.
+    monkeypatch.setenv("ORTCORE_KERNEL_MEASURE", "off")
+    reference = run(wrap=False)
+    first = run(wrap=True)
+    second = run(wrap=True)
+    assert_same(reference, first)
+    assert_same(reference, second)
+    assert first[2].state_machine.counters.cache_loads == 0
+    assert second[2].state_machine.counters.cache_loads == 1
+    assert_ran_in_ort(second[2], exports=1)
+    assert_sharded(second[2])
+
+
 def test_fsdp2_eval_without_grad_reshards_the_blocks() -> None:
     """A call under ``no_grad`` runs in ORT (an inference graph) with FSDP2's outputs and leaves the blocks sharded."""
     reference, ours = sharded(wrap=False), sharded(wrap=True)

@@ -151,6 +151,25 @@ def test_zero3_trains_like_deepspeed_over_the_model(threshold: int | None) -> No
         assert all(p.ds_persist for p in model.parameters())
 
 
+def test_zero3_second_job_finds_its_graph_under_the_same_export_cache_key(tmp_path: Path, monkeypatch) -> None:
+    """A second ORTModule of the same model under ZeRO-3 (a job started again) looks up the same export cache key:
+    DeepSpeed's hooks count in the graph's fingerprint by their code, not by the per-engine state they are bound to
+    (handle ids, counters). The graph it finds runs DeepSpeed's stage-3 linear (a custom autograd Function, a
+    PythonOp), which a cached graph cannot carry across processes, so it is exported again; it trains like ZeRO-3
+    over the model and stays partitioned."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ORTMODULE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("ORTCORE_KERNEL_MEASURE", "off")  # one entry per key whatever the machine's load
+    config = ds_config(stage3_param_persistence_threshold=0)
+    reference = run(config, wrap=False)
+    first = run(config, wrap=True)
+    graphs = sorted(cache.glob("*.ortgraph"))
+    second = run(config, wrap=True, check=assert_partitioned)
+    assert_same(reference, first)
+    assert_same(reference, second)
+    assert len(graphs) == 1 and sorted(cache.glob("*.ortgraph")) == graphs  # one key for both jobs
+
+
 def test_zero3_parameters_gathered_only_while_ort_needs_them() -> None:
     """Shards between steps; whole from ORT's forward to the end of its backward (the graph's inputs, which ORT's
     backward reads); shards again after a call without a backward."""

@@ -13,6 +13,7 @@ plugin recorded when it exported the op (model metadata ``ortcore.routed::<op>``
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from typing import Any
@@ -29,6 +30,9 @@ from .domains import ATEN_DOMAIN, PYTHON_OP_DOMAIN  # noqa: E402 (re-exported)
 
 #: Why a PythonOp's Function runs in PyTorch, by Function class name; others are custom autograd Functions.
 FUNCTION_REASONS = {"RegionFunction": "modules run in PyTorch as one node each (region_routing)"}
+
+
+logger = logging.getLogger("ortcore")
 
 
 def routed_reasons(model: onnx.ModelProto) -> dict[str, str]:
@@ -70,6 +74,7 @@ class Explanation(list):
     ``reason``. Printing it gives a table, then the repairs in force (``repairs``: one line each)."""
 
     repairs: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # what plugins add (``ortcore_explain_notes``): kernel measurement's decisions and cost
 
     def routed(self) -> dict[str, str]:
         """``{op: reason}`` of the op kinds that run on PyTorch's kernels."""
@@ -80,7 +85,7 @@ class Explanation(list):
             return "no graph yet: call the model once"
         rows = [(r["op"], r["runs_on"], r["forward"], r["backward"], r["reason"]) for r in self]
         table = format_table(("op", "runs on", "forward", "backward", "why"), rows, indent="")
-        return "\n".join([table, *(f"runs in PyTorch: {line}" for line in self.repairs)])
+        return "\n".join([table, *(f"runs in PyTorch: {line}" for line in self.repairs), *self.notes])
 
 
 def operator_of(node: onnx.NodeProto) -> str:
@@ -137,4 +142,14 @@ def explain(module: Any) -> Explanation:
     rows.repairs = tuple(
         f"{r.description.removesuffix(' runs in PyTorch')}, because {r.reason}" for r in module.repairs
     )
+    rows.notes = tuple(_notes(module))
     return rows
+
+
+def _notes(module: Any) -> list[str]:
+    runtime = module._ortcore
+    try:
+        return runtime.hooks.explain_notes(module, runtime.config)
+    except Exception as e:  # a plugin's note is never worth the explanation itself
+        logger.warning("explain: a plugin's notes failed (%s: %s); the table is complete without them", type(e).__name__, e)
+        return []

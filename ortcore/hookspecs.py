@@ -161,6 +161,12 @@ def ortcore_check_first_step(config: Config, step: FirstStep) -> Any | None:
     """Check the first step of a newly built training session before it runs; raise StepCheckError to fail it."""
 
 
+@hookspec
+def ortcore_explain_notes(config: Config, module: Any) -> list[str] | None:
+    """Lines printed below ``ORTModule.explain()``'s table for ``module`` (the ORTModule): what the plugin decided
+    for this model and what deciding cost (kernel measurement: its decisions and time)."""
+
+
 @hookspec(firstresult=True)
 def ortcore_autograd_function_handler(config: Config, function: type) -> Any | None:
     """Who runs this torch.autograd.Function subclass inside the graph: a handler, INLINE, or None."""

@@ -720,6 +720,11 @@ class Hooks:
             i for found in self._hook.ortcore_runtime_inspectors(config=self.config, module=module) for i in found or []
         ]
 
+    def explain_notes(self, module: Any, config: Config | None = None) -> list[str]:
+        """The lines plugins add below ``module``'s ``explain()`` table (``ortcore_explain_notes``), in answer order."""
+        found = self._collect_items("ortcore_explain_notes", config=config or self.config, module=module)
+        return [str(line) for _, line in found]
+
     def activation_subscribers(self, module: Any) -> list[Any]:
         found = self._hook.ortcore_activation_subscribers(config=self.config, module=module)
         return [s for group in found for s in group or []]

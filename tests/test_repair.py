@@ -358,6 +358,28 @@ def test_explain_says_what_runs_in_pytorch_and_why(ortcore_host):
     assert "runs in PyTorch: module mix.filter, because export failed" in str(explanation)
 
 
+class _Notes:
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    @hookimpl
+    def ortcore_explain_notes(self, module):
+        if self.fail:
+            raise RuntimeError("broken note")
+        return [f"graph of {type(module.module).__name__}: {len(module.state_machine.current[1].model.graph.node)} nodes"]
+
+
+def test_explain_prints_what_plugins_note_and_survives_a_failing_note(ortcore_host, caplog):
+    torch.manual_seed(0)
+    for fail in (False, True):
+        wrapped = ORTModule(nn.Linear(4, 2), host=_host(ortcore_host, ("notes", _Notes(fail))))
+        wrapped(torch.randn(3, 4)).sum().backward()
+        text = str(wrapped.explain())
+        assert text.startswith("op")  # the table first
+        assert ("graph of Linear:" in text.splitlines()[-1]) is not fail, text
+    assert "explain: a plugin's notes failed (PluginError" in caplog.text or "broken note" in caplog.text
+
+
 class RunningMax(nn.Module):
     def __init__(self):
         super().__init__()

@@ -104,6 +104,14 @@ def ortcore_options_class() -> type:
 
 
 @hookimpl
+def ortcore_explain_notes(module: Any) -> list[str] | None:
+    """With kernel choice by measurement: each measured call's decision for this model, and what measuring cost."""
+    if not kernel_choices(module):
+        return None
+    return [explain_kernel_choices(module), kernel_choice.measurement_summary()]
+
+
+@hookimpl
 def ortcore_configure(config: Config) -> None:
     ops = routed_ops(config)
     if ops or fallback_ops(config):

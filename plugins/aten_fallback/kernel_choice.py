@@ -1036,8 +1036,4 @@ def _side_in_graph(decisions: Sequence[Decision], case: Case) -> str:
     return next(d.side for d in decisions if d.case == case)
 
 
-def _decisions_text(module: Any) -> str:
-    return explain_kernel_choices(module) if kernel_choices(module) else ""
-
-
-kernel_measurement.publish(record=lambda: measurement_record, summary=measurement_summary, decisions=_decisions_text)
+kernel_measurement.publish(record=lambda: measurement_record, summary=measurement_summary)

@@ -66,17 +66,4 @@ def _run_explain(args: argparse.Namespace) -> int:
     print(
         f"{len(routed)} op kind(s) run on PyTorch's kernels inside the ORT graph" if routed else "every op runs in ORT"
     )
-    _print_kernel_choice(wrapped)
     return 0
-
-
-def _print_kernel_choice(wrapped) -> None:
-    """With ``torch_kernels = "auto"``: each measured call's decision and what measuring cost this process."""
-    from ortcore_plugins.services import kernel_measurement
-
-    text = kernel_measurement.decisions(wrapped)
-    if not text:
-        return
-    print()
-    print(text)
-    print(kernel_measurement.summary())

@@ -33,7 +33,7 @@ plugins, built-in or third-party: names without a leading underscore are support
 
 ``kernel_measurement``
     What kernel measurement cost this process (:func:`~ortcore_plugins.services.kernel_measurement.record`,
-    ``summary``, ``decisions``), as ``aten_fallback``'s kernel choice publishes it; read by ``demo`` and ``explain``.
+    ``summary``), as ``aten_fallback``'s kernel choice publishes it; read by ``demo``.
 ``machine``
     The machine a number was measured on: :func:`~ortcore_plugins.services.machine.describe_machine` (CPU model,
     cores, ISA level, the GEMM code torch and ONNX Runtime run there) and its one-line form

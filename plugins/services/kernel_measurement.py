@@ -10,8 +10,7 @@ _reporters: dict[str, Callable[..., Any]] = {}
 
 
 def publish(**reporters: Callable[..., Any]) -> None:
-    """Register reporters by name: ``record()`` (the measurement record), ``summary()`` (one text), ``decisions(module)``
-    (each measured call's decision, as text, or "" when there is none)."""
+    """Register reporters by name: ``record()`` (the measurement record), ``summary()`` (one text)."""
     _reporters.update(reporters)
 
 
@@ -24,8 +23,3 @@ def record() -> Any:
 def summary() -> str:
     report = _reporters.get("summary")
     return report() if report else ""
-
-
-def decisions(module: Any) -> str:
-    report = _reporters.get("decisions")
-    return report(module) if report else ""

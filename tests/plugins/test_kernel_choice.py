@@ -299,6 +299,9 @@ def test_auto_routes_what_measured_faster_and_matches_torch(tmp_path: Path, fake
     assert {("gelu", PYTORCH, "measured"), ("layer_norm", PYTORCH, "measured"), ("linear", ORT, "measured")} <= sides
     assert "1.00 ms vs ORT 5.00 ms" in ort.explain().routed()["gelu"]
     assert "gelu" in plugin.explain_kernel_choices(ort)
+    # explain() itself shows each measured call's decision and what measuring cost (the plugin's explain notes)
+    text = str(ort.explain())
+    assert plugin.explain_kernel_choices(ort) in text and kernel_choice.measurement_summary() in text, text
     # a multi-step loss curve
     opt, opt_ref = adamw(ort), adamw(ref)
     for batch in batches[1:]:

@@ -96,6 +96,7 @@ PLUGIN_ENV_VARS: dict[str, tuple[str, ...]] = {
         "ORTCORE_EXPORT_CACHE_TRUST_SHARED",
     ),
     "grad_management": ("ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",),
+    "gradient_audit": ("ORTCORE_AUDIT_RECORDED_VERDICTS",),
     "memory_recompute": ("ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_MEMORY_OPT_CONFIG"),
     "mixed_precision": (
         "ORTCORE_MIXED_PRECISION",

@@ -163,6 +163,22 @@ def test_removing_the_verdicts_directory_audits_again(tmp_path: Path, model: nn.
     assert len(_verdict_files(tmp_path / "cache")) == 1
 
 
+def test_recorded_verdicts_switched_off_neither_read_nor_written(tmp_path: Path, model: nn.Module) -> None:
+    cache = tmp_path / "cache"
+    off = {"ORTCORE_AUDIT_RECORDED_VERDICTS": "0"}
+    assert _step(copy.deepcopy(model), _hosts(cache, **off)).status == "passed"
+    assert _verdict_files(cache) == []  # not written
+    assert _step(copy.deepcopy(model), _hosts(cache)).status == "passed"
+    assert len(_verdict_files(cache)) == 1
+    again = _step(copy.deepcopy(model), _hosts(cache, **off))
+    assert again.status == "passed" and not again.recorded  # not read: audited again
+
+
+def test_a_bad_recorded_verdicts_value_is_refused_naming_it() -> None:
+    with pytest.raises(Exception, match="ORTCORE_AUDIT_RECORDED_VERDICTS"):
+        _hosts(Path("unused"), ORTCORE_AUDIT_RECORDED_VERDICTS="maybe").config.plugin_options("gradient_audit")
+
+
 def test_a_graph_whose_fingerprint_was_not_seen_is_always_audited(tmp_path: Path, model: nn.Module) -> None:
     assert verdicts.fingerprint_of(object()) is None
     store = verdicts.VerdictStore(tmp_path / "v")

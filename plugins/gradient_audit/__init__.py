@@ -8,7 +8,8 @@ which the core's repair loop routes). :mod:`.kinks` tells a difference caused by
 ORT may both be right) from a real one. The option switches and tolerances are the core's (``verify_gradients``,
 ``verify_gradients_rtol``, ``verify_gradients_atol``): they decide whether first steps are checked at all, by this
 plugin or another. A passed verdict is kept beside the export cache (:mod:`.verdicts`): a later process does not
-audit the same graph again on this machine (removing that directory audits it again). See docs/gradient_audit.md.
+audit the same graph again on this machine (removing that directory, or ``ORTCORE_AUDIT_RECORDED_VERDICTS=0``,
+audits it again). See docs/gradient_audit.md.
 """
 
 from __future__ import annotations
@@ -16,12 +17,32 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ortcore.api import ExportedGraph, FirstRunError, FirstStep, GradientMismatchError, hookimpl
+import attrs
+
+from ortcore.api import ExportedGraph, FirstRunError, FirstStep, GradientMismatchError, hookimpl, option, parse_bool
 
 from . import audit, verdicts
 from .audit import AuditRequest, AuditResult
 
 logger = logging.getLogger("ortcore")
+
+
+@attrs.frozen
+class GradientAuditOptions:
+    """This plugin's own options; whether first steps are checked at all, and the tolerances, are the core's."""
+
+    recorded_verdicts: bool = option(
+        True,
+        parse_bool,
+        "a passed verdict is recorded beside the export cache and a later process does not audit that graph again "
+        "(false: audit every process's first step)",
+        "ORTCORE_AUDIT_RECORDED_VERDICTS",
+    )
+
+
+@hookimpl
+def ortcore_options_class() -> type:
+    return GradientAuditOptions
 
 
 def mismatched_module(result: AuditResult) -> str | None:
@@ -67,7 +88,7 @@ def ortcore_check_first_step(config: Any, step: FirstStep) -> AuditResult:
             rtol=config.core.verify_gradients_rtol,
             atol=config.core.verify_gradients_atol,
         ),
-        verdicts.VerdictStore.for_config(config),
+        verdicts.VerdictStore.for_config(config) if _recorded_verdicts(config) else None,
     )
     if result.status == "not audited" and result.error is None:
         logger.warning("%s", result.message())
@@ -80,3 +101,8 @@ def ortcore_check_first_step(config: Any, step: FirstStep) -> AuditResult:
         failed.result = result  # listed by ORTModule.gradient_audits, as a passed audit's report is
         raise failed from result.error
     return result
+
+
+def _recorded_verdicts(config: Any) -> bool:
+    options = config.plugin_options("gradient_audit")
+    return bool(getattr(options, "recorded_verdicts", True))

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import copy
+import types
 
+import onnx
+import pytest
 import torch
 
+from ortcore import GradientMismatchError, ORTModule
+from ortcore.graph_passes import GraphPass
+from ortcore.hookspecs import hookimpl
+from ortcore.testing import make_host
 from ortcore_plugins.gradient_audit.kinks import RELU_TAP, KinksAsTaken, ReluKinks, ReluTaps, explain_by_kinks
 
 
@@ -182,3 +189,68 @@ def test_relu_taps_read_onnx_runtime_side_of_each_kink_through_an_activation_sub
     assert relus.changed() == set()
     for call, want in enumerate(expected):
         assert torch.equal(signs.positive[call], want), call
+
+
+class _KinkNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.lin(x))))
+
+
+def _shift_relu_input(offset: float):
+    """A graph pass: ``Relu(x)`` becomes ``Relu(x - offset)`` (ORT computing the ReLU's input a little lower)."""
+
+    def run(model, context) -> None:
+        nodes = list(model.graph.node)
+        index, node = next((i, n) for i, n in enumerate(nodes) if n.op_type == "Relu")
+        shifted = node.input[0] + "_shifted"
+        const = onnx.helper.make_node(
+            "Constant", [], [shifted + "_c"], value=onnx.helper.make_tensor("c", onnx.TensorProto.FLOAT, [], [offset])
+        )
+        sub = onnx.helper.make_node("Sub", [node.input[0], shifted + "_c"], [shifted], name="planted/shift")
+        node.input[0] = shifted
+        del model.graph.node[:]
+        model.graph.node.extend([*nodes[:index], const, sub, *nodes[index:]])
+
+    return run
+
+
+@pytest.mark.parametrize("shift, passes", [(1e-4, True), (3e-3, False)], ids=["rounding-sized", "beyond-rounding"])
+def test_audit_reads_the_side_of_each_kink_onnx_runtime_took(shift: float, passes: bool) -> None:
+    """One ReLU input 5e-5 of its call's largest above zero (about 400 float32 ulp: beyond the one-at-a-time search's
+    64-ulp band); ORT's graph computes every ReLU input ``shift`` of that largest lower, so it takes that element on
+    the other side of the kink and its gradients move by far more than the tolerance. Rounding-sized (1e-4): the
+    audit reads ORT's side of each kink from a tapped run and passes, float64 following it. Beyond (3e-3): elements
+    far from zero change side too, and the graph is refused."""
+    torch.manual_seed(0)
+    model = _KinkNet()
+    x = torch.randn(16, 6)
+    with torch.no_grad():
+        pre = model.bn(model.lin(x))
+        index = pre.abs().flatten().argmin().item()
+        row, col = divmod(index, 8)
+        top = pre.abs().max().item()
+        model.bn.bias[col] -= pre[row, col] - 5e-5 * top
+        pre = model.bn(model.lin(x))
+    assert 4e-5 * top < pre[row, col].item() < 6e-5 * top
+    plugin = types.SimpleNamespace(
+        ortcore_graph_passes=hookimpl(lambda: [GraphPass("shift", run=_shift_relu_input(shift * top))])
+    )
+    host = make_host({"shift": plugin}, env={"ORTMODULE_FALLBACK_POLICY": "FALLBACK_DISABLE"})
+    wrapped = ORTModule(copy.deepcopy(model), verify_gradients=True, host=host)
+    try:
+        if passes:
+            wrapped(x).square().mean().backward()
+            (result,) = wrapped.gradient_audits
+            assert result.status == "passed", result.message()
+            assert "on the side ONNX Runtime took" in result.message(), result.message()
+        else:
+            with pytest.raises(GradientMismatchError):
+                wrapped(x).square().mean().backward()
+    finally:
+        host.close()

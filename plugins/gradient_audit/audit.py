@@ -727,7 +727,11 @@ def _reversed_batch_side(req: AuditRequest, output_grads: list[torch.Tensor | No
         list(zip(wide.outputs, exact.outputs)),
         [(wide.grads.get(n), g) for n, g in exact.grads.items()],
     ):
-        pairs = [(a, b) for a, b in pairs if b is not None and b.is_floating_point() and b.numel()]
+        pairs = [
+            (None if a is None else a.detach(), b.detach())
+            for a, b in pairs
+            if b is not None and b.is_floating_point() and b.numel()
+        ]
         # A near-zero tensor (a bias before a normalisation, 1e-15) is judged at the scale of its kind's largest.
         largest = max((float(b.abs().max()) for _a, b in pairs), default=0.0)
         for a, b in pairs:
@@ -943,6 +947,10 @@ def _kinks_as_ort_took(
     ORT runs it, and the float64 run follows its signs (:class:`kinks.KinksAsTaken`): however many elements a deep
     network's float32 forward moved across zero, one float64 run tests them all. Returns what explains the
     difference, or None (logged) when it does not."""
+    counter = kinks.ReluKinks()  # a model without a ReLU call has no kink to read: no export for it
+    run(counter)
+    if not counter.calls:
+        return None
     with tapping(None) as tapper:
         relus = kinks.ReluTaps(tapper)
         with relus:

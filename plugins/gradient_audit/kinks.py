@@ -79,7 +79,7 @@ RELU_TAP = "relu call "
 #: Where another run took a ReLU element on the other side of the kink, the float64 run follows it only when the
 #: float64 input is this close to zero relative to the call's largest input (:class:`KinksAsTaken`): the distance
 #: float32 can drift from float64 through a deep network's forward (a third of the audit's default tolerance,
-#: about 5600 ulp), far beyond one kernel's rounding, far below what a wrong formula moves.
+#: about 2500 float32 ulp), far beyond one kernel's rounding, far below what a wrong formula moves.
 TAKEN_BAND = 3e-4
 
 

@@ -163,8 +163,7 @@ def ortcore_check_first_step(config: Config, step: FirstStep) -> Any | None:
 
 @hookspec
 def ortcore_explain_notes(config: Config, module: Any) -> list[str] | None:
-    """Lines printed below ``ORTModule.explain()``'s table for ``module`` (the ORTModule): what the plugin decided
-    for this model and what deciding cost (kernel measurement: its decisions and time)."""
+    """Lines printed below ``ORTModule.explain()``'s table for ``module`` (the ORTModule)."""
 
 
 @hookspec(firstresult=True)

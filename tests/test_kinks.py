@@ -13,7 +13,8 @@ from ortcore import GradientMismatchError, ORTModule
 from ortcore.graph_passes import GraphPass
 from ortcore.hookspecs import hookimpl
 from ortcore.testing import make_host
-from ortcore_plugins.gradient_audit.kinks import RELU_TAP, KinksAsTaken, ReluKinks, ReluTaps, explain_by_kinks
+from ortcore_plugins.gradient_audit.kinks import KinksAsTaken, ReluKinks, explain_by_kinks
+from tests.zoo.relu_signs import ortcore_relu_signs
 
 
 class _Net(torch.nn.Module):
@@ -44,6 +45,30 @@ def _pre_relu(model, loss_of) -> torch.Tensor:
     return seen[0]
 
 
+def _near_zero(model, loss_of, above: float) -> tuple[int, torch.Tensor]:
+    """Move one batch-norm bias so that the ReLU input nearest zero sits ``above`` (relative to the call's largest
+    input) above zero; its flat index, and the ReLU's input after the move."""
+    pre = _pre_relu(model, loss_of)
+    index = pre.abs().flatten().argmin().item()
+    row, col = divmod(index, pre.shape[1])
+    with torch.no_grad():
+        model.bn.bias[col] -= pre[row, col] - above * pre.abs().max()
+    return index, _pre_relu(model, loss_of)
+
+
+def _runner(model, loss_of):
+    """``run(mode)``: a fresh copy of ``model``'s gradients with ``mode`` active, as the kink checks call it."""
+
+    def run(mode) -> dict[str, torch.Tensor]:
+        m = copy.deepcopy(model)
+        with mode:
+            loss = loss_of(m)
+        loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    return run
+
+
 def test_a_flipped_kink_is_explained_and_a_wrong_gradient_is_not() -> None:
     torch.manual_seed(0)
     model = _Net().double()
@@ -52,27 +77,15 @@ def test_a_flipped_kink_is_explained_and_a_wrong_gradient_is_not() -> None:
     def loss_of(m: torch.nn.Module) -> torch.Tensor:
         return m(x).square().mean()
 
-    # Move one batch-norm bias so that one ReLU input sits 1e-9 (relative) above zero: within float32 rounding.
-    pre = _pre_relu(model, loss_of)
-    index = pre.abs().flatten().argmin().item()
-    row, col = divmod(index, 8)
-    with torch.no_grad():
-        model.bn.bias[col] -= pre[row, col] - 1e-9 * pre.abs().max()
-    pre = _pre_relu(model, loss_of)
+    # One ReLU input 1e-9 (relative) above zero: within float32 rounding.
+    index, pre = _near_zero(model, loss_of, 1e-9)
     assert 0 < pre.flatten()[index].item() < 1e-8 * pre.abs().max().item()
 
     exact = _grads(model, loss_of)
     flipped = _grads(model, loss_of, flips={0: [index]})  # what a float32 run on the kink's other side computes
     names = [n for n in exact if (flipped[n] - exact[n]).abs().max() > 1e-4]
     assert names, "the flip must move some gradient, else the test shows nothing"
-
-    def run(mode: ReluKinks) -> dict[str, torch.Tensor]:
-        m = copy.deepcopy(model)
-        with mode:
-            loss = loss_of(m)
-        loss.backward()
-        return {n: p.grad for n, p in m.named_parameters()}
-
+    run = _runner(model, loss_of)
     allowed = {n: 1e-6 for n in names}  # float32 rounding-sized
     got = explain_by_kinks(run, {n: flipped[n].float() for n in names}, allowed)
     assert got.explained, got
@@ -87,15 +100,6 @@ def test_a_flipped_kink_is_explained_and_a_wrong_gradient_is_not() -> None:
     assert untouched.explained and untouched.flips == ()  # nothing to explain: no flip is kept
 
 
-def _relu_outputs(model, loss_of) -> list[torch.Tensor]:
-    seen = []
-    hook = model.bn.register_forward_hook(lambda m, i, o: seen.append(torch.relu(o.detach())))
-    with torch.no_grad():
-        loss_of(model)
-    hook.remove()
-    return seen
-
-
 def test_float64_follows_the_side_another_run_took_within_the_band_only() -> None:
     torch.manual_seed(0)
     model = _Net().double()
@@ -104,21 +108,11 @@ def test_float64_follows_the_side_another_run_took_within_the_band_only() -> Non
     def loss_of(m: torch.nn.Module) -> torch.Tensor:
         return m(x).square().mean()
 
-    pre = _pre_relu(model, loss_of)
-    index = pre.abs().flatten().argmin().item()
-    row, col = divmod(index, 8)
-    with torch.no_grad():
-        model.bn.bias[col] -= pre[row, col] - 1e-7 * pre.abs().max()  # 1e-7 of the largest: within the band
+    index, pre = _near_zero(model, loss_of, 1e-7)  # 1e-7 of the largest: within the band
     exact = _grads(model, loss_of)
     flipped = _grads(model, loss_of, flips={0: [index]})
-    own = _relu_outputs(model, loss_of)[0] > 0
-
-    def run(mode: KinksAsTaken) -> dict[str, torch.Tensor]:
-        m = copy.deepcopy(model)
-        with mode:
-            loss = loss_of(m)
-        loss.backward()
-        return {n: p.grad for n, p in m.named_parameters()}
+    own = pre > 0
+    run = _runner(model, loss_of)
 
     # Its own signs: nothing moves, and the gradients are the plain run's bit for bit.
     same = KinksAsTaken({0: own})
@@ -149,20 +143,9 @@ def test_float64_follows_the_side_another_run_took_within_the_band_only() -> Non
 
 
 def test_relu_taps_read_onnx_runtime_side_of_each_kink_through_an_activation_subscriber() -> None:
-    """ReluTaps with no tapper of its own taps every ReLU output of an ORTModule's export for a subscriber: the
-    signs ORT computed, call by call, equal PyTorch's on a network whose ReLU inputs are far from zero."""
-    from ortcore import ORTModule
-    from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
-
-    class Signs(SubscriberBase):
-        def __init__(self) -> None:
-            super().__init__(end_step=1)
-            self.positive: dict[int, torch.Tensor] = {}
-
-        def on_forward(self, step, order, name, tensor):
-            if name.startswith(RELU_TAP):
-                self.positive[int(name[len(RELU_TAP) :])] = tensor.detach() > 0
-
+    """ReluTaps with no tapper of its own taps every ReLU output of an ORTModule's export for a subscriber
+    (``tests.zoo.relu_signs``): the signs ORT computed, call by call, equal PyTorch's on a network whose ReLU inputs
+    are far from zero."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3), torch.nn.ReLU(inplace=True)
@@ -176,30 +159,10 @@ def test_relu_taps_read_onnx_runtime_side_of_each_kink_through_an_activation_sub
             if isinstance(layer, torch.nn.ReLU):
                 expected.append(h > 0)
 
-    model = copy.deepcopy(net)
-    signs = Signs()
-    relus = ReluTaps()
-    GlobalSubscriberManager.subscribe(model, [signs])
-    try:
-        with relus:
-            ORTModule(model, verify_gradients=False)(x).sum().backward()
-    finally:
-        GlobalSubscriberManager.unsubscribe(model)
-    assert sorted(signs.positive) == [0, 1]
-    assert relus.changed() == set()
+    positive = ortcore_relu_signs(copy.deepcopy(net), lambda ort: ort(x).sum().backward())
+    assert sorted(positive) == [0, 1]  # both calls tapped, neither overwritten later
     for call, want in enumerate(expected):
-        assert torch.equal(signs.positive[call], want), call
-
-
-class _KinkNet(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(6, 8)
-        self.bn = torch.nn.BatchNorm1d(8)
-        self.out = torch.nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.bn(self.lin(x))))
+        assert torch.equal(positive[call], want), call
 
 
 def _shift_relu_input(offset: float):
@@ -228,16 +191,11 @@ def test_audit_reads_the_side_of_each_kink_onnx_runtime_took(shift: float, passe
     audit reads ORT's side of each kink from a tapped run and passes, float64 following it. Beyond (3e-3): elements
     far from zero change side too, and the graph is refused."""
     torch.manual_seed(0)
-    model = _KinkNet()
+    model = _Net()
     x = torch.randn(16, 6)
-    with torch.no_grad():
-        pre = model.bn(model.lin(x))
-        index = pre.abs().flatten().argmin().item()
-        row, col = divmod(index, 8)
-        top = pre.abs().max().item()
-        model.bn.bias[col] -= pre[row, col] - 5e-5 * top
-        pre = model.bn(model.lin(x))
-    assert 4e-5 * top < pre[row, col].item() < 6e-5 * top
+    index, pre = _near_zero(model, lambda m: m(x), 5e-5)
+    top = pre.abs().max().item()
+    assert 4e-5 * top < pre.flatten()[index].item() < 6e-5 * top
     plugin = types.SimpleNamespace(
         ortcore_graph_passes=hookimpl(lambda: [GraphPass("shift", run=_shift_relu_input(shift * top))])
     )

@@ -916,6 +916,14 @@ def _judged_by_kinks(
 
     target = {k: v for k, (v, _) in pending.items()}
     allowed = {k: a for k, (_, a) in pending.items()}
+    try:
+        recorder = kinks.ReluKinks(record=True)
+        recorded = recorder, run(recorder)  # the float64 run both checks below start from
+    except Exception as e:  # the verdicts stand
+        logger.info("gradient audit: no kink check (%s: %s)", type(e).__name__, e)
+        return judged
+    if not recorder.calls:  # no ReLU call: no kink to explain anything
+        return judged
     note = None
     try:
         note = _kinks_as_ort_took(req, run, target, allowed, output_grads)
@@ -923,7 +931,7 @@ def _judged_by_kinks(
         logger.info("gradient audit: no check of ONNX Runtime's own kinks (%s: %s)", type(e).__name__, e)
     if note is None:
         try:
-            found = kinks.explain_by_kinks(run, target, allowed)
+            found = kinks.explain_by_kinks(run, target, allowed, recorded)
         except Exception as e:  # the verdicts stand
             logger.info("gradient audit: no kink check (%s: %s)", type(e).__name__, e)
             return judged
@@ -947,10 +955,6 @@ def _kinks_as_ort_took(
     ORT runs it, and the float64 run follows its signs (:class:`kinks.KinksAsTaken`): however many elements a deep
     network's float32 forward moved across zero, one float64 run tests them all. Returns what explains the
     difference, or None (logged) when it does not."""
-    counter = kinks.ReluKinks()  # a model without a ReLU call has no kink to read: no export for it
-    run(counter)
-    if not counter.calls:
-        return None
     with tapping(None) as tapper:
         relus = kinks.ReluTaps(tapper)
         with relus:
@@ -962,13 +966,11 @@ def _kinks_as_ort_took(
     ort = _run_ort(req, graph, session, output_grads)
     positive = {}
     for name, value in zip(ort.tap_names, ort.tap_values):
-        if name.startswith(kinks.RELU_TAP) and value is not None:
-            call = int(name[len(kinks.RELU_TAP) :])
-            if call not in changed:
-                positive[call] = value.detach() > 0
+        call = kinks.relu_call(name)
+        if call is not None and call not in changed and value is not None:
+            positive[call] = value.detach() > 0
     mode = kinks.KinksAsTaken(positive)
-    values = run(mode)
-    distances = {n: float((target[n].detach().double() - values[n].detach().double()).abs().max()) for n in target}
+    distances = kinks.max_distances(target, run(mode))
     explained = all(distances[n] <= allowed[n] for n in target)
     what = (
         f"{len(mode.taken)} ReLU input(s) within {kinks.TAKEN_BAND:g} of their call's largest from zero, taken in float64 "

@@ -39,22 +39,36 @@ MAX_CANDIDATES = 24
 MIN_GAIN = 0.05
 
 
-class ReluKinks(TorchFunctionMode):
-    """Numbers the ReLU calls of a run; records each call's inputs near zero (``record``) or flips chosen elements
-    of the output mask (``flips``: call number -> flat element indices)."""
+class _NumberedRelus(TorchFunctionMode):
+    """Numbers the ReLU calls of a run (from 0, in call order: every mode below numbers them alike) and hands each to
+    :meth:`relu`; any other call runs as it is."""
 
-    def __init__(self, flips: Mapping[int, list[int]] | None = None, record: bool = False):
+    def __init__(self) -> None:
         super().__init__()
         self.calls = 0
-        self.flips = dict(flips or {})
-        self.record = record
-        self.candidates: list[tuple[float, int, int]] = []  # (|x| / max|x|, call, flat index)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in RELUS:
             return func(*args, **kwargs)
         call, self.calls = self.calls, self.calls + 1
+        return self.relu(call, func, args, kwargs)
+
+    def relu(self, call: int, func: Any, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+
+class ReluKinks(_NumberedRelus):
+    """Numbers the ReLU calls of a run; records each call's inputs near zero (``record``) or flips chosen elements
+    of the output mask (``flips``: call number -> flat element indices)."""
+
+    def __init__(self, flips: Mapping[int, list[int]] | None = None, record: bool = False):
+        super().__init__()
+        self.flips = dict(flips or {})
+        self.record = record
+        self.candidates: list[tuple[float, int, int]] = []  # (|x| / max|x|, call, flat index)
+
+    def relu(self, call: int, func: Any, args: tuple, kwargs: dict) -> Any:
         x = args[0]
         if self.record:
             with torch.no_grad():
@@ -106,10 +120,15 @@ class ReluTaps(TorchFunctionMode):
         return out
 
     def changed(self) -> set[int]:
-        return {int(n[len(RELU_TAP) :]) for n, (t, v) in self.versions.items() if t._version != v}
+        return {relu_call(n) for n, (t, v) in self.versions.items() if t._version != v}
 
 
-class KinksAsTaken(TorchFunctionMode):
+def relu_call(name: str) -> int | None:
+    """The call number of a :class:`ReluTaps` tap named ``name``; None for any other name."""
+    return int(name[len(RELU_TAP) :]) if name.startswith(RELU_TAP) else None
+
+
+class KinksAsTaken(_NumberedRelus):
     """A (float64) run that takes each ReLU element on the side another run took: ``positive`` maps a call number
     to that run's ``output > 0``. An element is moved only where its input here lies within :data:`TAKEN_BAND` of
     zero relative to the call's largest input; ``taken`` lists the moved elements, ``refused`` counts the
@@ -119,15 +138,10 @@ class KinksAsTaken(TorchFunctionMode):
         super().__init__()
         self.positive = dict(positive)
         self.band = band
-        self.calls = 0
         self.taken: list[tuple[int, int]] = []  # (call number, flat element index) of each element moved
         self.refused = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in RELUS:
-            return func(*args, **kwargs)
-        call, self.calls = self.calls, self.calls + 1
+    def relu(self, call: int, func: Any, args: tuple, kwargs: dict) -> Any:
         x = args[0]
         want = self.positive.get(call)
         if want is None or tuple(want.shape) != tuple(x.shape):
@@ -163,27 +177,34 @@ class KinkExplanation:
         )
 
 
+def max_distances(target: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """``max|target[n] - values[n]|`` (in float64) for each name of ``target``."""
+    return {n: float((t.detach().double() - values[n].detach().double()).abs().max()) for n, t in target.items()}
+
+
 def explain_by_kinks(
     run: Callable[[ReluKinks], Mapping[str, torch.Tensor]],
     target: Mapping[str, torch.Tensor],
     allowed: Mapping[str, float],
+    recorded: tuple[ReluKinks, Mapping[str, torch.Tensor]] | None = None,
 ) -> KinkExplanation:
     """Can flipping near-zero ReLU elements of a float64 run bring it within ``allowed[name]`` (max abs) of every
     ``target[name]``?
 
     ``run(mode)`` runs the float64 reference with ``mode`` active (a fresh copy of the model each time: nothing it
-    does may stay) and returns its values by name (gradients, outputs), at least those of ``target``.
+    does may stay) and returns its values by name (gradients, outputs), at least those of ``target``. ``recorded``:
+    a run already made with ``ReluKinks(record=True)`` and its values (not made again).
     """
     names = list(target)
-
-    def distances(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        return {n: float((target[n].detach().double() - values[n].detach().double()).abs().max()) for n in names}
 
     def excess(d: Mapping[str, float]) -> float:  # how far beyond what is allowed, summed over the values
         return sum(max(d[n] / max(allowed[n], 1e-300) - 1.0, 0.0) for n in names)
 
-    recorder = ReluKinks(record=True)
-    best = distances(run(recorder))
+    if recorded is None:
+        recorder = ReluKinks(record=True)
+        recorded = recorder, run(recorder)
+    recorder, values = recorded
+    best = max_distances(target, values)
     candidates = sorted(recorder.candidates)[:MAX_CANDIDATES]
     flips: dict[int, list[int]] = {}
     for _, call, index in candidates:
@@ -191,7 +212,7 @@ def explain_by_kinks(
             break
         trial = {c: list(i) for c, i in flips.items()}
         trial.setdefault(call, []).append(index)
-        d = distances(run(ReluKinks(flips=trial)))
+        d = max_distances(target, run(ReluKinks(flips=trial)))
         if excess(d) < (1 - MIN_GAIN) * excess(best):
             flips, best = trial, d
     return KinkExplanation(

@@ -66,15 +66,15 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from ortcore_plugins.gradient_audit.kinks import (  # noqa: E402
-    RELU_TAP,
     KinkExplanation,
     KinksAsTaken,
     ReluKinks,
-    ReluTaps,
     explain_by_kinks,
+    max_distances,
 )
 from tests.zoo.catalog import ZooModel  # noqa: E402
 from tests.zoo.catalogs import CATALOGS, DEFAULT_CATALOG, get  # noqa: E402
+from tests.zoo.relu_signs import ortcore_relu_signs  # noqa: E402
 
 RTOL = 1e-3
 ATOL = 1e-5
@@ -199,38 +199,14 @@ def _kinks_as_ortcore_took(
     runs its first forward under ORTModule with each ReLU's output recorded (an activation subscriber, the ReLU
     outputs tapped while it exports), then float64 follows those signs (``kinks.KinksAsTaken``). Explained when
     every value in ``target`` comes within ``allowed`` of that float64 run."""
-    from ortcore import ORTModule
-    from ortcore.hooks import GlobalSubscriberManager, SubscriberBase
-
-    class ReluSigns(SubscriberBase):
-        """Which side of each ReLU's kink the first step took: call number -> ``output > 0``."""
-
-        def __init__(self) -> None:
-            super().__init__(end_step=1)
-            self.positive: dict[int, torch.Tensor] = {}
-
-        def on_forward(self, step: int, order: int, name: str, tensor: torch.Tensor) -> None:
-            if name.startswith(RELU_TAP):
-                self.positive[int(name[len(RELU_TAP) :])] = tensor.detach() > 0
-
-    model = copy.deepcopy(initial)
-    signs = ReluSigns()
-    relus = ReluTaps()
-    GlobalSubscriberManager.subscribe(model, [signs])
-    try:
-        with relus:
-            forward_loss(spec, ORTModule(model, verify_gradients=False), batch)
-    finally:
-        GlobalSubscriberManager.unsubscribe(model)
-    changed = relus.changed()
-    mode = KinksAsTaken({c: p for c, p in signs.positive.items() if c not in changed})
-    values = _float64_grads(spec, exact, batch64, mode)
-    distances = {n: float((target[n].double() - values[n].double()).abs().max()) for n in target}
+    positive = ortcore_relu_signs(copy.deepcopy(initial), lambda ort: forward_loss(spec, ort, batch))
+    mode = KinksAsTaken(positive)
+    distances = max_distances(target, _float64_grads(spec, exact, batch64, mode))
     return KinkExplanation(
-        explained=bool(signs.positive) and all(distances[n] <= allowed[n] for n in target),
+        explained=bool(positive) and all(distances[n] <= allowed[n] for n in target),
         flips=tuple(mode.taken),
         distances=distances,
-        candidates=len(signs.positive),
+        candidates=len(positive),
     )
 
 

@@ -42,6 +42,8 @@ import numpy as np
 import onnx
 import torch
 
+from .inspectors import hook_code
+
 if TYPE_CHECKING:
     from .exporter import Exporter
     from .graph_passes import GraphPass
@@ -342,7 +344,7 @@ def _hooks_of(owner: Any, prefix: str = "", untraced: Callable[[Any], bool] | No
 
 def _describe_hook(hook: Any, untraced: Callable[[Any], bool] | None) -> Any:
     if untraced is not None and untraced(hook):
-        target = getattr(getattr(hook, "func", hook), "__func__", getattr(hook, "func", hook))
+        target = hook_code(hook)
         return ["untraced hook", f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '?')}"]
     return _describe(hook, set(), 0)
 

@@ -115,13 +115,17 @@ def hook_defined_in(package: str) -> Callable[[Any], bool]:
     object a module's hook dictionary holds) is code of ``package`` (``"deepspeed"``, ``"torch.distributed.fsdp"``)."""
 
     def owned(hook: Any) -> bool:
-        target = getattr(hook, "hook", hook)  # torch wraps some (state-dict hooks) in an object holding the function
-        target = getattr(target, "func", target)  # functools.partial
-        target = getattr(target, "__func__", target)  # bound method
-        name = str(getattr(target, "__module__", "") or "")
+        name = str(getattr(hook_code(hook), "__module__", "") or "")
         return name == package or name.startswith(package + ".")
 
     return owned
+
+
+def hook_code(hook: Any) -> Any:
+    """The function a module hook runs, unwrapped from what holds it."""
+    target = getattr(hook, "hook", hook)  # torch wraps some (state-dict hooks) in an object holding the function
+    target = getattr(target, "func", target)  # functools.partial
+    return getattr(target, "__func__", target)  # bound method
 
 
 @contextlib.contextmanager

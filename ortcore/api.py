@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 #: The API's version: (major, minor). A minor version adds names; a major one may remove or change them.
-API_VERSION = (3, 7)
+API_VERSION = (3, 8)
 
 # name -> the module that defines it.
 _NAMES: dict[str, str] = {
@@ -89,6 +89,7 @@ _NAMES: dict[str, str] = {
     "RuntimeInspector": "ortcore.inspectors",
     "ForwardInputs": "ortcore.inspectors",
     "FirstStep": "ortcore.inspectors",
+    "StepWatch": "ortcore.inspectors",
     "hooks_set_aside": "ortcore.inspectors",
     "hook_defined_in": "ortcore.inspectors",
     "InputSchema": "ortcore.schema",

@@ -2,7 +2,8 @@
 
 Plugins return inspectors from ``ortcore_runtime_inspectors`` once per model; the core then calls only the methods
 an inspector overrides, directly, so an idle phase costs nothing. ``ortcore_check_first_step`` receives a
-:class:`FirstStep` once per newly built training session, before the step runs (the gradient audit).
+:class:`FirstStep` once per newly built training session, before the step runs (the gradient audit); a check may
+return a :class:`StepWatch` to check the user's own step as it runs instead of running one of its own.
 """
 
 from __future__ import annotations
@@ -49,6 +50,37 @@ class FirstStep:
     # torch.autocast's state the graph was exported under (ortcore.amp.autocast_state): a check runs PyTorch's side
     # under it (``ortcore.api.autocast_as``) and ORT's runs under ``ortcore.api.running_graph``.
     autocast: tuple = ()
+    # Whether a check may return a StepWatch: False when an engine shards the parameters between the forward and
+    # the backward (RuntimeInspector.shards_parameters), the step records activations, or an earlier watch of this
+    # session found a difference or was dropped without a backward (the check then runs a step of its own).
+    watchable: bool = False
+
+
+class StepWatch:
+    """What a first-step check returns to check the user's own step instead of running one of its own.
+
+    The core runs the step in ORT as usual and calls :meth:`outputs` right after ORT's forward, then
+    :meth:`gradients` in the backward, after ORT's backward and before the gradients reach torch. When both accept,
+    :attr:`report` is listed with the checks' reports and the session counts as checked; when either does not,
+    the session is checked again at its next call by a check that runs a step of its own
+    (``FirstStep.watchable`` False). A watch whose step is never differentiated counts as not accepted.
+    """
+
+    #: The check's report once :meth:`gradients` accepted (listed by ``ORTModule.gradient_audits``).
+    report: Any = None
+
+    def outputs(self, outputs: list[Any]) -> bool:
+        """ORT's forward outputs of the step (the model's flat outputs). False: the core drops this forward and
+        runs the call again, checked by a step of the check's own (the call's outputs then come from a graph
+        that passed, or a repaired one)."""
+        return True
+
+    def gradients(self, output_grads: list[Any], grads: dict[str, Any] | None) -> dict[str, Any] | None:
+        """ORT's gradients of the step by feed name (parameters by name, inputs by graph input name; None where
+        ORT gives none) for the user's ``output_grads`` (None for outputs not differentiated); ``grads`` None when
+        ORT's backward failed. Return None to accept, or the gradients to use instead (by the same names; the
+        check's own, right ones): the step then takes them and the session is checked again at its next call."""
+        return None
 
 
 class RuntimeInspector:
@@ -65,6 +97,11 @@ class RuntimeInspector:
     #: is bound to (which holds per-instance handles and counters): a second job with the same model finds its graph
     #: in the export cache. None: every hook is part of the fingerprint with everything it refers to.
     untraced_hooks: Callable[[Any], bool] | None = None
+
+    #: True for an engine that gathers the parameters for the step and shards them again before a later backward
+    #: could read them (FSDP2, ZeRO-3): a first-step check then finishes its PyTorch side within the check
+    #: (``FirstStep.watchable`` is False) instead of differentiating it in the user's backward.
+    shards_parameters: bool = False
 
     def pre_call(self, step: int, module: Any) -> None:
         """At the start of a call of the ORTModule ``module``, before the step reads the model's parameters and

@@ -30,7 +30,7 @@ from .errors import (
 from .exporter import Exporter
 from .graph import ExportedGraph, range_violations, update_batch_norm, write_back_buffers
 from .host import Hooks, PluginHost, get_host
-from .inspectors import FirstStep, ForwardInputs, phase_callbacks
+from .inspectors import FirstStep, ForwardInputs, StepWatch, phase_callbacks
 from .options import ONNX_OPSET_VERSION, DebugOptions, FallbackPolicy
 from .pipeline import Pipeline
 from .repair import CORE_REPAIR, EXPORTER_KINDS, MAX_REPAIRS, Failure, Repair, locate, order_repairs, trace_modules
@@ -126,6 +126,7 @@ class _Runtime:
         # setting them is no change of the model, nor part of the graph's fingerprint (the pipeline's).
         self.untraced_attributes = frozenset().union(*(getattr(i, "untraced_attributes", ()) for i in inspectors))
         self.untraced_hooks = _any_of([p for i in inspectors if (p := getattr(i, "untraced_hooks", None)) is not None])
+        self.inspectors = inspectors
         self._use(config, hooks)
         # Repairs in force (ortcore.repair), oldest first, and every repair tried (by key), kept or not.
         self.repairs: list[Repair] = []
@@ -138,10 +139,14 @@ class _Runtime:
         # None where a call changed a dimension (dynamic_shapes = "auto", :meth:`static_sizes`).
         self.sizes: dict[tuple, tuple] = {}
         # Each training session's first step is checked once (ortcore_check_first_step: the gradient audit); a
-        # session that failed its check keeps the failure, raised again on every step.
-        self.checked: weakref.WeakKeyDictionary[TrainingSession, StepCheckError | FirstRunError | None] = (
-            weakref.WeakKeyDictionary()
-        )
+        # session that failed its check keeps the failure, raised again on every step. A check watching the user's
+        # step (a StepWatch) is pending until that step's backward: a weak reference to it.
+        self.checked: weakref.WeakKeyDictionary[
+            TrainingSession, StepCheckError | FirstRunError | weakref.ref | None
+        ] = weakref.WeakKeyDictionary()
+        # Sessions whose watched step did not pass, or whose watch was dropped without a backward: checked again
+        # by a step of the check's own.
+        self.watch_again: weakref.WeakSet[TrainingSession] = weakref.WeakSet()
         self.audits: list[Any] = []  # the checks' reports, oldest first
         self.told_unchecked = False  # verify_gradients is on and no enabled plugin checks (said once)
         try:
@@ -259,6 +264,80 @@ class _Runtime:
         return True
 
 
+class _OutputsDiffer(Exception):
+    """A watched first step's outputs differ from the check's: the call is run again, checked by a step of the
+    check's own."""
+
+
+class _Watching:
+    """The first-step checks watching one training step (:class:`StepWatch`), for the session that runs it."""
+
+    def __init__(self, runtime: _Runtime, session: TrainingSession, graph: ExportedGraph, watches: list[StepWatch]):
+        self.runtime = runtime
+        self.session = weakref.ref(session)
+        self.n_outputs = graph.n_user_outputs
+        self.feed_names = list(session.feed_names)
+        self.watches = watches
+
+    def outputs(self, outputs: tuple) -> None:
+        """Raises :class:`_OutputsDiffer` when a watch does not accept ORT's outputs."""
+        for watch in self.watches:
+            try:
+                accepted = watch.outputs(list(outputs[: self.n_outputs]))
+            except Exception as e:  # a check's own failure: its session is checked again, by a step of its own
+                logger.warning("a first-step check failed on the step's outputs (%s: %s)", type(e).__name__, e)
+                accepted = False
+            if not accepted:
+                self._not_passed()
+                raise _OutputsDiffer
+
+    def gradients(self, grad_outputs: tuple, grads: list) -> list:
+        """ORT's gradients of the watched step, or those a watch hands over instead."""
+        by_name = dict(zip(self.feed_names, grads))
+        replaced: dict[str, Any] = {}
+        reports = []
+        for watch in self.watches:
+            try:
+                instead = watch.gradients(list(grad_outputs[: self.n_outputs]), dict(by_name))
+            except Exception as e:
+                logger.warning("a first-step check failed on the step's gradients (%s: %s)", type(e).__name__, e)
+                self._not_passed()
+                return grads
+            if instead is not None:
+                replaced.update(instead)
+            elif watch.report is not None:
+                reports.append(watch.report)
+        session = self.session()
+        if replaced:
+            self._not_passed()
+            return [replaced.get(name, g) for name, g in zip(self.feed_names, grads)]
+        self.runtime.audits.extend(reports)
+        if session is not None:
+            self.runtime.checked[session] = None
+        return grads
+
+    def failed(self, grad_outputs: tuple, error: Exception) -> list | None:
+        """The gradients a watch hands over when ORT's backward of the watched step failed with ``error``; None when
+        none does."""
+        self._not_passed()
+        logger.info("ONNX Runtime's backward of the watched first step failed (%s: %s)", type(error).__name__, error)
+        for watch in self.watches:
+            try:
+                instead = watch.gradients(list(grad_outputs[: self.n_outputs]), None)
+            except Exception as e:
+                logger.warning("a first-step check failed on the step's gradients (%s: %s)", type(e).__name__, e)
+                continue
+            if instead is not None:
+                return [instead.get(name) for name in self.feed_names]
+        return None
+
+    def _not_passed(self) -> None:
+        session = self.session()
+        if session is not None:
+            self.runtime.checked.pop(session, None)
+            self.runtime.watch_again.add(session)
+
+
 class _ORTFunction(torch.autograd.Function):
     """Runs one training step's forward in ORT and, when autograd asks, the matching backward."""
 
@@ -270,11 +349,13 @@ class _ORTFunction(torch.autograd.Function):
         recording: Any,
         anchor: Any,
         autocast: tuple,
+        watch: _Watching | None,
         *feeds: torch.Tensor,
     ):
         with running_graph(autocast):  # the graph holds autocast's casts (ortcore.amp)
             outputs, state = session.run_forward(feeds)
         ctx.autocast = autocast
+        ctx.watch = watch  # a first-step check watching this step (StepWatch): given ORT's gradients once
         ctx.session = session
         ctx.runtime = runtime
         ctx.recording = recording  # (recorder, its step state, the graph's taps) when activations are recorded
@@ -303,10 +384,20 @@ class _ORTFunction(torch.autograd.Function):
             with running_graph(ctx.autocast):
                 _, state = session.run_forward(ctx.feeds)
         tap_grads: list[tuple[int, torch.Tensor]] | None = [] if ctx.recording is not None else None
-        with running_graph(ctx.autocast):
-            grads = session.run_backward(
-                grad_outputs, ctx.meta, state, tap_gradients=tap_grads, feed_shapes=[f.shape for f in ctx.feeds]
-            )
+        watch = ctx.__dict__.pop("watch", None)
+        try:
+            with running_graph(ctx.autocast):
+                grads = session.run_backward(
+                    grad_outputs, ctx.meta, state, tap_gradients=tap_grads, feed_shapes=[f.shape for f in ctx.feeds]
+                )
+        except Exception as e:
+            # A watched first step whose backward ORT cannot run: the step takes the check's gradients, if it has
+            # them, and the session is checked again (by a step of the check's own, which names the failure).
+            if watch is None or (grads := watch.failed(grad_outputs, e)) is None:
+                raise
+        else:
+            if watch is not None:
+                grads = watch.gradients(grad_outputs, grads)
         del state
         if tap_grads:
             recorder, step_state, taps = ctx.recording
@@ -314,7 +405,7 @@ class _ORTFunction(torch.autograd.Function):
                 recorder.deliver_backward(step_state, taps[k].name, grad)
         for call in phases["post_backward"]:
             call(ctx.step)
-        return (None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, *grads)
 
 
 # export_again(): per wrapped module, (how many requests so far, the last one's reason). Each ORTModule remembers the
@@ -562,18 +653,24 @@ class ORTModule(torch.nn.Module):
             if known is not None and not rt.options.fallback_retry:
                 rt.state.fallback_reason = known
                 return self._original_module(*args, **kwargs)
-            try:
-                graph, session, key = self._resolve_verified(
-                    key, schema, tensors, params, buffers, recorder, args, kwargs
-                )
-            except tuple(_FALLBACK_FLAG) as e:
-                # The key the next such call gets: a graph for static sizes that failed made its sizes dynamic.
-                error, failed = e, self._graph_key(schema, tensors, params, buffers, taps)
-            else:
+            while True:
+                try:
+                    graph, session, key, watch = self._resolve_verified(
+                        key, schema, tensors, params, buffers, recorder, args, kwargs
+                    )
+                except tuple(_FALLBACK_FLAG) as e:
+                    # The key the next such call gets: a graph for static sizes that failed made its sizes dynamic.
+                    error, failed = e, self._graph_key(schema, tensors, params, buffers, taps)
+                    break
                 rt.state.record_ort_run(key)
                 step_state = recorder.start_step("ortcore") if recorder is not None else None
                 recording = (recorder, step_state) if step_state is not None else None
-                return self._execute(graph, session, tensors, params, buffers, (args, kwargs), recording, key.autocast)
+                try:
+                    return self._execute(
+                        graph, session, tensors, params, buffers, (args, kwargs), recording, key.autocast, watch
+                    )
+                except _OutputsDiffer:  # a watched first step: the call again, its session checked by a step of its own
+                    logger.info("the first step's outputs differ from the check's: the call runs again, checked")
         # Out of the except blocks: an exception the model raises in PyTorch reaches the user as PyTorch raised it,
         # not chained to ortcore's. The model's own forward runs, and its hooks record the step.
         return self._fall_back(error, failed, args, kwargs)
@@ -589,8 +686,8 @@ class ORTModule(torch.nn.Module):
         args: tuple,
         kwargs: dict,
     ) -> tuple:
-        """``(graph, session, key)`` for the call, the first step of a new training graph audited against PyTorch
-        (``verify_gradients``). When export, the gradient build, the first run or the audit fails, the failure is
+        """``(graph, session, key, watch)`` for the call, the first step of a new training graph audited against
+        PyTorch (``verify_gradients``; ``watch`` a :class:`_Watching` when a check watches the step itself). When export, the gradient build, the first run or the audit fails, the failure is
         located and repaired by routing (:mod:`ortcore.repair`), and the call tried again under the repaired key;
         when no repair is left the error propagates (the fallback policy then applies), noting what was tried."""
         rt = self._ortcore
@@ -604,12 +701,13 @@ class ORTModule(torch.nn.Module):
         while True:
             try:
                 graph, session, key = self._resolve(key, schema, tensors, recorder)
+                watch = None
                 if rt.options.verify_gradients and session.request.build_gradient:
-                    self._check_first_step(graph, session, key, schema, tensors, params, buffers)
+                    watch = self._check_first_step(graph, session, key, schema, tensors, params, buffers)
                 if len(rt.repairs) > in_force:
                     found = [attrs.asdict(r) for r in rt.repairs]
                     rt.hooks.repairs_found(self._original_module, rt.unrepaired_fingerprint, found)
-                return graph, session, key
+                return graph, session, key, watch
             except (UnsupportedModelError, GraphBuildError, StepCheckError) as e:
                 dynamic = rt.all_dynamic(key, e) if isinstance(e, GraphBuildError) else None
                 if dynamic is not None:  # the static graph failed: the one dynamic in every dimension comes first
@@ -673,6 +771,7 @@ class ORTModule(torch.nn.Module):
         call: tuple,
         step_recording: Any = None,
         autocast: tuple = (),
+        watch: _Watching | None = None,
     ) -> Any:
         by_name = dict(zip(graph.user_input_names, tensors))
         by_name.update(params)
@@ -699,7 +798,9 @@ class ORTModule(torch.nn.Module):
                 feeds = [f.detach() if i in session.grads_handed_over else f for i, f in enumerate(feeds)]
                 if not any(f.requires_grad for f in feeds):
                     anchor = torch.zeros((), requires_grad=True)
-            outputs = _ORTFunction.apply(session, rt, recording, anchor, autocast, *feeds)
+            outputs = _ORTFunction.apply(session, rt, recording, anchor, autocast, watch, *feeds)
+            if watch is not None:
+                watch.outputs(outputs)  # raises _OutputsDiffer before any buffer is written back
         else:
             with running_graph(autocast):
                 outputs = session.run_inference(feeds)
@@ -730,9 +831,18 @@ class ORTModule(torch.nn.Module):
         tensors: list[torch.Tensor],
         params: dict,
         buffers: dict,
-    ) -> None:
-        """The plugins' checks of a session's first step (``ortcore_check_first_step``), once per session."""
+    ) -> _Watching | None:
+        """The plugins' checks of a session's first step (``ortcore_check_first_step``), once per session; the
+        checks watching the step itself (:class:`StepWatch`), if any, to run it with."""
         rt = self._ortcore
+        pending = rt.checked.get(session)
+        if isinstance(pending, weakref.ref):
+            if pending() is not None:  # a watched step not differentiated yet (gradient accumulation): unchecked
+                return None
+            logger.info("the watched first step was never differentiated: the next one is checked by a step of its own")
+            del rt.checked[session]
+            rt.watch_again.add(session)
+        watching = None
         if session not in rt.checked:
             if not rt.hooks.checks_first_steps():
                 if not rt.told_unchecked:
@@ -754,19 +864,30 @@ class ORTModule(torch.nn.Module):
                 export=lambda tapper: rt.pipeline.export_for_audit(self._original_module, schema, tensors, tapper, key),
                 build=lambda g: self._check_build(g, key),
                 autocast=key.autocast,
+                # An engine that shards the parameters between forward and backward: checks run steps of their own.
+                watchable=not graph.taps
+                and session not in rt.watch_again
+                and not any(getattr(i, "shards_parameters", False) for i in rt.inspectors),
             )
             rt.state.counters.audits += 1
             try:
-                rt.audits.extend(rt.hooks.check_first_step(step))
-                rt.checked[session] = None
+                reports = rt.hooks.check_first_step(step)
+                watches = [r for r in reports if isinstance(r, StepWatch)]
+                rt.audits.extend(r for r in reports if not isinstance(r, StepWatch))
+                if watches and step.watchable:
+                    watching = _Watching(rt, session, graph, watches)
+                    rt.checked[session] = weakref.ref(watching)
+                else:
+                    rt.checked[session] = None
             except (StepCheckError, FirstRunError) as e:
                 report = getattr(e, "result", None)  # the check's report, if it attached one
                 if report is not None:
                     rt.audits.append(report)
                 rt.checked[session] = e
         failed = rt.checked[session]
-        if failed is not None:
+        if isinstance(failed, (StepCheckError, FirstRunError)):
             raise failed.with_traceback(None)
+        return watching
 
     def _check_build(self, graph: ExportedGraph, key: GraphKey) -> TrainingSession:
         self._ortcore.state.record_probe("gradient audit")

@@ -140,6 +140,7 @@ def check_model(config: Config, model: torch.nn.Module) -> list[torch.nn.Module]
 class FSDP2(RuntimeInspector):
     """Unshards the sharded blocks before the step reads the parameters; FSDP2's own callback reshards them."""
 
+
     def __init__(self, model: torch.nn.Module) -> None:
         # FSDP2's state in the sharded modules' __dict__ (process group, all-gather buffers, per-step flags):
         # bookkeeping the forward never reads, not part of the graph's identity.
@@ -149,6 +150,12 @@ class FSDP2(RuntimeInspector):
         self._model = weakref.ref(model)
         self._unsharded: list[torch.nn.Module] = []
         self._backward_follows = False
+
+    @property
+    def shards_parameters(self) -> bool:
+        """A model with sharded blocks: a first-step check differentiates PyTorch's side while they are whole."""
+        model = self._model()
+        return model is not None and bool(sharded_modules(model))
 
     def pre_call(self, step: int, module: Any) -> None:
         model = self._model()

@@ -194,6 +194,7 @@ def _forget_reads_outside_forward(module: torch.nn.Module) -> None:
 class ZeroStage3(RuntimeInspector):
     """Gathers the partitioned parameters before ORT's forward and partitions them again after its backward."""
 
+
     # What DeepSpeed's stage-3 hooks keep on the modules they run on (the ORTModule is the root): bookkeeping the
     # model's forward never reads; applied_pre_backward_ref_cnt and ds_grads_remaining change at every step.
     untraced_attributes = frozenset(
@@ -221,6 +222,12 @@ class ZeroStage3(RuntimeInspector):
         self._told = False
         self._held: list[torch.Tensor] = []
         self._backward_follows = False
+
+    @property
+    def shards_parameters(self) -> bool:
+        """A model with ZeRO-3 parameters: a first-step check differentiates PyTorch's side while they are whole."""
+        module = self._module()
+        return module is not None and bool(zero3_params(module))
 
     def _hold(self, params: list[torch.Tensor]) -> None:
         """Gather ``params`` and mark them in use by the graph: DeepSpeed's coordinator releases a parameter only

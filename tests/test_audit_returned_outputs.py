@@ -3,7 +3,9 @@
 ONNX Runtime keeps some forward values for its backward; one handed to the user without a copy is overwritten when
 the backward reuses its buffer. The audit copies every output when the forward returns it and compares after its
 backward. The overwrite is planted here (the session's backward writes into the output the forward returned, as
-ORT's buffer reuse does), so the check cannot pass vacuously; the same model without the plant passes.
+ORT's buffer reuse does), so the check cannot pass vacuously; the same model without the plant passes. The first
+step is audited as it runs (the change seen at its backward), the second by a step of the audit's own, which names
+the output.
 """
 
 from __future__ import annotations
@@ -62,9 +64,13 @@ def test_an_output_overwritten_by_the_backward_is_named(monkeypatch: pytest.Monk
     host = make_host({}, env=NO_FALLBACK)
     writes = _plant_overwrite(monkeypatch, output=1)  # outputs flatten in key order: prediction, scale
     wrapped = ORTModule(model, verify_gradients=True, fallback_policy="FALLBACK_DISABLE", host=host)
+    # The first step is audited as it runs: its outputs differ from PyTorch's after the backward, so it takes
+    # PyTorch's gradients and the next call is audited by a step of its own, which names the output.
+    wrapped(torch.randn(4, 6))["prediction"].sum().backward()
+    assert writes, "the plant never ran: the test would show nothing"
+    assert wrapped.gradient_audits == []
     with pytest.raises(GradientMismatchError) as caught:
         wrapped(torch.randn(4, 6))
-    assert writes, "the plant never ran: the test would show nothing"
     message = str(caught.value)
     assert "output 'output.scale' changed after the call" in message, message
     assert "no single module named" not in message

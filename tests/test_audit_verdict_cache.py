@@ -122,8 +122,13 @@ def test_a_planted_wrong_graph_is_audited_and_caught_despite_a_recorded_verdict(
     assert _step(copy.deepcopy(model), _hosts(tmp_path / "cache")).status == "passed"
     assert len(_verdict_files(tmp_path / "cache")) == 1
     plugin = types.SimpleNamespace(**{hook: hookimpl(lambda: [GraphPass("planted", run=planted)])})
+    wrapped = ORTModule(copy.deepcopy(model), verify_gradients=True, host=_hosts(tmp_path / "cache", {"planted": plugin}))
     with pytest.raises(GradientMismatchError) as caught:
-        _step(copy.deepcopy(model), _hosts(tmp_path / "cache", {"planted": plugin}))
+        # A wrong forward is caught at the first call; a wrong gradient in the first step's backward, which takes
+        # PyTorch's gradients, and the second call, audited by a step of its own, raises.
+        for _ in range(2):
+            torch.manual_seed(3)
+            wrapped(torch.randn(5, 6)).square().mean().backward()
     assert caught.value.result.status == "mismatch" and not caught.value.result.recorded
     assert any(d.name == "fc1.weight" for d in caught.value.result.differences)
     assert len(_verdict_files(tmp_path / "cache")) == 1  # a mismatch is never recorded

@@ -205,6 +205,9 @@ def test_wrong_where_gradient_without_gradient_fixes_names_the_module() -> None:
     # region_routing off too: nothing can repair the mismatch, so it reaches the user.
     wrapped = _audited(GatedNet(), host=_builtins_without("gradient_fixes", "region_routing"))
     x = torch.randn(8, 16)
+    # The first step, audited as it runs, takes PyTorch's gradients (ORT's gradient of gate.w has the wrong shape);
+    # the next call is audited by a step of its own, which names the module.
+    wrapped(x).sum().backward()
     with pytest.raises(GradientMismatchError) as caught:
         wrapped(x).sum().backward()
     result = caught.value.result
@@ -224,13 +227,14 @@ def test_wrong_where_gradient_is_repaired_by_running_the_named_module_in_pytorch
     reference = copy.deepcopy(model)
     wrapped = _audited(model, host=_builtins_without("gradient_fixes"))
     x = torch.randn(8, 16)
-    wrapped(x).sum().backward()
-    reference(x).sum().backward()
+    for step in range(2):  # the first step takes PyTorch's gradients, the second is audited by a step of its own
+        wrapped(x).sum().backward()
+        reference(x).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert [r.region for r in wrapped.repairs] == ([] if step == 0 else ["gate"])
     first, second = wrapped.gradient_audits
     assert first.status == "mismatch" and first.location.module == "gate" and second.status == "passed"
-    assert [r.region for r in wrapped.repairs] == ["gate"]
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_the_same_model_passes_with_gradient_fixes() -> None:
@@ -268,9 +272,19 @@ class TwoPart(nn.Module):
 
 def test_wrong_activation_gradient_names_the_module_whose_backward_computes_it() -> None:
     host = make_host({}, env=NO_FALLBACK)  # no plugin: no gradient_fixes
-    wrapped = _audited(TwoPart(), host=host)
+    model = TwoPart()
+    wrapped = _audited(copy.deepcopy(model), host=host)
+    z, x = torch.randn(1, 16, requires_grad=True), torch.randn(8, 16)
+    # The first step, audited as it runs, takes PyTorch's gradients (ORT's gradient of z has the wrong shape); the
+    # next call is audited by a step of its own, which names the module.
+    wrapped(z, x).sum().backward()
+    expected = z.detach().clone().requires_grad_()
+    model(expected, x).sum().backward()
+    torch.testing.assert_close(z.grad, expected.grad)
+    for p, q in zip(wrapped.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
     with pytest.raises(GradientMismatchError) as caught:
-        wrapped(torch.randn(1, 16, requires_grad=True), torch.randn(8, 16))
+        wrapped(z, x)
     assert {d.name for d in caught.value.result.differences} == {"z"}  # the input's gradient: wrong shape
     location = caught.value.result.location
     assert location.module == "head", caught.value

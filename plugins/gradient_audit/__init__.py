@@ -2,8 +2,9 @@
 
 With ``verify_gradients`` on (``ortcore.toml``, ``ORTCORE_VERIFY_GRADIENTS=1`` or
 ``ORTModule(model, verify_gradients=True)``), the core hands the first step of each new training session to
-``ortcore_check_first_step``; this plugin runs that step on both engines beside the user's (:mod:`.audit`), compares
-outputs, loss and every gradient, and on a mismatch names the module (:class:`ortcore.api.GradientMismatchError`,
+``ortcore_check_first_step``; this plugin compares ORT's outputs, loss and every gradient with PyTorch's: on the
+user's own step where the core lets it watch it (:mod:`.own_step`: PyTorch's side run beside ORT's step), else on a
+step of its own on both engines beside the user's (:mod:`.audit`), and on a mismatch names the module (:class:`ortcore.api.GradientMismatchError`,
 which the core's repair loop routes). :mod:`.kinks` tells a difference caused by ReLU-family kinks (where torch and
 ORT may both be right) from a real one. The option switches and tolerances are the core's (``verify_gradients``,
 ``verify_gradients_rtol``, ``verify_gradients_atol``): they decide whether first steps are checked at all, by this
@@ -21,7 +22,7 @@ import attrs
 
 from ortcore.api import ExportedGraph, FirstRunError, FirstStep, GradientMismatchError, hookimpl, option, parse_bool
 
-from . import audit, verdicts
+from . import audit, own_step, verdicts
 from .audit import AuditRequest, AuditResult
 
 logger = logging.getLogger("ortcore")
@@ -71,25 +72,34 @@ def ortcore_export_done(config: Any, module: Any, fingerprint: str, graph: Expor
 
 
 @hookimpl
-def ortcore_check_first_step(config: Any, step: FirstStep) -> AuditResult:
-    result = audit.audit_with_verdicts(
-        AuditRequest(
-            model=step.model,
-            graph=step.graph,
-            session=step.session,
-            schema=step.schema,
-            tensors=step.tensors,
-            params=step.params,
-            buffers=step.buffers,
-            trainable=step.trainable,
-            export=step.export,
-            build=step.build,
-            autocast=getattr(step, "autocast", ()),
-            rtol=config.core.verify_gradients_rtol,
-            atol=config.core.verify_gradients_atol,
-        ),
-        verdicts.VerdictStore.for_config(config) if _recorded_verdicts(config) else None,
+def ortcore_check_first_step(config: Any, step: FirstStep) -> AuditResult | own_step.OwnStep:
+    req = AuditRequest(
+        model=step.model,
+        graph=step.graph,
+        session=step.session,
+        schema=step.schema,
+        tensors=step.tensors,
+        params=step.params,
+        buffers=step.buffers,
+        trainable=step.trainable,
+        export=step.export,
+        build=step.build,
+        autocast=getattr(step, "autocast", ()),
+        rtol=config.core.verify_gradients_rtol,
+        atol=config.core.verify_gradients_atol,
     )
+    store = verdicts.VerdictStore.for_config(config) if _recorded_verdicts(config) else None
+    if getattr(step, "watchable", False) and own_step.watchable(req):
+        started = own_step.start(req, store)
+        if isinstance(started, own_step.OwnStep):
+            return started  # the core gives it the step's outputs and gradients
+        if started is not None:
+            return _reported(started)
+    return _reported(audit.audit_with_verdicts(req, store))
+
+
+def _reported(result: AuditResult) -> AuditResult:
+    """``result`` logged; a mismatch or ORT's own failure raised for the core's repair loop."""
     if result.status == "not audited" and result.error is None:
         logger.warning("%s", result.message())
     elif result.status == "passed":

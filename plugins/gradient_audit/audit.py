@@ -167,6 +167,8 @@ class AuditResult:
     # A passed verdict taken from an earlier audit of the same graph on this machine (the file it was read from):
     # nothing was run this time; ``seconds`` is the earlier audit's (see .verdicts).
     recorded: str = ""
+    # Checked on the user's own step (its ORT run and its output gradients), not on a step of the audit's own.
+    own_step: bool = False
 
     def message(self) -> str:
         if self.status == "not audited":
@@ -174,7 +176,7 @@ class AuditResult:
         tolerance = f"rtol {self.rtol:g} of the largest value, atol {self.atol:g}"
         if self.status == "passed":
             worst = f"; largest difference: {self.worst.describe()}" if self.worst else ""
-            when = f" [{self.seconds:.2f} s]"
+            when = f" [{self.seconds:.2f} s{', the step itself' if self.own_step else ''}]"
             if self.recorded:
                 when = f" [recorded by an earlier audit of this graph on this machine, {self.recorded}]"
             return (
@@ -438,13 +440,21 @@ def _output_gradients(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | No
     return grads
 
 
-def _run_torch(
-    req: AuditRequest, record: bool, output_grads: list[torch.Tensor | None] | None = None
-) -> tuple[_Side, list[torch.Tensor | None], Any]:
-    """The model in PyTorch on the step's inputs; gradients of the audit's output gradients."""
+@attrs.define
+class TorchRun:
+    """PyTorch's forward of the step, ready to be differentiated (:func:`torch_forward`, :func:`torch_gradients`)."""
+
+    side: _Side
+    output_schema: Any
+    targets: list[tuple[str, torch.Tensor]]  # what is differentiated: trained parameters, inputs that need grad
+
+
+def torch_forward(req: AuditRequest, record: bool) -> TorchRun:
+    """The model's forward in PyTorch on the step's inputs, on detached aliases of its parameters and copies of its
+    buffers (batch-norm statistics move in the copies); with ``record``, every module's output tapped."""
     inputs = [t.detach().requires_grad_(t.requires_grad) for t in req.tensors]
     params = {n: p.detach().requires_grad_(p.requires_grad) for n, p in req.params.items()}
-    buffers = {n: b.clone() for n, b in req.buffers.items()}  # batch-norm statistics move in the copies
+    buffers = {n: b.clone() for n, b in req.buffers.items()}
     args, kwargs = req.schema.rebuild(inputs)
     collector = _VersionedTapper()
     taps = _module_taps(req.model, collector) if record else contextlib.nullcontext()
@@ -469,17 +479,37 @@ def _run_torch(
         for i, tensor in enumerate(collector.tensors):
             if tensor.requires_grad:
                 tensor.register_hook(lambda grad, i=i: side.tap_grads.__setitem__(i, grad))
-    output_grads = _output_gradients(outputs) if output_grads is None else output_grads
     targets = [(n, params[n]) for n in req.trainable if n in params]
     targets += [(name, t) for name, t in zip(req.graph.user_input_names, inputs) if t.requires_grad]
-    used = [i for i, g in enumerate(output_grads) if g is not None]
-    if used and targets:
+    return TorchRun(side, output_schema, targets)
+
+
+def torch_gradients(run: TorchRun, output_grads: Sequence[torch.Tensor | None]) -> None:
+    """PyTorch's gradients of ``run`` for ``output_grads`` (None: an output not differentiated), into its side."""
+    outputs = run.side.outputs
+    used = [
+        i
+        for i, g in enumerate(output_grads)
+        if g is not None and i < len(outputs) and outputs[i].requires_grad and outputs[i].shape == g.shape
+    ]
+    if used and run.targets:
         # The gradients of sum(output * g): the same as passing g as the outputs' gradients, but a scalar's
         # backward, which does not make torch import its symbolic-shape machinery (and sympy, 0.5 s) on this path.
-        total = sum((outputs[i] * output_grads[i]).sum() for i in used)
-        grads = torch.autograd.grad(total, [t for _, t in targets], allow_unused=True)
-        side.grads = {name: g for (name, _), g in zip(targets, grads)}
-    return side, output_grads, output_schema
+        # Grad mode on: this may run inside the user's backward (the watched step, .own_step), where it is off.
+        with torch.enable_grad():
+            total = sum((outputs[i] * output_grads[i]).sum() for i in used)
+            grads = torch.autograd.grad(total, [t for _, t in run.targets], allow_unused=True)
+        run.side.grads = {name: g for (name, _), g in zip(run.targets, grads)}
+
+
+def _run_torch(
+    req: AuditRequest, record: bool, output_grads: list[torch.Tensor | None] | None = None
+) -> tuple[_Side, list[torch.Tensor | None], Any]:
+    """The model in PyTorch on the step's inputs; gradients of the audit's output gradients."""
+    run = torch_forward(req, record)
+    output_grads = _output_gradients(run.side.outputs) if output_grads is None else output_grads
+    torch_gradients(run, output_grads)
+    return run.side, output_grads, run.output_schema
 
 
 def _feeds(req: AuditRequest, session: Any) -> list[torch.Tensor]:
@@ -562,23 +592,32 @@ def _compare_sides(
         amount = "in place: resized" if math.isinf(change) else f"by up to {change:.3g}"
         if not ort.outputs[i].is_floating_point() and not ort.outputs[i].is_complex() and math.isfinite(change):
             amount = f"in {int(change)} element(s)"
-        found.append(
-            Difference(
-                CHANGED_AFTER_CALL,
-                names[i],
-                change,
-                math.inf,
-                True,
-                f"ONNX Runtime's backward wrote into the tensor the forward returned ({amount}); the values compared "
-                "are those returned",
-                math.inf,
-            )
-        )
+        found.append(changed_output(names[i], change, amount))
+    return found + compare_gradients(req, ort, ref, output_grads)
+
+
+def changed_output(name: str, change: float, amount: str) -> Difference:
+    """The difference of a returned output the backward wrote into, by ``change`` (described by ``amount``)."""
+    return Difference(
+        CHANGED_AFTER_CALL,
+        name,
+        change,
+        math.inf,
+        True,
+        f"ONNX Runtime's backward wrote into the tensor the forward returned ({amount}); the values compared "
+        "are those returned",
+        math.inf,
+    )
+
+
+def compare_gradients(req: AuditRequest, ort: _Side, ref: _Side, output_grads: list) -> list[Difference]:
+    """The loss ``sum(outputs * g)`` for ``output_grads``, and every gradient PyTorch's side computed."""
+    rtol, atol = req.rtol, req.atol
     ort_loss, _ = _loss(ort.outputs, output_grads)
     ref_loss, scale = _loss(ref.outputs, output_grads)
     loss_diff = abs(ort_loss - ref_loss)
     allowed = atol + rtol * scale
-    found.append(
+    found = [
         Difference(
             "loss",
             "sum(outputs * g)",
@@ -587,7 +626,7 @@ def _compare_sides(
             loss_diff > allowed,
             used=loss_diff / allowed if allowed else 0.0,
         )
-    )
+    ]
     inputs = set(req.graph.user_input_names)
     for name in ref.grads:
         kind = "gradient of input" if name in inputs else "gradient of parameter"
@@ -1125,47 +1164,60 @@ def autocast_tolerance(req: AuditRequest) -> AuditRequest:
 def audit_with_verdicts(req: AuditRequest, store: Any = None) -> AuditResult:
     """:func:`audit`, or the passed verdict ``store`` (a :class:`.verdicts.VerdictStore`, or None) recorded for the
     same graph on this machine; a new passed verdict is recorded there."""
-    key = None
-    if store is not None:
-        try:
-            key = verdicts.verdict_key(req)
-        except Exception as e:  # no key: audited, not recorded
-            logger.info("gradient audit: no verdict key (%s: %s)", type(e).__name__, e)
-        if key is not None:
-            record = store.load(key)
-            if record is not None:
-                worst = record.get("worst")
-                return AuditResult(
-                    "passed",
-                    record["graph"],
-                    compared=record["compared"],
-                    worst=None
-                    if worst is None
-                    else Difference(
-                        worst["kind"], worst["name"], worst["max_abs"], worst["max_rel"], False, used=worst["used"]
-                    ),
-                    seconds=float(record["seconds"]),
-                    rtol=req.rtol,
-                    atol=req.atol,
-                    recorded=str(store.path(key)),
-                )
+    key, recorded = recorded_verdict(req, store)
+    if recorded is not None:
+        return recorded
     result = audit(req)
-    if key is not None and result.status == "passed" and result.error is None:
-        w = result.worst
-        store.store(
-            key,
-            {
-                "status": "passed",
-                "graph": result.graph,
-                "compared": result.compared,
-                "seconds": result.seconds,
-                "worst": None
-                if w is None
-                else {"kind": w.kind, "name": w.name, "max_abs": w.max_abs, "max_rel": w.max_rel, "used": w.used},
-                "versions": verdicts.versions(),
-            },
-        )
+    record_verdict(store, key, result)
     return result
+
+
+def recorded_verdict(req: AuditRequest, store: Any) -> tuple[str | None, AuditResult | None]:
+    """``(key, result)``: the key of ``req``'s verdict in ``store`` (None without a store, or when no key can be
+    made), and the passed verdict recorded there, if any."""
+    if store is None:
+        return None, None
+    try:
+        key = verdicts.verdict_key(req)
+    except Exception as e:  # no key: audited, not recorded
+        logger.info("gradient audit: no verdict key (%s: %s)", type(e).__name__, e)
+        return None, None
+    record = store.load(key)
+    if record is None:
+        return key, None
+    worst = record.get("worst")
+    return key, AuditResult(
+        "passed",
+        record["graph"],
+        compared=record["compared"],
+        worst=None
+        if worst is None
+        else Difference(worst["kind"], worst["name"], worst["max_abs"], worst["max_rel"], False, used=worst["used"]),
+        seconds=float(record["seconds"]),
+        rtol=req.rtol,
+        atol=req.atol,
+        recorded=str(store.path(key)),
+    )
+
+
+def record_verdict(store: Any, key: str | None, result: AuditResult) -> None:
+    """Record ``result`` under ``key`` in ``store`` if it passed (and both are given)."""
+    if store is None or key is None or result.status != "passed" or result.error is not None:
+        return
+    w = result.worst
+    store.store(
+        key,
+        {
+            "status": "passed",
+            "graph": result.graph,
+            "compared": result.compared,
+            "seconds": result.seconds,
+            "worst": None
+            if w is None
+            else {"kind": w.kind, "name": w.name, "max_abs": w.max_abs, "max_rel": w.max_rel, "used": w.used},
+            "versions": verdicts.versions(),
+        },
+    )
 
 
 def audit(req: AuditRequest) -> AuditResult:

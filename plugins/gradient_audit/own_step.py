@@ -159,7 +159,7 @@ class OwnStep(StepWatch):
         # An output whose values moved since the forward (ORT's backward writing into a buffer it handed out):
         # a sum in float64 per output, one pass, instead of a copy of each output kept from the forward.
         changed = [
-            changed_output(names[i], math.inf, "its sum moved from {:.6g} to {:.6g}".format(before, now))
+            changed_output(names[i], math.inf, f"its sum moved from {before:.6g} to {now:.6g}")
             for i, (before, now) in enumerate(zip(self.sums, map(_sum, self.ort_outputs)))
             if not (before == now or (math.isnan(before) and math.isnan(now)))
         ]

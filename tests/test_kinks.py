@@ -203,10 +203,6 @@ def test_audit_reads_the_side_of_each_kink_onnx_runtime_took(shift: float, passe
     wrapped = ORTModule(copy.deepcopy(model), verify_gradients=True, host=host)
     try:
         if passes:
-            # The first step, audited as it runs against PyTorch's float32 step, is beyond its tolerance: it takes
-            # PyTorch's gradients, and the second is audited by a step of its own (float64 on ORT's side of each kink).
-            wrapped(x).square().mean().backward()
-            assert wrapped.gradient_audits == []
             wrapped(x).square().mean().backward()
             (result,) = wrapped.gradient_audits
             assert result.status == "passed", result.message()

@@ -26,6 +26,7 @@ import torch
 
 from ortcore.api import StepWatch
 
+from . import audit
 from .audit import (
     AuditRequest,
     AuditResult,
@@ -165,6 +166,8 @@ class OwnStep(StepWatch):
         ]
         self.ort_outputs = []
         found = [*self.found, *changed, *compare_gradients(req, ort, run.side, output_grads)]
+        if any(d.exceeds for d in found) and not changed:
+            found = _judged(req, found, ort, run, output_grads)
         seconds = self.seconds + time.perf_counter() - began
         beyond = [d for d in found if d.exceeds]
         if not beyond:
@@ -181,12 +184,27 @@ class OwnStep(StepWatch):
             record_verdict(self.store, self.key, self.report)
             return None
         logger.info(
-            "gradient audit: the first step's gradients differ from PyTorch's float32 step (%s%s): the step takes "
-            "PyTorch's gradients, and the next call is audited by a step of its own",
+            "gradient audit: the first step's gradients differ from PyTorch's (%s%s): the step takes PyTorch's "
+            "gradients, and the next call is audited by a step of its own (the module located and routed)",
             beyond[0].describe(),
             f", and {len(beyond) - 1} more" if len(beyond) > 1 else "",
         )
         return {name: run.side.grads.get(name) for name, _ in run.targets}
+
+
+def _judged(req: AuditRequest, found: list, ort: _Side, run: TorchRun, output_grads: list) -> list:
+    """``found`` judged against float64 (:func:`.audit._judged_against_float64`: rounding or a real difference), as
+    a step of the audit's own is; on the judgement's own failure, ``found`` as it is."""
+    rng = _rng_state()
+    try:
+        with torch.enable_grad():  # in the user's backward, where grad mode is off
+            names = req.graph.output_schema.names
+            return audit._judged_against_float64(req, found, ort, run.side, output_grads, names)
+    except Exception as e:  # beyond PyTorch's float32 step, unjudged: decided by the next call's own step
+        logger.info("gradient audit: the float64 judgement of the first step failed (%s: %s)", type(e).__name__, e)
+        return found
+    finally:
+        _set_rng_state(rng)
 
 
 def _sum(t: torch.Tensor) -> float:

@@ -350,9 +350,19 @@ def test_a_wrong_gradient_is_still_caught_under_autocast() -> None:
         for ep in entry_points(group="ortcore.plugins")
         if ep.dist is not None and ep.dist.name == "ortcore" and ep.name not in ("gradient_fixes", "region_routing")
     }
-    wrapped = ORTModule(GatedNet(), host=make_host(plugins, env={"ORTCORE_KERNEL_MEASURE": "off"}))
+    model = GatedNet()
+    eager = copy.deepcopy(model)
+    wrapped = ORTModule(model, host=make_host(plugins, env={"ORTCORE_KERNEL_MEASURE": "off"}))
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # The first step, audited as it runs, takes PyTorch's gradients (ORT's gradient of gate.w is wrong) ...
+        wrapped(x).float().sum().backward()
+        eager(x).float().sum().backward()
+    for (name, p), q in zip(wrapped.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    # ... and the next call, audited by a step of its own, names the module.
     with pytest.raises(GradientMismatchError) as caught, torch.autocast("cpu", dtype=torch.bfloat16):
-        wrapped(torch.randn(8, 16)).float().sum().backward()
+        wrapped(x).float().sum().backward()
     assert caught.value.result.location.module == "gate"
 
 

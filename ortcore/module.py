@@ -297,21 +297,19 @@ class _Watching:
         replaced: dict[str, Any] = {}
         reports = []
         for watch in self.watches:
-            try:
-                instead = watch.gradients(list(grad_outputs[: self.n_outputs]), dict(by_name))
-            except Exception as e:
-                logger.warning("a first-step check failed on the step's gradients (%s: %s)", type(e).__name__, e)
+            asked, instead = self._ask(watch, grad_outputs, dict(by_name))
+            if not asked:
                 self._not_passed()
                 return grads
             if instead is not None:
                 replaced.update(instead)
             elif watch.report is not None:
                 reports.append(watch.report)
-        session = self.session()
         if replaced:
             self._not_passed()
             return [replaced.get(name, g) for name, g in zip(self.feed_names, grads)]
         self.runtime.audits.extend(reports)
+        session = self.session()
         if session is not None:
             self.runtime.checked[session] = None
         return grads
@@ -322,14 +320,18 @@ class _Watching:
         self._not_passed()
         logger.info("ONNX Runtime's backward of the watched first step failed (%s: %s)", type(error).__name__, error)
         for watch in self.watches:
-            try:
-                instead = watch.gradients(list(grad_outputs[: self.n_outputs]), None)
-            except Exception as e:
-                logger.warning("a first-step check failed on the step's gradients (%s: %s)", type(e).__name__, e)
-                continue
+            _, instead = self._ask(watch, grad_outputs, None)
             if instead is not None:
                 return [instead.get(name) for name in self.feed_names]
         return None
+
+    def _ask(self, watch: StepWatch, grad_outputs: tuple, grads: dict | None) -> tuple[bool, dict | None]:
+        """``(answered, gradients instead)`` of ``watch.gradients``; a check's own failure is logged, not answered."""
+        try:
+            return True, watch.gradients(list(grad_outputs[: self.n_outputs]), grads)
+        except Exception as e:
+            logger.warning("a first-step check failed on the step's gradients (%s: %s)", type(e).__name__, e)
+            return False, None
 
     def _not_passed(self) -> None:
         session = self.session()
@@ -687,9 +689,10 @@ class ORTModule(torch.nn.Module):
         kwargs: dict,
     ) -> tuple:
         """``(graph, session, key, watch)`` for the call, the first step of a new training graph audited against
-        PyTorch (``verify_gradients``; ``watch`` a :class:`_Watching` when a check watches the step itself). When export, the gradient build, the first run or the audit fails, the failure is
-        located and repaired by routing (:mod:`ortcore.repair`), and the call tried again under the repaired key;
-        when no repair is left the error propagates (the fallback policy then applies), noting what was tried."""
+        PyTorch (``verify_gradients``; ``watch`` a :class:`_Watching` when a check watches the step itself). When
+        export, the gradient build, the first run or the audit fails, the failure is located and repaired by routing
+        (:mod:`ortcore.repair`), and the call tried again under the repaired key; when no repair is left the error
+        propagates (the fallback policy then applies), noting what was tried."""
         rt = self._ortcore
         trace = None
         if rt.unrepaired_fingerprint is None:  # the model's first resolve: repairs an earlier process found

@@ -194,7 +194,6 @@ def _forget_reads_outside_forward(module: torch.nn.Module) -> None:
 class ZeroStage3(RuntimeInspector):
     """Gathers the partitioned parameters before ORT's forward and partitions them again after its backward."""
 
-
     # What DeepSpeed's stage-3 hooks keep on the modules they run on (the ORTModule is the root): bookkeeping the
     # model's forward never reads; applied_pre_backward_ref_cnt and ds_grads_remaining change at every step.
     untraced_attributes = frozenset(

@@ -103,6 +103,18 @@ def assert_close(actual: Any, expected: Any, what: str, quantity: str, rtol: flo
 HOST_KINDS = ("bare", "default")
 
 
+def builtin_plugins(without: Sequence[str] = ()) -> dict[str, Any]:
+    """ortcore's own plugins (entry points of the ``ortcore`` distribution) but those named in ``without``, by name,
+    for ``make_host``: a host with every built-in plugin, or all but the ones a test shows the model without."""
+    from importlib.metadata import entry_points
+
+    return {
+        ep.name: ep.load()
+        for ep in entry_points(group="ortcore.plugins")
+        if ep.dist is not None and ep.dist.name == "ortcore" and ep.name not in without
+    }
+
+
 @contextlib.contextmanager
 def plugin_host(kind: str) -> Iterator[PluginHost]:
     """Pin the process-wide host ``ORTModule(model)`` uses: "bare" (no plugin besides the core's defaults, no

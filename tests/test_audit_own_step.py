@@ -19,6 +19,7 @@ from typing import Any
 import onnx
 import pytest
 import torch
+from models import builtin_plugins
 from torch import nn
 
 from ortcore import ORTModule
@@ -91,14 +92,7 @@ def _plant(hook: str, run: Any) -> Any:
 def _builtins_and(extra: dict[str, Any]) -> Any:
     """The built-in plugins (the repairs route modules) and ``extra``; not grad_management, which hands gradients to
     torch during ORT's backward (off by default; such a step is audited by a step of the audit's own)."""
-    from importlib.metadata import entry_points
-
-    plugins = {
-        ep.name: ep.load()
-        for ep in entry_points(group="ortcore.plugins")
-        if ep.dist is not None and ep.dist.name == "ortcore" and ep.name != "grad_management"
-    }
-    return make_host({**plugins, **extra}, env=NO_FALLBACK)
+    return make_host({**builtin_plugins(without=("grad_management",)), **extra}, env=NO_FALLBACK)
 
 
 @pytest.fixture

@@ -185,14 +185,7 @@ class GatedNet(nn.Module):
 def _builtins_without(*names: str, extra: dict[str, Any] | None = None) -> Any:
     """A host of every built-in plugin but ``names``: gradient_fixes is essential (no user can disable it), so a
     test that shows what it fixes composes a host without it, as a test kit may."""
-    from importlib.metadata import entry_points
-
-    plugins = {
-        ep.name: ep.load()
-        for ep in entry_points(group="ortcore.plugins")
-        if ep.dist is not None and ep.dist.name == "ortcore" and ep.name not in names
-    }
-    return make_host({**plugins, **(extra or {})}, audit="gradient_audit" not in names)
+    return make_host({**models.builtin_plugins(names), **(extra or {})}, audit="gradient_audit" not in names)
 
 
 def test_gradient_fixes_cannot_be_disabled(monkeypatch: pytest.MonkeyPatch) -> None:

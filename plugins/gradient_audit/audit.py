@@ -1223,14 +1223,24 @@ def record_verdict(store: Any, key: str | None, result: AuditResult) -> None:
 def audit(req: AuditRequest) -> AuditResult:
     """Audit one training step's graph against PyTorch (see the module docstring). Never changes the user's state."""
     # Parts of the graph that run in PyTorch (regions) update the model's own buffers in place: restore them.
-    buffers = {name: b.detach().clone() for name, b in req.model.named_buffers()}
+    buffers = saved_buffers(req.model)
     try:
         return _audit(autocast_tolerance(req))
     finally:
-        with torch.no_grad():
-            for name, b in req.model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
+        restore_buffers(req.model, buffers)
+
+
+def saved_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of each of the model's buffers, by name, for :func:`restore_buffers`."""
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def restore_buffers(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """The model's buffers put back to ``saved`` (:func:`saved_buffers`) in place."""
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in saved:
+                b.copy_(saved[name])
 
 
 def _audit(req: AuditRequest) -> AuditResult:

@@ -9,9 +9,10 @@ output gradients; PyTorch's side is differentiated there for the same ones, and 
 audit's own is (:func:`.audit.compare`, the same tolerances and count of compared tensors). What is saved: ORT's
 forward and backward of a step of the audit's own.
 
-Beyond the tolerance against PyTorch's float32 step nothing is decided here: outputs that differ make the core run
-the call again, audited by a step of its own (float64 judgement, the module located, a repair); gradients that
-differ are replaced by PyTorch's for this step and the session's next call is audited that way. See
+Beyond the tolerance against PyTorch's float32 step: outputs that differ make the core run the call again, audited
+by a step of its own (float64 judgement, the module located, a repair); gradients are judged against float64 in the
+backward, as on a step of the audit's own, and only a difference that judgement confirms (or an output the backward
+changed) gives this step PyTorch's gradients and has the session's next call audited by a step of its own. See
 docs/gradient_audit.md, "The user's own step".
 """
 
@@ -42,6 +43,8 @@ from .audit import (
     random_nodes,
     record_verdict,
     recorded_verdict,
+    restore_buffers,
+    saved_buffers,
     torch_forward,
     torch_gradients,
 )
@@ -67,7 +70,7 @@ def start(req: AuditRequest, store: Any = None) -> AuditResult | OwnStep | None:
         return recorded
     req = autocast_tolerance(req)
     common = {"rtol": req.rtol, "atol": req.atol}
-    buffers = {name: b.detach().clone() for name, b in req.model.named_buffers()}
+    buffers = saved_buffers(req.model)
     rng = _rng_state()
     try:
         run = torch_forward(req, record=False)
@@ -77,7 +80,7 @@ def start(req: AuditRequest, store: Any = None) -> AuditResult | OwnStep | None:
         )
     finally:
         _set_rng_state(rng)
-        _restore(req.model, buffers)
+        restore_buffers(req.model, buffers)
     if tuple(run.output_schema.names) != tuple(req.graph.output_schema.names):
         return None
     if not run.targets or not any(o.requires_grad for o in run.side.outputs):
@@ -125,7 +128,7 @@ class OwnStep(StepWatch):
                 "a step of its own",
                 beyond[0].describe(),
             )
-            _restore(self.req.model, self.buffers)  # what parts run in PyTorch (regions) wrote during ORT's forward
+            restore_buffers(self.req.model, self.buffers)  # what parts run in PyTorch (regions) wrote during ORT's forward
             self.run = None
             return False
         # Detached aliases: the same memory (a later write into it is seen), no reference back to the step's graph.
@@ -211,11 +214,3 @@ def _sum(t: torch.Tensor) -> float:
     if t.is_complex():
         return float(t.abs().sum(dtype=torch.float64))
     return float(t.sum(dtype=torch.float64)) if t.is_floating_point() else float(t.sum())
-
-
-def _restore(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            saved = buffers.get(name)
-            if saved is not None and not torch.equal(b, saved):
-                b.copy_(saved)

@@ -21,7 +21,7 @@ from typing import Any
 import onnx
 import pytest
 import torch
-from models import MLP, ConvNet
+from models import MLP, ConvNet, builtin_plugins
 from onnx import TensorProto, helper
 from torch import nn
 
@@ -189,14 +189,7 @@ def test_bert_under_bf16_autocast_on_the_dynamo_route() -> None:
 def make_host_all(env: dict[str, str] | None = None) -> Any:
     """Every built-in plugin, configured from ``env`` (and no kernel timing: graphs independent of this machine's
     speed)."""
-    from importlib.metadata import entry_points
-
-    plugins = {
-        ep.name: ep.load()
-        for ep in entry_points(group="ortcore.plugins")
-        if ep.dist is not None and ep.dist.name == "ortcore"
-    }
-    return make_host(plugins, env={"ORTCORE_KERNEL_MEASURE": "off", **(env or {})})
+    return make_host(builtin_plugins(), env={"ORTCORE_KERNEL_MEASURE": "off", **(env or {})})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -326,8 +319,6 @@ def test_a_model_cast_to_bfloat16_trains_in_ort(name: str) -> None:
 
 
 def test_a_wrong_gradient_is_still_caught_under_autocast() -> None:
-    from importlib.metadata import entry_points
-
     class Gate(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -345,11 +336,7 @@ def test_a_wrong_gradient_is_still_caught_under_autocast() -> None:
             return self.b(self.gate(self.a(x), x))
 
     # without gradient_fixes (which makes ORT's Where gradient right) and region_routing (which would repair it)
-    plugins = {
-        ep.name: ep.load()
-        for ep in entry_points(group="ortcore.plugins")
-        if ep.dist is not None and ep.dist.name == "ortcore" and ep.name not in ("gradient_fixes", "region_routing")
-    }
+    plugins = builtin_plugins(without=("gradient_fixes", "region_routing"))
     model = GatedNet()
     eager = copy.deepcopy(model)
     wrapped = ORTModule(model, host=make_host(plugins, env={"ORTCORE_KERNEL_MEASURE": "off"}))
